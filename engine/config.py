@@ -1,0 +1,184 @@
+"""Engine and sampling configuration, with validation that names the bad parameter.
+
+`EngineConfig` holds engine-level settings; a bad value raises `ValueError` at
+construction (engine misconfiguration is the only thing allowed to raise).
+`SamplingParams` holds one request's sampling settings; `SamplingParams.validate`
+returns an error message instead of raising, so that one bad request becomes an
+error output and never fails the batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+@dataclass
+class EngineConfig:
+    """Engine-level settings (vLLM-style names).
+
+    Attributes:
+        model: "smollm2-135m-instruct", a path to a .gguf file, a Hugging Face
+            folder (config.json + *.safetensors + tokenizer files), or
+            "dummy:<shape>" (random weights of a named real shape).
+        dtype: "float32" | "bfloat16" | "float16" | "auto" (fp32 on CPU, bf16 on CUDA).
+        device: "cpu" | "cuda" | "auto".
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: bytes for the K and V caches of all layers; None
+            means derive from `kv_cache_memory_fraction`.
+        kv_cache_memory_fraction: fraction of free device memory (CUDA) or of
+            available RAM (CPU) given to the KV cache when no byte budget is set.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: the per-step token budget (prefill + decode tokens).
+        max_model_len: longest sequence (prompt + output) in tokens; None means
+            the model's trained context length.
+        enable_chunked_prefill: spread long prompts over several steps.
+        enable_prefix_caching: reuse KV blocks of identical prefixes.
+        seed: engine seed; requests without their own seed draw from
+            generators derived from it, so a run is reproducible.
+
+    Raises:
+        ValueError: naming the parameter, for any out-of-range value.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_bytes: Optional[int] = None
+    kv_cache_memory_fraction: float = 0.25
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    quantization: Optional[str] = None
+    num_threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.kv_cache_memory_bytes is not None and (
+            not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes <= 0
+        ):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
+            raise ValueError(f"max_model_len must be an integer > 1, got {self.max_model_len!r}")
+        if self.quantization not in (None, "none"):
+            raise ValueError(f"quantization {self.quantization!r} is not supported yet (supported: None)")
+        if not self.enable_chunked_prefill and self.max_model_len is not None and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError(
+                "with enable_chunked_prefill=False, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (the fields and meanings of vLLM's SamplingParams).
+
+    Attributes:
+        n: number of completions for the prompt.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1] (Holtzman et al. 2019, arXiv 1904.09751).
+        top_k: keep the k most likely tokens; -1 or 0 keeps all.
+        min_p: drop tokens whose probability is below min_p x the top probability.
+        seed: per-request seed; the same seed gives the same tokens whatever
+            else is in the batch. With n > 1 the seed covers the whole set.
+        max_tokens: most new tokens per completion.
+        min_tokens: EOS and stop token ids are suppressed until this many tokens.
+        stop: strings that end the completion; the text is cut before them.
+        stop_token_ids: extra token ids that end the completion.
+        ignore_eos: keep generating past EOS.
+        repetition_penalty: CTRL-style penalty (Keskar et al. 2019) on tokens
+            in the prompt or output; 1.0 is off.
+        presence_penalty / frequency_penalty: OpenAI-style additive penalties
+            on output tokens; 0.0 is off.
+        logprobs: number of top log-probabilities returned per generated token.
+        skip_special_tokens: drop special tokens from the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Optional[Sequence[str] | str] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop) if self.stop else []
+        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: Optional[int] = None) -> Optional[str]:
+        """Check every field; return None if valid, else a message naming the parameter.
+
+        Never raises: the engine turns a message into a `finish_reason="error"` output.
+        """
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            return f"n must be an integer >= 1, got {self.n!r}"
+        if not is_num(self.temperature) or math.isnan(self.temperature) or self.temperature < 0:
+            return f"temperature must be a number >= 0, got {self.temperature!r}"
+        if not is_num(self.top_p) or math.isnan(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        if not is_int(self.top_k) or self.top_k < -1:
+            return f"top_k must be -1, 0 (all) or a positive integer, got {self.top_k!r}"
+        if not is_num(self.min_p) or math.isnan(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            return f"min_p must be in [0, 1], got {self.min_p!r}"
+        if self.seed is not None and not is_int(self.seed):
+            return f"seed must be an integer or None, got {self.seed!r}"
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            return f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            return f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                return f"stop must be a list of non-empty strings, got {s!r}"
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                return f"stop_token_ids contains unknown token id {t!r} (vocab size {vocab_size})"
+        if not is_num(self.repetition_penalty) or math.isnan(self.repetition_penalty) or self.repetition_penalty <= 0:
+            return f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or math.isnan(v) or not (-2.0 <= v <= 2.0):
+                return f"{name} must be in [-2, 2], got {v!r}"
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0 or self.logprobs > 20):
+            return f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}"
+        return None
