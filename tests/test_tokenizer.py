@@ -1,0 +1,307 @@
+"""Spec of engine/tokenizer.py, against the real default tokenizer (SmolLM2-135M-Instruct GGUF).
+
+Expected values are derived from the Hugging Face tokenizer built from the
+same GGUF, or from the token stream itself; nothing is hard-coded except the
+facts of the model card (ChatML markers, `<|im_end|>` is EOS).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.tokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    Tokenizer,
+    resolve_default_gguf,
+)
+
+FFFD = "\ufffd"
+
+TEXTS = {
+    "ascii": "The capital of France is Paris. It has 2,148,271 residents!",
+    "emoji": "Party time 🎉🎉 with family 👨‍👩‍👧‍👦 and a thumbs up 👍🏽.",
+    "cjk": "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다.",
+    "accented": "Crème brûlée, naïve café, São Paulo, Zürich, Ångström, żółć.",
+    "mixed": "Price: 5€ — 日本語 mixed with émojis 🚀✨ and math ∑x² ≤ ∞.\n\tTabs & newlines\n",
+}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.default()
+
+
+@pytest.fixture(scope="module")
+def chat_prompt_ids(tok: Tokenizer) -> list[int]:
+    return tok.encode_chat([{"role": "user", "content": "Say something."}])
+
+
+def stream(tok: Tokenizer, prompt: list[int], ids: list[int], chunk: int = 1, skip: bool = True):
+    """Feed `ids` `chunk` at a time; return (chunks, detokenizer)."""
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    chunks = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    chunks.append(detok.finish())
+    return chunks, detok
+
+
+# --------------------------------------------------------------------- loading
+def test_resolve_default_gguf_finds_the_wheel_file():
+    path = resolve_default_gguf()
+    assert path.endswith(".gguf") and os.path.isfile(path)
+
+
+def test_loading_is_cached_per_path(tok: Tokenizer):
+    again = Tokenizer.from_gguf(resolve_default_gguf())
+    assert again.hf is tok.hf  # the conversion ran once
+
+
+def test_vocab_and_eos(tok: Tokenizer):
+    assert tok.vocab_size == len(tok.hf)
+    assert tok.eos_token_id == tok.hf.eos_token_id
+    assert tok.token_to_id("<|im_end|>") == tok.eos_token_id
+    assert 2 in tok.eos_token_ids  # <|im_end|>, the model card's EOS
+    assert tok.token_to_id("<|endoftext|>") in tok.eos_token_ids
+    assert tok.token_to_id("<|im_start|>") not in tok.eos_token_ids
+    assert all(0 <= i < tok.vocab_size for i in tok.eos_token_ids)
+
+
+# --------------------------------------------------------------- encode/decode
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_encode_decode_round_trip_matches_hf(tok: Tokenizer, name: str):
+    text = TEXTS[name]
+    ids = tok.encode(text)
+    assert ids == tok.hf.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True)
+
+
+def test_no_bos_added(tok: Tokenizer):
+    ids = tok.encode("Hello world")
+    assert ids == tok.encode("Hello world", add_special_tokens=False)
+    assert tok.bos_token_id not in ids
+
+
+def test_encode_batch_equals_encode(tok: Tokenizer):
+    texts = list(TEXTS.values()) + ["", "a"]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    assert tok.encode_batch([]) == []
+    assert tok.decode_batch(tok.encode_batch(texts)) == texts
+
+
+def test_encode_rejects_non_str(tok: Tokenizer):
+    with pytest.raises(TypeError):
+        tok.encode(123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"texts\[1\]"):
+        tok.encode_batch(["ok", None])  # type: ignore[list-item]
+
+
+def test_special_tokens_skipped_or_kept(tok: Tokenizer):
+    ids = tok.encode("Hi<|im_end|>")
+    assert ids[-1] == tok.token_to_id("<|im_end|>")  # parsed as one special token
+    assert tok.decode(ids) == "Hi"
+    assert tok.decode(ids, skip_special_tokens=False) == "Hi<|im_end|>"
+    assert tok.convert_ids_to_tokens(ids[-1:]) == ["<|im_end|>"]
+
+
+# ---------------------------------------------------------------- chat template
+def test_chat_template_chatml(tok: Tokenizer):
+    assert tok.has_chat_template
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(msgs)
+    assert "<|im_start|>system\n" in text  # the template's default system prompt
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert text == tok.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    no_gen = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert not no_gen.endswith("<|im_start|>assistant\n") and text.startswith(no_gen)
+
+
+def test_chat_template_keeps_given_system_and_turns(tok: Tokenizer):
+    msgs = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    text = tok.apply_chat_template(msgs)
+    assert text.count("<|im_start|>system") == 1 and "Be terse." in text
+    positions = [text.index(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>") for m in msgs]
+    assert positions == sorted(positions)
+
+
+def test_encode_chat_parses_markers(tok: Tokenizer):
+    msgs = [{"role": "user", "content": "Hi"}]
+    ids = tok.encode_chat(msgs)
+    im_start = tok.token_to_id("<|im_start|>")
+    assert ids[0] == im_start  # no BOS in front of the template's own marker
+    assert ids.count(im_start) == 3  # system, user, assistant header
+    assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(msgs)
+
+
+@pytest.mark.parametrize(
+    "messages, problem",
+    [
+        ("hello", "must be a list"),
+        ({"role": "user", "content": "hi"}, "must be a list"),
+        ([], "must not be empty"),
+        (["hi"], r"messages\[0\] must be a dict"),
+        ([{"content": "hi"}], r"messages\[0\] is missing 'role'"),
+        ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\] is missing 'content'"),
+        ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] must be a str"),
+        ([{"role": None, "content": "hi"}], r"messages\[0\]\['role'\] must be a str"),
+    ],
+)
+def test_malformed_messages_raise_value_error(tok: Tokenizer, messages, problem):
+    with pytest.raises(ValueError, match=problem):
+        tok.apply_chat_template(messages)
+
+
+# --------------------------------------------------------- incremental detokenize
+@pytest.mark.parametrize("name", sorted(TEXTS))
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_streamed_text_equals_one_shot_decode(tok: Tokenizer, chat_prompt_ids, name: str, chunk: int):
+    ids = tok.encode(TEXTS[name])
+    chunks, detok = stream(tok, chat_prompt_ids, ids, chunk)
+    assert "".join(chunks) == tok.decode(ids) == TEXTS[name]
+    assert detok.text == TEXTS[name]
+    assert detok.token_ids == ids
+    assert not any(FFFD in c for c in chunks)
+
+
+@pytest.mark.parametrize("name", ["emoji", "cjk", "mixed"])
+def test_split_characters_are_held_back(tok: Tokenizer, name: str):
+    """The texts really split characters across tokens, and streaming holds them back."""
+    ids = tok.encode(TEXTS[name])
+    partial = [i for i in ids if FFFD in tok.decode([i])]
+    assert partial, "test text must contain a character split across byte-level tokens"
+    detok = IncrementalDetokenizer(tok, [])
+    held = 0
+    for i in ids:
+        out = detok.add([i])
+        assert FFFD not in out
+        assert TEXTS[name].startswith(detok.text)  # emitted text is always a correct prefix
+        held += out == ""
+    assert held > 0
+
+
+def test_stream_never_emits_prompt_text(tok: Tokenizer):
+    prompt = tok.encode("The prompt says café and 🎉")
+    ids = tok.encode(" and the answer continues.")
+    chunks, detok = stream(tok, prompt, ids)
+    assert detok.text == tok.decode(ids) == " and the answer continues."
+
+
+def test_prompt_ending_inside_a_character(tok: Tokenizer):
+    """A prompt cut in the middle of a multi-byte character must not shift the generated text."""
+    ids = tok.encode("🎉 done")
+    cut = next(k for k in range(1, len(ids)) if FFFD in tok.decode(ids[:k]))
+    chunks, detok = stream(tok, ids[:cut], ids[cut:])
+    assert "".join(chunks) == tok.decode(ids[cut:])
+
+
+def test_finish_flushes_an_incomplete_character(tok: Tokenizer):
+    ids = tok.encode("ok 🎉")
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith(FFFD))
+    detok = IncrementalDetokenizer(tok, [])
+    streamed = detok.add(ids[:cut])
+    assert FFFD not in streamed
+    streamed += detok.finish()
+    assert streamed == detok.text == tok.decode(ids[:cut])
+
+
+def test_special_tokens_in_stream(tok: Tokenizer):
+    ids = tok.encode("Done.<|im_end|>")
+    assert "".join(stream(tok, [], ids)[0]) == "Done."
+    assert "".join(stream(tok, [], ids, skip=False)[0]) == "Done.<|im_end|>"
+
+
+def test_detokenizer_decodes_a_small_window(tok: Tokenizer, chat_prompt_ids):
+    """Per-token cost is bounded: each decode sees a few recent ids, not the whole output."""
+    ids = tok.encode(" ".join(TEXTS.values()) * 4)
+    seen: list[int] = []
+
+    class Spy:
+        def decode(self, x, skip_special_tokens=True):
+            seen.append(len(x))
+            return tok.decode(x, skip_special_tokens)
+
+    detok = IncrementalDetokenizer(Spy(), chat_prompt_ids)  # type: ignore[arg-type]
+    for i in ids:
+        detok.add([i])
+    assert detok.text == tok.decode(ids)
+    assert len(ids) > 200 and max(seen) <= 16
+
+
+# ---------------------------------------------------------------- stop strings
+def run_with_stops(tok: Tokenizer, ids: list[int], stops: list[str]):
+    """Engine-style loop: detokenize token by token, check stops on each delta."""
+    detok = IncrementalDetokenizer(tok, [])
+    matcher = StopStringMatcher(stops)
+    for n, i in enumerate(ids, 1):
+        delta = detok.add([i])
+        hit = matcher.find(detok.text, len(delta))
+        if hit is not None:
+            return n, hit, detok.text[: hit[0]]
+    return None
+
+
+def test_stop_inside_one_token(tok: Tokenizer):
+    text = "The capital of France is Paris."
+    ids = tok.encode(text)
+    k = next(k for k, i in enumerate(ids) if len(tok.decode([i]).strip()) >= 5)
+    word = tok.decode([ids[k]])
+    stop = word.strip()[1:-1]  # strictly inside that token's text
+    n, (cut, s), kept = run_with_stops(tok, ids, [stop])
+    assert n == k + 1 and s == stop
+    assert kept == text[: text.index(stop)]
+
+
+def test_stop_across_tokens(tok: Tokenizer):
+    text = "The capital of France is Paris."
+    ids = tok.encode(text)
+    a, b = tok.decode(ids[3:4]), tok.decode(ids[4:5])
+    stop = a[-2:] + b[:2]  # tail of one token + head of the next
+    n, (cut, s), kept = run_with_stops(tok, ids, [stop])
+    assert n == 5 and s == stop
+    assert kept == text[: text.index(stop)]
+
+
+def test_multiple_stops_earliest_wins():
+    m = StopStringMatcher(["world", "lo w", "xyz"])
+    assert m.find("hello world", 11) == (3, "lo w")
+    # Same start: longer wins, cut is the same.
+    assert StopStringMatcher(["ab", "abc"]).find("xxabc", 3) == (2, "abc")
+
+
+def test_stop_spanning_old_and_new_text():
+    m = StopStringMatcher(["STOP"])
+    assert m.find("abcST", 2) is None  # only a prefix of the stop so far
+    assert m.find("abcSTOP", 2) == (3, "STOP")  # old "ST" + new "OP"
+    assert m.find("abcSTOPxyz", 3) is None  # lies wholly in text already checked
+
+
+def test_stop_only_in_window():
+    m = StopStringMatcher(["end"])
+    text = "the end is near; " + "x" * 50
+    assert m.find(text, 10) is None  # an old match is never re-reported
+    assert m.find(text + "the end", 7) == (len(text) + 4, "end")
+    assert m.find("", 0) is None and m.find("end", 0) is None
+
+
+def test_stop_with_unicode_and_repeats():
+    m = StopStringMatcher(["🎉", "。"])
+    text = "東京です。🎉"
+    assert m.find(text, 2) == (4, "。")
+    assert StopStringMatcher(["aa"]).find("xaaa", 3) == (1, "aa")
+
+
+def test_empty_or_bad_stop_raises():
+    with pytest.raises(ValueError, match="empty"):
+        StopStringMatcher(["ok", ""])
+    with pytest.raises(ValueError, match=r"stop\[0\]"):
+        StopStringMatcher([3])  # type: ignore[list-item]
+    assert not StopStringMatcher([])
+    assert StopStringMatcher([]).find("anything", 3) is None
