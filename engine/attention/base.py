@@ -1,0 +1,72 @@
+"""The attention backend interface: one step's metadata and the paged-KV attention call."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the flattened ("varlen") token batch, shared by all layers.
+
+    Tokens are laid out decode tokens first (one per decoding sequence), then
+    the prefill chunks, each contiguous.
+
+    Attributes:
+        slot_mapping: [T] int64, cache slot (block * block_size + offset) of each new token.
+        num_decode_tokens: Bd, the first Bd tokens are decodes (query length 1).
+        decode_seq_lens: [Bd] int64, KV length of each decoding sequence (including its new token).
+        decode_block_tables: [Bd, max_blocks] int32, padded with 0.
+        prefill_query_starts / prefill_query_lens / prefill_seq_lens: python lists,
+            per prefill chunk: offset in the flattened batch, chunk length, KV
+            length after the chunk (tokens already cached + chunk).
+        prefill_block_tables: python list of [num_blocks] int64 tensors.
+        block_size: tokens per KV block.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_seq_lens: torch.Tensor
+    decode_block_tables: torch.Tensor
+    prefill_query_starts: list[int]
+    prefill_query_lens: list[int]
+    prefill_seq_lens: list[int]
+    prefill_block_tables: list[torch.Tensor]
+    block_size: int
+    # Filled by a backend's `prepare` and reused by every layer of the step.
+    cache: Optional[dict] = None
+
+
+class AttentionBackend(ABC):
+    """Computes attention of a varlen batch against a paged KV cache.
+
+    KV cache layout per layer: k_cache, v_cache of shape
+    [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute, once per step, whatever all layers reuse (gather indices, masks)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k, v into the cache at `meta.slot_mapping`, then attend.
+
+        Args:
+            q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
+        Returns:
+            [T, num_heads, head_dim], causal attention of each token over its
+            sequence's cached prefix and the new tokens up to itself.
+        """

@@ -1,0 +1,434 @@
+"""The `LLM` facade: vLLM's offline API over our scheduler, model runner and sampler.
+
+    llm = LLM("smollm2-135m-instruct")
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(outs[0].outputs[0].text)
+
+One step of the loop: the scheduler picks decode tokens then prefill chunks
+under the token budget; the model runner runs one forward pass over them;
+the sampler draws a token for each sequence that reached its end; new tokens
+are detokenized incrementally and checked against EOS, stop token ids, stop
+strings and length; finished sequences free their KV blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
+
+import torch
+
+from .attention import get_backend
+from .config import EngineConfig, SamplingParams
+from .kv_cache import BlockPool, KVCache
+from .metrics import EngineStats
+from .model_runner import ModelRunner
+from .models.llama import LlamaModel
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request, Sequence, SequenceStatus
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from .weights import DEFAULT_MODEL, load_model_weights, resolve_model
+
+PromptType = Union[str, list[int]]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_DEFAULT_CAP = 4 << 30  # bytes
+
+
+class _BadPrompt:
+    """A prompt already known to be invalid (e.g. malformed chat messages)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _mix_seed(base: int, index: int) -> int:
+    """Deterministic 63-bit seed of completion `index` of a request seeded with `base`."""
+    x = (base * 6364136223846793005 + (index + 1) * 1442695040888963407) & ((1 << 64) - 1)
+    x ^= x >> 29
+    return x & ((1 << 63) - 1)
+
+
+def _available_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+class LLM:
+    """Offline batch generation.
+
+    Args:
+        model: "smollm2-135m-instruct" (default), a .gguf path, a Hugging Face
+            folder, or "dummy:<shape>" (see `engine.weights.PRESETS`).
+        **engine_kwargs: fields of `EngineConfig` (dtype, device, block_size,
+            kv_cache_memory_bytes, kv_cache_memory_fraction, max_num_seqs,
+            max_num_batched_tokens, max_model_len, enable_chunked_prefill,
+            enable_prefix_caching, seed, num_threads).
+
+    Raises:
+        ValueError: unknown model, unknown or invalid engine kwargs.
+        FileNotFoundError: the default model's wheel is not installed.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(engine_kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        self.config = cfg = EngineConfig(model=model, **engine_kwargs)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(dev)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = _DTYPES[dtype_name]
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+        source = resolve_model(model)
+        t0 = time.perf_counter()
+        mcfg, state = load_model_weights(source)
+        self.model_config = mcfg
+        if source.kind == "gguf":
+            self.tokenizer = Tokenizer.from_gguf(source.path)
+        elif source.kind == "hf":
+            self.tokenizer = Tokenizer.from_pretrained(source.path)
+        else:
+            self.tokenizer = Tokenizer.default()
+        self.model = LlamaModel(mcfg, self.dtype, self.device)
+        if state is None:
+            self.model.init_dummy(cfg.seed)
+        else:
+            self.model.load_weights(state)
+            del state
+        self.load_time_s = time.perf_counter() - t0
+
+        # KV cache sized from the memory budget
+        bs = cfg.block_size
+        per_block = KVCache.bytes_per_block(mcfg, bs, self.dtype)
+        budget = cfg.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cfg.kv_cache_memory_fraction)
+            else:
+                budget = min(int(_available_memory_bytes() * cfg.kv_cache_memory_fraction), _CPU_KV_DEFAULT_CAP)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)"
+            )
+        max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        # a sequence may never need more blocks than the whole pool holds
+        self.max_model_len = min(max_len, num_blocks * bs)
+        self.kv_cache = KVCache(mcfg, num_blocks, bs, self.dtype, self.device)
+        self.block_pool = BlockPool(num_blocks)
+        self.backend = get_backend("torch")
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
+        self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill)
+        if not cfg.enable_chunked_prefill:
+            self.max_model_len = min(self.max_model_len, cfg.max_num_batched_tokens)
+        self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        self.stats = EngineStats()
+        self._seq_counter = 0
+        self._request_counter = 0
+
+    # ------------------------------------------------------------ info
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks not held by any sequence."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        """KV blocks in the pool."""
+        return self.block_pool.num_blocks
+
+    def compute_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """Last-position logits of a prompt, [vocab_size] float32 on the CPU.
+
+        Raises:
+            RuntimeError: if requests are in flight.
+            ValueError: for an empty prompt or one longer than max_model_len.
+        """
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("compute_logits needs an idle engine")
+        if not prompt_token_ids or len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"prompt must have 1..{self.max_model_len} tokens")
+        return self.runner.compute_logits(list(prompt_token_ids)).float().cpu()
+
+    # ------------------------------------------------------------ public API
+    def generate(self, prompts: Seq[PromptType], sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs in input order.
+
+        Args:
+            prompts: strings, or lists of token ids.
+            sampling_params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
+            use_tqdm: show a progress bar (requests done, input and output tokens/s).
+        Raises:
+            ValueError: only for a sampling_params list whose length differs from prompts.
+        """
+        outs: list[Optional[RequestOutput]] = [None] * len(prompts)
+        for o in self.iter_outputs(prompts, sampling_params, use_tqdm):
+            outs[int(o.request_id)] = o
+        return outs  # type: ignore[return-value]
+
+    def chat(self, conversations: Seq[list[dict]], sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the chat template to each conversation ({role, content} dicts), then generate.
+
+        A malformed conversation becomes an error output; the others run.
+        """
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # a single conversation
+        prompts: list = []
+        for conv in conversations:
+            try:
+                prompts.append(self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt))
+            except Exception as e:  # noqa: BLE001 - one bad conversation never fails the batch
+                prompts.append(_BadPrompt(f"messages: {e}"))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def iter_outputs(self, prompts: Seq[PromptType], sampling_params=None,
+                     use_tqdm: bool = True) -> Iterator[RequestOutput]:
+        """Yield each RequestOutput as soon as its request finishes (request_id = str(prompt index)).
+
+        Invalid requests are yielded first, as error outputs. Stopping the
+        iteration early aborts the remaining requests and frees their blocks.
+        """
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
+                )
+        requests = self._make_requests(prompts, params_list)
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            pbar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        in_tok = out_tok = 0
+        last_update = 0.0
+        try:
+            for r in requests:
+                if r.error is not None:
+                    out = self._request_output(r)
+                    if pbar:
+                        pbar.update(1)
+                    yield out
+                else:
+                    for s in r.seqs:
+                        self.scheduler.add(s)
+            while self.scheduler.has_unfinished():
+                finished, n_in, n_out = self._step()
+                in_tok += n_in
+                out_tok += n_out
+                if pbar:
+                    now = time.perf_counter()
+                    if finished or now - last_update > 0.5:
+                        el = max(now - start, 1e-9)
+                        pbar.set_postfix_str(f"in {in_tok / el:.0f} tok/s, out {out_tok / el:.0f} tok/s", refresh=False)
+                        last_update = now
+                    pbar.update(len(finished))
+                for r in finished:
+                    yield self._request_output(r)
+        finally:
+            if pbar:
+                pbar.close()
+            self._abort_all()
+
+    # ------------------------------------------------------------ internals
+    def _abort_all(self) -> None:
+        for s in list(self.scheduler.running):
+            self.scheduler.finish(s)
+        self.scheduler.waiting.clear()
+
+    def _make_requests(self, prompts, params_list: list[SamplingParams]) -> list[Request]:
+        vocab = self.tokenizer.vocab_size
+        texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str) and p != ""]
+        encoded = dict(zip((i for i, _ in texts), self.tokenizer.encode_batch([p for _, p in texts]))) if texts else {}
+        now = time.time()
+        reqs: list[Request] = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            error = None
+            text: Optional[str] = None
+            ids: list[int] = []
+            if isinstance(prompt, _BadPrompt):
+                error = prompt.message
+            elif isinstance(prompt, str):
+                text = prompt
+                ids = encoded.get(i, [])
+                if not ids:
+                    error = "prompt: empty prompt"
+            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                ids = list(prompt)
+                if not ids:
+                    error = "prompt: empty prompt"
+                elif any(t < 0 or t >= vocab for t in ids):
+                    bad = next(t for t in ids if t < 0 or t >= vocab)
+                    error = f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
+            else:
+                error = f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}"
+            if error is None and not isinstance(params, SamplingParams):
+                error = f"sampling_params: expected SamplingParams, got {type(params).__name__}"
+            if error is None:
+                error = params.validate(vocab)
+            if error is None and len(ids) >= self.max_model_len:
+                error = (
+                    f"prompt: {len(ids)} tokens leaves no room for output within max_model_len={self.max_model_len}"
+                    if len(ids) == self.max_model_len
+                    else f"prompt: {len(ids)} tokens is longer than max_model_len={self.max_model_len}"
+                )
+            metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
+            req = Request(str(i), i, text, ids, params if isinstance(params, SamplingParams) else SamplingParams(),
+                          metrics, error=error)
+            if error is None:
+                base = params.seed if params.seed is not None else _mix_seed(self.config.seed, self._request_counter)
+                self._request_counter += 1
+                for j in range(params.n):
+                    gen = None
+                    if not params.greedy:
+                        gen = torch.Generator(device=self.device)
+                        gen.manual_seed(_mix_seed(base, j))
+                    seq = Sequence(seq_id=self._seq_counter, request=req, index=j, token_ids=list(ids), generator=gen)
+                    seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                    seq.stop_matcher = StopStringMatcher(params.stop)
+                    seq.logprobs = [] if params.logprobs is not None else None
+                    self._seq_counter += 1
+                    req.seqs.append(seq)
+            reqs.append(req)
+        return reqs
+
+    def _step(self) -> tuple[list[Request], int, int]:
+        """Run one engine step. Returns (requests finished in it, prompt tokens computed, tokens sampled)."""
+        st = self.stats
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        st.time_schedule_s += t1 - t0
+        st.num_preemptions = self.scheduler.num_preemptions
+        finished: list[Request] = []
+        if out.is_empty:
+            # Nothing fits even with nothing running: the head sequence can never be served.
+            if self.scheduler.waiting and not self.scheduler.running:
+                seq = self.scheduler.waiting.popleft()
+                req = seq.request
+                req.error = (f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds "
+                             f"{self.num_total_blocks * self.config.block_size}")
+                for s in req.seqs:
+                    if s in self.scheduler.waiting:
+                        self.scheduler.waiting.remove(s)
+                    elif s.status == SequenceStatus.RUNNING:
+                        self.scheduler.finish(s)
+                    s.status = SequenceStatus.FINISHED
+                finished.append(req)
+            st.time_total_s += time.perf_counter() - t0
+            return finished, 0, 0
+        now = time.time()
+        chunks = out.chunks
+        sampling = [c.seq for c in chunks if c.samples]
+        n_prefill = sum(c.num_tokens for c in out.prefills) + sum(
+            c.num_tokens for c in out.decodes if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
+        for c in chunks:
+            m = c.seq.request.metrics
+            if m.scheduled_time is None:
+                m.scheduled_time = now
+        logits = self.runner.execute(out)
+        t2 = time.perf_counter()
+        st.time_model_s += t2 - t1
+        for c in chunks:
+            c.seq.num_computed_tokens += c.num_tokens
+        st.num_steps += 1
+        st.num_batched_tokens_sum += out.num_tokens
+        st.num_prompt_tokens_computed += n_prefill
+        st.kv_utilization_sum += self.scheduler.kv_utilization()
+        if not sampling:
+            st.time_total_s += time.perf_counter() - t0
+            return finished, n_prefill, 0
+        tokens, lps = self.sampler(logits, sampling)
+        t3 = time.perf_counter()
+        st.time_sample_s += t3 - t2
+        now = time.time()
+        for seq, tok, lp in zip(sampling, tokens, lps):
+            req = seq.request
+            seq.token_ids.append(tok)
+            if seq.logprobs is not None:
+                seq.logprobs.append(lp)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._check_stop(seq, tok)
+            if seq.is_finished:
+                self.scheduler.finish(seq) if seq in self.scheduler.running else None
+                if req.is_finished:
+                    req.metrics.finish_time = time.time()
+                    finished.append(req)
+        st.num_output_tokens += len(sampling)
+        t4 = time.perf_counter()
+        st.time_detok_s += t4 - t3
+        st.time_total_s += t4 - t0
+        return finished, n_prefill, len(sampling)
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        """Update the text and decide whether `seq` is finished after appending `tok`."""
+        p = seq.request.params
+        n_out = seq.num_output_tokens
+        new_text = seq.detokenizer.add([tok])
+        reason = None
+        stop_reason = None
+        if n_out > p.min_tokens or n_out == p.min_tokens:
+            if not p.ignore_eos and tok in self.sampler.eos_token_ids:
+                reason = "stop"
+            elif tok in p.stop_token_ids:
+                reason, stop_reason = "stop", tok
+            elif seq.stop_matcher and new_text:
+                hit = seq.stop_matcher.find(seq.detokenizer.text, len(new_text))
+                if hit is not None:
+                    cut, s = hit
+                    seq.text = seq.detokenizer.text[:cut]
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason, seq.stop_reason = "stop", s
+                    return
+        if reason is None:
+            max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+            if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            seq.detokenizer.finish()
+            text = seq.detokenizer.text
+            if seq.stop_matcher:  # held-back text flushed at the end may hold a stop string
+                hit = seq.stop_matcher.find(text, len(text) - len(seq.text))
+                if hit is not None and reason == "length":
+                    text, reason, stop_reason = text[: hit[0]], "stop", hit[1]
+            seq.text = text
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+        else:
+            seq.text = seq.detokenizer.text
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        m = req.metrics
+        if req.error is not None:
+            if m.finish_time is None:
+                m.finish_time = time.time()
+            outs = [CompletionOutput(index=j, text="", token_ids=[], finish_reason="error", error=req.error)
+                    for j in range(max(1, req.params.n if isinstance(req.params.n, int) and req.params.n > 0 else 1))]
+        else:
+            outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
+                                     finish_reason=s.finish_reason, logprobs=s.logprobs, stop_reason=s.stop_reason)
+                    for s in req.seqs]
+        m.output_tokens = sum(len(o.token_ids) for o in outs)
+        cached = max((s.num_cached_tokens for s in req.seqs), default=0)
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             outputs=outs, finished=True, num_cached_tokens=cached, metrics=m, error=req.error)

@@ -1,0 +1,211 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened token batch.
+
+One forward pass takes T tokens from any number of sequences (no padding in
+the linear layers), their absolute positions, and the step's attention
+metadata; it writes each token's K/V into the paged cache and returns the
+logits of the requested positions only.
+
+Blocks: RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467); rotary position
+embedding in the "rotate half" layout (Su et al. 2021, arXiv 2104.09864), with
+Llama 3.1's frequency scaling when configured; grouped-query attention
+(Ainslie et al. 2023, arXiv 2305.13245); SwiGLU MLP (Shazeer 2020, arXiv 2002.05202).
+q/k/v and gate/up projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..attention import AttentionBackend, AttentionMetadata
+from ..weights import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] float64, with Llama 3.1 "llama3" scaling if set."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    if s:
+        factor = float(s.get("factor", 8.0))
+        lo = float(s.get("low_freq_factor", 1.0))
+        hi = float(s.get("high_freq_factor", 4.0))
+        old = float(s.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old / lo, old / hi
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+        inv = scaled
+    return inv
+
+
+class LlamaModel(nn.Module):
+    """Decoder weights plus the varlen forward pass.
+
+    Args:
+        cfg: model shape.
+        dtype: weight and activation dtype.
+        device: where weights live.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        inv = rope_inv_freq(cfg)
+        self._inv_freq = inv
+        self._rope_len = 0
+        self.cos = self.sin = None
+        # weights, filled by load_state_dict / init_dummy
+        self.embed: Optional[torch.Tensor] = None
+        self.lm_head: Optional[torch.Tensor] = None
+        self.final_norm: Optional[torch.Tensor] = None
+        self.layers: list[dict[str, torch.Tensor]] = []
+
+    # ------------------------------------------------------------ weights
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Fuse, cast and move a fp32 state dict (Hugging Face names without "model.").
+
+        Raises:
+            KeyError: naming the first missing tensor.
+        """
+        cfg = self.cfg
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            return state[name]
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+        self.embed = put(take("embed_tokens.weight"))
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else put(state["lm_head.weight"])
+        self.final_norm = put(take("norm.weight"))
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            layer = {
+                "attn_norm": put(take(p + "input_layernorm.weight")),
+                "qkv": put(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0)),
+                "o": put(take(p + "self_attn.o_proj.weight")),
+                "mlp_norm": put(take(p + "post_attention_layernorm.weight")),
+                "gate_up": put(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)),
+                "down": put(take(p + "mlp.down_proj.weight")),
+                "qkv_bias": None,
+            }
+            if cfg.attention_bias:
+                layer["qkv_bias"] = put(torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0))
+            self.layers.append(layer)
+
+    def init_dummy(self, seed: int = 0) -> None:
+        """Random weights of the configured shape, made directly on the device (for benchmarks)."""
+        cfg = self.cfg
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, device=self.device, dtype=self.dtype) * std)
+
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        ones = lambda: torch.ones(h, device=self.device, dtype=self.dtype)  # noqa: E731
+        self.embed = rnd(cfg.vocab_size, h)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, h)
+        self.final_norm = ones()
+        self.layers = []
+        for _ in range(cfg.num_layers):
+            self.layers.append({
+                "attn_norm": ones(),
+                "qkv": rnd(self.q_size + 2 * self.kv_size, h),
+                "o": rnd(h, self.q_size),
+                "mlp_norm": ones(),
+                "gate_up": rnd(2 * i, h),
+                "down": rnd(h, i),
+                "qkv_bias": rnd(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None,
+            })
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights (the tied embedding counted once)."""
+        n = self.embed.numel() + self.final_norm.numel()
+        if self.lm_head is not self.embed:
+            n += self.lm_head.numel()
+        for layer in self.layers:
+            n += sum(t.numel() for t in layer.values() if t is not None)
+        return n * self.embed.element_size()
+
+    # ------------------------------------------------------------ pieces
+    def _rope_tables(self, max_pos: int) -> None:
+        if max_pos <= self._rope_len:
+            return
+        n = max(max_pos, 2 * self._rope_len, 4096)
+        t = torch.arange(n, dtype=torch.float64)
+        freqs = torch.outer(t, self._inv_freq)
+        self.cos = freqs.cos().to(self.device, torch.float32)
+        self.sin = freqs.sin().to(self.device, torch.float32)
+        self._rope_len = n
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; cos/sin: [T, 1, D/2]; "rotate half" pairing (i, i + D/2)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    # ------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the decoder over a flattened batch.
+
+        Args:
+            input_ids: [T] int64 token ids.
+            positions: [T] int64 absolute positions.
+            meta: the step's attention metadata (already `backend.prepare`d).
+            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+            backend: attention backend.
+            logits_indices: [S] int64, which of the T positions need logits.
+        Returns:
+            [S, vocab_size] float32 logits.
+        """
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        self._rope_tables(int(positions.max()) + 1)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            x = self._rms_norm(h, layer["attn_norm"])
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._apply_rope(q.view(T, hq, d), cos, sin)
+            k = self._apply_rope(k.view(T, hkv, d), cos, sin)
+            v = v.reshape(T, hkv, d)
+            a = backend.forward(q, k, v, kc, vc, meta, self.scale)
+            h = h + F.linear(a.view(T, hq * d), layer["o"])
+            x = self._rms_norm(h, layer["mlp_norm"])
+            gu = F.linear(x, layer["gate_up"])
+            g, u = gu.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(g) * u, layer["down"])
+        h = self._rms_norm(h[logits_indices], self.final_norm)
+        return F.linear(h, self.lm_head).float()

