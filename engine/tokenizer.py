@@ -18,9 +18,13 @@ indices (code points), never bytes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import json
+import logging
 import os
+import shutil
+import tempfile
 from typing import Any, Iterable, Optional, Sequence
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -41,6 +45,8 @@ END_OF_TURN_TOKENS: tuple[str, ...] = (
 )
 
 _REPLACEMENT_CHAR = "\ufffd"
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_default_gguf() -> str:
@@ -68,13 +74,96 @@ def resolve_default_gguf() -> str:
     raise FileNotFoundError(f"no .gguf file found in the installed {DEFAULT_MODEL_DIST!r} package; reinstall it: {hint}")
 
 
-@functools.lru_cache(maxsize=8)
-def _load_hf_gguf(path: str) -> Any:
-    """Build (once per process and path) the HF fast tokenizer from a GGUF file's metadata."""
+#: Bump when the cached tokenizer files' layout or conversion changes.
+_CACHE_FORMAT = 1
+
+
+def tokenizer_cache_root() -> Optional[str]:
+    """Folder of converted GGUF tokenizers, or None when the disk cache is off.
+
+    `$TOKENMILL_CACHE_DIR/tokenizers` if set, else
+    `$XDG_CACHE_HOME/tokenmill/tokenizers` (default `~/.cache/...`).
+    `TOKENMILL_NO_DISK_CACHE=1` turns the disk cache off.
+    """
+    if os.environ.get("TOKENMILL_NO_DISK_CACHE", "") not in ("", "0"):
+        return None
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
+    )
+    return os.path.join(root, "tokenizers")
+
+
+def _cache_dir_for(gguf_path: str) -> Optional[str]:
+    """Cache entry of one GGUF file: keyed by its path, size, mtime and the HF library versions."""
+    root = tokenizer_cache_root()
+    if root is None:
+        return None
+    import tokenizers
+    import transformers
+
+    st = os.stat(gguf_path)
+    key = f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{tokenizers.__version__}|{_CACHE_FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    return os.path.join(root, f"{stem}-{digest}")
+
+
+def _load_from_cache(entry: str) -> Any:
+    """The HF tokenizer saved in cache `entry`, or None if absent or unreadable."""
+    if not os.path.isfile(os.path.join(entry, "tokenizer.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(entry, local_files_only=True)
+    except Exception as exc:  # a corrupt entry must never block loading: convert again
+        logger.warning("ignoring unreadable tokenizer cache %s: %s", entry, exc)
+        return None
+
+
+def _save_to_cache(hf_tokenizer: Any, entry: str) -> None:
+    """Save atomically (temp folder + rename); a concurrent writer or a read-only disk is not an error."""
+    parent = os.path.dirname(entry)
+    tmp: Optional[str] = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+        hf_tokenizer.save_pretrained(tmp)
+        os.rename(tmp, entry)
+        tmp = None
+    except OSError as exc:
+        if not os.path.isdir(entry):
+            logger.warning("could not cache the converted tokenizer in %s: %s", entry, exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_gguf(path: str) -> Any:
+    """Build the HF fast tokenizer from a GGUF file's metadata (reads the whole vocab: seconds)."""
     from transformers import AutoTokenizer
 
     folder, name = os.path.split(path)
     return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf_gguf(path: str) -> Any:
+    """The HF fast tokenizer of a GGUF file, once per process and path.
+
+    Converting from GGUF takes 10-25 s on this machine (the `gguf` reader
+    walks the 49k-entry vocab); the converted tokenizer is also kept on disk
+    (`tokenizer_cache_root()`), which loads in about a second.
+    """
+    entry = _cache_dir_for(path)
+    if entry is not None:
+        cached = _load_from_cache(entry)
+        if cached is not None:
+            return cached
+    hf = _convert_gguf(path)
+    if entry is not None:
+        _save_to_cache(hf, entry)
+    return hf
 
 
 @functools.lru_cache(maxsize=8)
@@ -173,8 +262,9 @@ class Tokenizer:
     def from_gguf(cls, path: str) -> "Tokenizer":
         """Build the tokenizer (and chat template) from a GGUF file's metadata.
 
-        The conversion reads the whole vocab from the file (seconds); it is
-        cached per resolved path for the life of the process.
+        The conversion reads the whole vocab from the file (10-25 s here); it
+        is cached per resolved path for the life of the process, and on disk
+        (see `tokenizer_cache_root`) for later processes (about 1 s).
 
         Raises:
             FileNotFoundError: `path` is not a file.
@@ -201,10 +291,13 @@ class Tokenizer:
     def from_model(cls, model: str) -> "Tokenizer":
         """Load for an engine `model` string: the default name, a .gguf path or a folder.
 
+        `"dummy:<shape>"` models (random weights) use the default model's
+        tokenizer; ids at or above its `vocab_size` decode to nothing.
+
         Raises:
             FileNotFoundError: nothing usable at `model`.
         """
-        if model == DEFAULT_MODEL_NAME:
+        if model == DEFAULT_MODEL_NAME or model.startswith("dummy:"):
             return cls.default()
         if os.path.isdir(model):
             return cls.from_pretrained(model)

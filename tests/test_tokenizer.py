@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from engine import tokenizer as tokenizer_module
 from engine.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
@@ -55,6 +56,45 @@ def test_resolve_default_gguf_finds_the_wheel_file():
 def test_loading_is_cached_per_path(tok: Tokenizer):
     again = Tokenizer.from_gguf(resolve_default_gguf())
     assert again.hf is tok.hf  # the conversion ran once
+
+
+def test_disk_cache_round_trip(tok: Tokenizer, tmp_path, monkeypatch):
+    """The converted tokenizer saved to the disk cache loads back identical."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_NO_DISK_CACHE", raising=False)
+    entry = tokenizer_module._cache_dir_for(resolve_default_gguf())
+    assert entry is not None and entry.startswith(str(tmp_path))
+    assert tokenizer_module._load_from_cache(entry) is None  # empty cache
+    tokenizer_module._save_to_cache(tok.hf, entry)
+    tokenizer_module._save_to_cache(tok.hf, entry)  # a second writer is harmless
+    assert [p.name for p in tmp_path.joinpath("tokenizers").iterdir()] == [os.path.basename(entry)]
+    back = Tokenizer(tokenizer_module._load_from_cache(entry))
+    assert back.backend.to_str() == tok.backend.to_str()
+    assert back.hf.chat_template == tok.hf.chat_template
+    assert (back.vocab_size, back.eos_token_ids, back.bos_token_id) == (tok.vocab_size, tok.eos_token_ids, tok.bos_token_id)
+    texts = list(TEXTS.values())
+    assert back.encode_batch(texts) == tok.encode_batch(texts)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert back.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
+
+
+def test_corrupt_cache_entry_is_ignored(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    assert tokenizer_module._load_from_cache(str(tmp_path)) is None
+
+
+def test_disk_cache_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_NO_DISK_CACHE", "1")
+    assert tokenizer_module.tokenizer_cache_root() is None
+    assert tokenizer_module._cache_dir_for(resolve_default_gguf()) is None
+
+
+def test_from_model_names(tok: Tokenizer):
+    assert Tokenizer.from_model("smollm2-135m-instruct").hf is tok.hf
+    assert Tokenizer.from_model(resolve_default_gguf()).hf is tok.hf
+    assert Tokenizer.from_model("dummy:llama-3-8b").hf is tok.hf  # dummy weights borrow the default tokenizer
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_model("/nonexistent/model.gguf")
 
 
 def test_vocab_and_eos(tok: Tokenizer):
