@@ -1,0 +1,27 @@
+"""The batch job: Parquet prompts in (any fsspec URL), generations and a cost report out.
+
+    from pipeline import JobSpec, run_job
+    report = run_job(JobSpec(input="s3://bucket/prompts/", output="s3://bucket/out/"))
+
+`pipeline` imports `engine`, never `prefect`; the Prefect flow lives in `flows/`.
+"""
+from pipeline.cost import CostReport, TokenCounts, cost_report, format_report
+from pipeline.job import (
+    JobPlan,
+    JobSpec,
+    JobSpecChanged,
+    ShardResult,
+    done_shards,
+    finish_job,
+    get_llm,
+    prepare_job,
+    read_metrics,
+    run_job,
+    run_shards,
+)
+
+__all__ = [
+    "CostReport", "JobPlan", "JobSpec", "JobSpecChanged", "ShardResult", "TokenCounts", "cost_report",
+    "done_shards", "finish_job", "format_report", "get_llm", "prepare_job", "read_metrics", "run_job",
+    "run_shards",
+]

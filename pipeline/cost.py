@@ -1,0 +1,167 @@
+"""The cost model: device-hour price x measured wall time, split over input and output tokens.
+
+    device_s  = wall_s x device_count
+    cost_usd  = device_s / 3600 x price_per_device_hour
+
+The total is split between input (prompt) and output (completion) tokens by
+weighted token counts, because one forward pass serves both and cannot be
+timed apart in a mixed (chunked-prefill) step:
+
+    input_weight  = prompt_tokens - cached_tokens         (cached tokens are not recomputed)
+    output_weight = output_token_weight x completion_tokens
+    input_cost    = cost_usd x input_weight / (input_weight + output_weight)
+    output_cost   = cost_usd - input_cost
+
+`output_token_weight` (default 4) says how many uncomputed prompt tokens one
+decode token costs: a decode token runs in a small, bandwidth-bound batch
+while prompt tokens run in large, compute-bound ones. USD per 1M input tokens
+divides the input cost by all prompt tokens (cached ones included), so prefix
+caching lowers it; USD per 1M tokens divides the whole cost by all tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Optional
+
+
+@dataclass
+class TokenCounts:
+    """Rows and tokens of (part of) a job run. Adds with `+`."""
+
+    rows_ok: int = 0
+    rows_error: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def __add__(self, other: "TokenCounts") -> "TokenCounts":
+        return TokenCounts(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+
+@dataclass
+class CostReport:
+    """One row of `_job/metrics.parquet`: a job run's volume, speed and cost."""
+
+    job_id: str
+    run_id: str
+    model: str
+    quantization: str
+    device: str
+    device_count: int
+    started_at: datetime
+    finished_at: datetime
+    wall_s: float
+    device_s: float
+    price_per_device_hour: float
+    cost_usd: float
+    rows_total: int
+    rows_ok: int
+    rows_error: int
+    rows_skipped: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    prefix_cache_hit_rate: float
+    rows_per_s: float
+    input_tokens_per_s: float
+    output_tokens_per_s: float
+    input_cost_usd: float
+    output_cost_usd: float
+    usd_per_1m_input_tokens: Optional[float]
+    usd_per_1m_output_tokens: Optional[float]
+    usd_per_1m_tokens: Optional[float]
+    output_token_weight: float
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+
+def _per_1m(cost: float, tokens: int) -> Optional[float]:
+    return cost / tokens * 1e6 if tokens > 0 else None
+
+
+def split_cost(cost_usd: float, counts: TokenCounts, output_token_weight: float) -> tuple[float, float]:
+    """(input_cost, output_cost) of a total; see the module docstring."""
+    w_in = max(counts.prompt_tokens - counts.cached_tokens, 0)
+    w_out = output_token_weight * counts.completion_tokens
+    if w_in + w_out <= 0:
+        return 0.0, cost_usd
+    input_cost = cost_usd * w_in / (w_in + w_out)
+    return input_cost, cost_usd - input_cost
+
+
+def cost_report(
+    *,
+    job_id: str,
+    run_id: str,
+    model: str,
+    quantization: Optional[str],
+    device: str,
+    device_count: int,
+    started_at: datetime,
+    finished_at: datetime,
+    price_per_device_hour: float,
+    counts: TokenCounts,
+    rows_total: int,
+    rows_skipped: int,
+    output_token_weight: float = 4.0,
+) -> CostReport:
+    """Build a run's CostReport from its wall time and token counts."""
+    wall_s = max((finished_at - started_at).total_seconds(), 1e-9)
+    device_s = wall_s * device_count
+    cost = device_s / 3600.0 * price_per_device_hour
+    input_cost, output_cost = split_cost(cost, counts, output_token_weight)
+    rows_done = counts.rows_ok + counts.rows_error
+    return CostReport(
+        job_id=job_id,
+        run_id=run_id,
+        model=model,
+        quantization=quantization or "none",
+        device=device,
+        device_count=device_count,
+        started_at=started_at,
+        finished_at=finished_at,
+        wall_s=wall_s,
+        device_s=device_s,
+        price_per_device_hour=price_per_device_hour,
+        cost_usd=cost,
+        rows_total=rows_total,
+        rows_ok=counts.rows_ok,
+        rows_error=counts.rows_error,
+        rows_skipped=rows_skipped,
+        prompt_tokens=counts.prompt_tokens,
+        cached_tokens=counts.cached_tokens,
+        completion_tokens=counts.completion_tokens,
+        prefix_cache_hit_rate=counts.cached_tokens / counts.prompt_tokens if counts.prompt_tokens else 0.0,
+        rows_per_s=rows_done / wall_s,
+        input_tokens_per_s=counts.prompt_tokens / wall_s,
+        output_tokens_per_s=counts.completion_tokens / wall_s,
+        input_cost_usd=input_cost,
+        output_cost_usd=output_cost,
+        usd_per_1m_input_tokens=_per_1m(input_cost, counts.prompt_tokens),
+        usd_per_1m_output_tokens=_per_1m(output_cost, counts.completion_tokens),
+        usd_per_1m_tokens=_per_1m(cost, counts.prompt_tokens + counts.completion_tokens),
+        output_token_weight=output_token_weight,
+    )
+
+
+def format_report(row: dict) -> str:
+    """The cost report as a two-column text table."""
+    def fmt(v) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            if v == 0:
+                return "0"
+            return f"{v:.6f}" if abs(v) < 0.01 else f"{v:,.3f}" if abs(v) < 1000 else f"{v:,.1f}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        if isinstance(v, datetime):
+            return v.strftime("%Y-%m-%d %H:%M:%S UTC")
+        return str(v)
+
+    width = max(len(k) for k in row)
+    lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  {'-' * 24}"]
+    lines += [f"{k.ljust(width)}  {fmt(v)}" for k, v in row.items()]
+    return "\n".join(lines)

@@ -1,0 +1,237 @@
+"""Parquet and JSON on any fsspec URL (s3://, gs://, file://, local paths), with atomic writes.
+
+Storage options are fsspec/s3fs-style (`endpoint_url`, `key`, `secret`,
+`client_kwargs`, ...). For `s3://` URLs, options not given fall back to the
+standard AWS environment variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, `AWS_DEFAULT_REGION`). `polars_storage_options` maps
+them to the different keys polars' own object-store reader expects.
+
+Atomic write: a file is written under a temporary name and then moved to its
+final name; on S3 the final key appears whole (copy), on a local disk by
+rename. Readers never see half a file.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import fsspec
+import polars as pl
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input Parquet file.
+
+    Attributes:
+        path: the full URL (protocol included, e.g. "s3://bucket/x.parquet").
+        size: bytes.
+        etag: the store's ETag (S3/GCS) or, for local files, the mtime in ns.
+        num_rows: rows, from the Parquet footer.
+        columns: column names, from the footer.
+    """
+
+    path: str
+    size: int
+    etag: Optional[str]
+    num_rows: int
+    columns: tuple[str, ...] = ()
+
+
+def resolve_storage_options(url: str, storage_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Options for fsspec: the given ones, plus AWS environment defaults for s3:// URLs."""
+    opts = dict(storage_options or {})
+    if str(url).startswith(("s3://", "s3a://")):
+        env = os.environ
+        if "endpoint_url" not in opts and env.get("AWS_ENDPOINT_URL"):
+            opts["endpoint_url"] = env["AWS_ENDPOINT_URL"]
+        if "key" not in opts and env.get("AWS_ACCESS_KEY_ID"):
+            opts["key"] = env["AWS_ACCESS_KEY_ID"]
+        if "secret" not in opts and env.get("AWS_SECRET_ACCESS_KEY"):
+            opts["secret"] = env["AWS_SECRET_ACCESS_KEY"]
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        if region and "client_kwargs" not in opts:
+            opts["client_kwargs"] = {"region_name": region}
+    return opts
+
+
+def polars_storage_options(storage_options: dict[str, Any]) -> dict[str, str]:
+    """Translate s3fs-style options to polars' (object_store) keys.
+
+    polars silently ignores `key`/`secret` and then tries instance metadata,
+    so they must be renamed: key -> aws_access_key_id, secret ->
+    aws_secret_access_key, endpoint_url -> aws_endpoint_url, region -> aws_region.
+    """
+    out: dict[str, str] = {}
+    names = {"key": "aws_access_key_id", "secret": "aws_secret_access_key",
+             "endpoint_url": "aws_endpoint_url", "token": "aws_session_token"}
+    for k, v in storage_options.items():
+        if k in names:
+            out[names[k]] = str(v)
+    region = (storage_options.get("client_kwargs") or {}).get("region_name")
+    if region:
+        out["aws_region"] = region
+    if out.get("aws_endpoint_url", "").startswith("http://"):
+        out["aws_allow_http"] = "true"
+    return out
+
+
+def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path without protocol) for a URL."""
+    fs, path = url_to_fs(str(url), **resolve_storage_options(url, storage_options))
+    return fs, path
+
+
+def _full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    return fs.unstrip_protocol(path)
+
+
+def _etag(info: dict[str, Any]) -> Optional[str]:
+    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "created"):
+        if info.get(key) is not None:
+            v = info[key]
+            return str(v).strip('"') if key.lower() == "etag" else f"{key}:{v}"
+    return None
+
+
+def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[InputFile]:
+    """The Parquet files at `url` (one file, or every *.parquet under a folder/prefix), sorted.
+
+    Files whose names start with "_" or "." are skipped (job metadata, temp files).
+
+    Raises:
+        FileNotFoundError: when nothing is found.
+    """
+    fs, path = filesystem(url, storage_options)
+    path = path.rstrip("/")
+    _invalidate(fs, path)
+    if fs.isfile(path):
+        infos = [fs.info(path)]
+    else:
+        found = fs.find(path, detail=True)
+        infos = [
+            info for p, info in sorted(found.items())
+            if p.endswith(".parquet") and not any(part.startswith(("_", ".")) for part in p[len(path):].split("/"))
+        ]
+    if not infos:
+        raise FileNotFoundError(f"no Parquet files at {url}")
+    files = []
+    for info in infos:
+        with fs.open(info["name"], "rb") as f:
+            pf = pq.ParquetFile(f)
+            num_rows, columns = pf.metadata.num_rows, tuple(pf.schema_arrow.names)
+        files.append(InputFile(path=_full_url(fs, info["name"]), size=int(info["size"]), etag=_etag(info),
+                               num_rows=num_rows, columns=columns))
+    return files
+
+
+def read_rows(url: str, offset: int, length: int, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
+    """Rows [offset, offset+length) of one Parquet file, reading only the row groups that hold them."""
+    fs, path = filesystem(url, storage_options)
+    with fs.open(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        groups, start, first_start = [], 0, None
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if start + n > offset and start < offset + length:
+                groups.append(g)
+                if first_start is None:
+                    first_start = start
+            start += n
+        if not groups:
+            table = pf.schema_arrow.empty_table()
+            return pl.from_arrow(table)
+        table = pf.read_row_groups(groups)
+    table = table.slice(offset - first_start, length)
+    return pl.from_arrow(table)
+
+
+def read_schema(url: str, storage_options: Optional[dict[str, Any]] = None) -> pl.Schema:
+    """The polars schema of one Parquet file (footer only)."""
+    fs, path = filesystem(url, storage_options)
+    with fs.open(path, "rb") as f:
+        return pl.from_arrow(pq.ParquetFile(f).schema_arrow.empty_table()).schema
+
+
+def join(url: str, *parts: str) -> str:
+    """URL join with "/" (works for local paths and object stores)."""
+    return "/".join([str(url).rstrip("/"), *parts])
+
+
+def _atomic_put(url: str, data: bytes, storage_options: Optional[dict[str, Any]]) -> None:
+    fs, path = filesystem(url, storage_options)
+    parent = path.rsplit("/", 1)[0]
+    tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
+    fs.makedirs(parent, exist_ok=True)
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        fs.mv(tmp, path)
+    except Exception:
+        fs.rm(tmp)
+        raise
+
+
+def write_parquet_atomic(df: pl.DataFrame, url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+    """Write `df` as one Parquet file at `url`, whole or not at all (temp name, then move)."""
+    buf = io.BytesIO()
+    df.write_parquet(buf, compression="zstd")
+    _atomic_put(url, buf.getvalue(), storage_options)
+
+
+def read_parquet(url: str, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
+    """Read one Parquet file through fsspec."""
+    fs, path = filesystem(url, storage_options)
+    with fs.open(path, "rb") as f:
+        return pl.read_parquet(f)
+
+
+def write_json_atomic(obj: Any, url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+    """Write `obj` as indented JSON at `url`, whole or not at all."""
+    _atomic_put(url, json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), storage_options)
+
+
+def read_json(url: str, storage_options: Optional[dict[str, Any]] = None) -> Optional[Any]:
+    """The JSON at `url`, or None when it does not exist."""
+    fs, path = filesystem(url, storage_options)
+    _invalidate(fs, path)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def exists(url: str, storage_options: Optional[dict[str, Any]] = None) -> bool:
+    fs, path = filesystem(url, storage_options)
+    _invalidate(fs, path)
+    return fs.exists(path)
+
+
+def _invalidate(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Drop cached listings (s3fs caches them; another process may have written since)."""
+    try:
+        fs.invalidate_cache(path)
+    except Exception:  # noqa: BLE001 - not every fs caches listings
+        pass
+
+
+def list_names(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[str]:
+    """Base names of the files directly under a folder/prefix (empty when it does not exist)."""
+    fs, path = filesystem(url, storage_options)
+    _invalidate(fs, path)
+    if not fs.exists(path):
+        return []
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+
+
+def remove(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+    """Delete one file, or a folder recursively, if it exists."""
+    fs, path = filesystem(url, storage_options)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

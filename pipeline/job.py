@@ -1,0 +1,533 @@
+"""A batch job: `JobSpec` and `run_job(spec)`.
+
+A run goes: `prepare_job` (list inputs, plan shards, check or write the
+manifest, find the shards already done) -> `run_shards` (read each shard,
+validate rows, stream them through `LLM.iter_outputs`, commit each shard's
+part file as soon as its last row finishes) -> `finish_job` (append the run's
+cost report to `_job/metrics.parquet`). The Prefect flow calls the same three
+steps with a task per shard.
+
+Output layout:
+
+    OUTPUT/part-00000.parquet ...     one per shard, written atomically
+    OUTPUT/_job/manifest.json         fingerprint (inputs, spec, model) and shard plan
+    OUTPUT/_job/done/part-00000.json  one marker per committed shard, with its counts
+    OUTPUT/_job/metrics.parquet       one row per run (see pipeline.cost)
+
+A shard is done when its marker exists; the marker is written after the part
+file, so a run killed between the two recomputes that shard and replaces the
+part with the same rows: every input row appears exactly once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterator, Optional
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.config import SamplingParams
+from pipeline import io
+from pipeline.cost import CostReport, TokenCounts, cost_report
+from pipeline.planner import Shard, plan_shards
+from pipeline.schema import InputLayout, build_request, output_schema
+
+MANIFEST_VERSION = 1
+
+# JobSpec fields that change what the outputs are; any change refuses a resume.
+FINGERPRINT_FIELDS = (
+    "model", "dtype", "quantization", "max_model_len", "seed", "engine_options",
+    "max_tokens", "temperature", "top_p", "top_k", "stop", "sampling_options",
+    "system_prompt", "chat_template", "n", "id_column", "shard_size", "limit",
+)
+
+
+class JobSpecChanged(RuntimeError):
+    """The output folder holds a job with another spec or input; pass overwrite=True to replace it."""
+
+
+class JobSpec(BaseModel):
+    """Everything a job needs; shared by `run_job`, the CLI (`--kebab-case` flags) and the flow.
+
+    Engine options (None means the engine's default): model, dtype, device,
+    quantization, max_num_seqs, max_num_batched_tokens, max_model_len,
+    kv_cache_memory_bytes, enable_prefix_caching, seed, num_threads, plus any
+    other EngineConfig field in `engine_options`.
+
+    Sampling defaults (a row's `max_tokens`, `temperature`, `top_p`, `seed`,
+    `stop` columns override them): max_tokens, temperature, top_p, top_k,
+    stop, n, plus any other SamplingParams field in `sampling_options`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str = Field(description="Parquet file or folder/prefix: s3://, gs://, file:// or a local path")
+    output: str = Field(description="output folder/prefix URL")
+
+    model: str = Field("smollm2-135m-instruct", description="engine model name, .gguf path or HF folder")
+    dtype: str = "auto"
+    device: str = "auto"
+    quantization: Optional[str] = None
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    enable_prefix_caching: Optional[bool] = None
+    seed: int = Field(0, description="engine seed: sampled runs are reproducible")
+    num_threads: Optional[int] = None
+    engine_options: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig fields")
+
+    max_tokens: int = Field(128, description="default new tokens per row")
+    temperature: float = Field(0.0, description="default temperature (0 = greedy)")
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = Field(default_factory=list, description="default stop strings")
+    n: int = Field(1, description="completions per row; n > 1 adds a `generations` list column")
+    sampling_options: dict[str, Any] = Field(default_factory=dict, description="other SamplingParams fields")
+    system_prompt: Optional[str] = Field(None, description="system prompt for every row (a `system` column overrides)")
+    chat_template: Optional[bool] = Field(None, description="apply the chat template (default: when the model has one)")
+
+    id_column: str = "id"
+    shard_size: int = Field(256, ge=1, description="rows per output part file")
+    limit: Optional[int] = Field(None, ge=1, description="process only the first N rows")
+    shards_in_flight: int = Field(2, ge=1, description="shards fed to the engine at once (memory vs. batch fill)")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, repr=False,
+        description="fsspec/s3fs options (endpoint_url, key, secret, ...); default: AWS environment variables")
+
+    price_per_hour: float = Field(1.0, ge=0, description="USD per device-hour, for the cost report")
+    device_name: Optional[str] = Field(None, description="device name in the report (default: the engine's)")
+    device_count: int = Field(1, ge=1)
+    output_token_weight: float = Field(4.0, gt=0, description="cost of one output token in uncached input tokens")
+    overwrite: bool = Field(False, description="discard a previous job with another spec at the output")
+    progress: bool = Field(True, description="show a tqdm progress bar")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else (v or [])
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `engine.LLM` (unset options are left to the engine)."""
+        kw: dict[str, Any] = {}
+        for name in ("dtype", "device", "quantization", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads"):
+            v = getattr(self, name)
+            if v is not None:
+                kw[name] = v
+        kw.update(self.engine_options)
+        return kw
+
+    def sampling_params(self) -> SamplingParams:
+        """The job's default SamplingParams."""
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_tokens, stop=list(self.stop), **self.sampling_options)
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in FINGERPRINT_FIELDS}
+
+
+# ---------------------------------------------------------------- the engine, once per process
+
+_ENGINES: dict[str, Any] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def get_llm(spec: JobSpec) -> Any:
+    """The `engine.LLM` for this spec's model and engine options, loaded once per process and reused."""
+    key = json.dumps([spec.model, spec.engine_kwargs()], sort_keys=True, default=str)
+    with _ENGINES_LOCK:
+        if key not in _ENGINES:
+            from engine import LLM
+
+            _ENGINES[key] = LLM(spec.model, **spec.engine_kwargs())
+        return _ENGINES[key]
+
+
+# ---------------------------------------------------------------- plan and manifest
+
+@dataclass
+class ShardResult:
+    """What committing one shard produced."""
+
+    index: int
+    rows: int
+    counts: TokenCounts
+    device: str
+    seconds: float
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["counts"] = asdict(self.counts)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ShardResult":
+        return cls(index=d["index"], rows=d["rows"], counts=TokenCounts(**d["counts"]),
+                   device=d.get("device", ""), seconds=d.get("seconds", 0.0))
+
+
+@dataclass
+class JobPlan:
+    """A prepared run: the shard plan and which shards still need to run."""
+
+    spec: JobSpec
+    job_id: str
+    run_id: str
+    shards: list[Shard]
+    pending: list[Shard]
+    started_at: datetime
+    rows_total: int = field(init=False)
+    rows_skipped: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows_total = sum(s.length for s in self.shards)
+        pending = {s.index for s in self.pending}
+        self.rows_skipped = sum(s.length for s in self.shards if s.index not in pending)
+
+
+def _job_url(spec: JobSpec, *parts: str) -> str:
+    return io.join(spec.output, "_job", *parts)
+
+
+def _fingerprint(spec: JobSpec, files: list[io.InputFile]) -> tuple[str, dict]:
+    doc = {
+        "inputs": [asdict(f) for f in files],
+        "spec": spec.fingerprint_fields(),
+    }
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+    return digest, doc
+
+
+def _describe_change(old: dict, new: dict) -> str:
+    changes = []
+    for k in sorted(set(old.get("spec", {})) | set(new["spec"])):
+        a, b = old.get("spec", {}).get(k), new["spec"].get(k)
+        if a != b:
+            changes.append(f"{k}: {a!r} -> {b!r}")
+    old_inputs = {f["path"]: f for f in old.get("inputs", [])}
+    new_inputs = {f["path"]: f for f in new["inputs"]}
+    for p in sorted(set(old_inputs) | set(new_inputs)):
+        if p not in new_inputs:
+            changes.append(f"input removed: {p}")
+        elif p not in old_inputs:
+            changes.append(f"input added: {p}")
+        elif old_inputs[p] != new_inputs[p]:
+            changes.append(f"input changed: {p}")
+    return "; ".join(changes) or "fingerprint differs"
+
+
+def _clear_output(spec: JobSpec) -> None:
+    so = spec.storage_options
+    for name in io.list_names(spec.output, so):
+        if name.startswith("part-") and name.endswith(".parquet"):
+            io.remove(io.join(spec.output, name), so)
+    io.remove(_job_url(spec), so)
+
+
+def done_shards(spec: JobSpec) -> dict[int, ShardResult]:
+    """Shards with a done marker, by index."""
+    out = {}
+    for name in io.list_names(_job_url(spec, "done"), spec.storage_options):
+        if name.startswith("part-") and name.endswith(".json"):
+            d = io.read_json(_job_url(spec, "done", name), spec.storage_options)
+            if d is not None:
+                r = ShardResult.from_json(d)
+                out[r.index] = r
+    return out
+
+
+def prepare_job(spec: JobSpec) -> JobPlan:
+    """List inputs, plan shards, and check the manifest (refuse a changed job unless `overwrite`).
+
+    Raises:
+        FileNotFoundError: no input files.
+        JobSpecChanged: the output holds another job (other spec, input or model).
+    """
+    started_at = datetime.now(timezone.utc)
+    so = spec.storage_options
+    files = io.list_input_files(spec.input, so)
+    for f in files:
+        try:
+            layout = InputLayout.from_schema(f.columns, spec.id_column)
+        except ValueError as exc:
+            raise ValueError(f"{f.path}: {exc}") from None
+        if not layout.id_in_input:
+            warnings.warn(f"{f.path} has no {spec.id_column!r} column; using the row index as the id",
+                          stacklevel=2)
+    shards = plan_shards(files, spec.shard_size, spec.limit)
+    fingerprint, doc = _fingerprint(spec, files)
+    manifest_url = _job_url(spec, "manifest.json")
+    manifest = io.read_json(manifest_url, so)
+
+    if manifest is not None and manifest.get("fingerprint") != fingerprint:
+        if not spec.overwrite:
+            raise JobSpecChanged(
+                f"{spec.output} already holds a job with a different spec or input "
+                f"({_describe_change(manifest, doc)}). Re-run with --overwrite (overwrite=True) to discard "
+                f"its outputs, or choose another output."
+            )
+        _clear_output(spec)
+        manifest = None
+    if manifest is None:
+        stray = [n for n in io.list_names(spec.output, so) if n.startswith("part-")]
+        if stray and not spec.overwrite:
+            raise JobSpecChanged(
+                f"{spec.output} has part files ({stray[0]}, ...) but no job manifest; "
+                f"re-run with --overwrite to replace them, or choose another output."
+            )
+        if stray:
+            _clear_output(spec)
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "fingerprint": fingerprint,
+            **doc,
+            "shards": [asdict(s) for s in shards],
+            "created_at": started_at.isoformat(),
+        }
+        io.write_json_atomic(manifest, manifest_url, so)
+
+    done = done_shards(spec)
+    pending = [s for s in shards if s.index not in done]
+    return JobPlan(spec=spec, job_id=fingerprint[:16], run_id=uuid.uuid4().hex[:12], shards=shards,
+                   pending=pending, started_at=started_at)
+
+
+# ---------------------------------------------------------------- running shards
+
+@dataclass
+class _ShardState:
+    shard: Shard
+    frame: pl.DataFrame
+    layout: InputLayout
+    results: list[Optional[dict]]
+    remaining: int
+    started: float
+
+
+_EMPTY = {"generation": None, "finish_reason": "error", "prompt_tokens": 0, "completion_tokens": 0,
+          "cached_tokens": 0, "ttft_s": None, "latency_s": None}
+
+
+def _error_row(message: str) -> dict:
+    return {**_EMPTY, "error": message}
+
+
+def _output_row(out: Any, n: int) -> dict:
+    """Turn one engine RequestOutput into the generation columns of its row."""
+    comps = list(out.outputs or [])
+    err = out.error or next((c.error or "engine error" for c in comps if c.finish_reason == "error"), None)
+    if err is not None or not comps:
+        return _error_row(err or "engine returned no completion")
+    m = out.metrics
+    row = {
+        "generation": comps[0].text,
+        "finish_reason": comps[0].finish_reason,
+        "prompt_tokens": len(out.prompt_token_ids) if out.prompt_token_ids is not None else (m.prompt_tokens if m else 0),
+        "completion_tokens": sum(len(c.token_ids) for c in comps),
+        "cached_tokens": int(out.num_cached_tokens or 0),
+        "ttft_s": m.ttft if m else None,
+        "latency_s": m.latency if m else None,
+        "error": None,
+    }
+    if n > 1:
+        row["generations"] = [c.text for c in comps]
+    return row
+
+
+def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str) -> ShardResult:
+    """Write the shard's part file atomically, then its done marker."""
+    shard, df, layout = state.shard, state.frame, state.layout
+    so = spec.storage_options
+    if layout.id_in_input:
+        ids = df.get_column(layout.id_column)
+    else:
+        ids = pl.Series(layout.id_column, range(shard.first_row, shard.first_row + shard.length), pl.Int64)
+    passthrough = {c: df.schema[c] for c in layout.passthrough}
+    schema = output_schema(layout.id_column, ids.dtype, passthrough, spec.n)
+    gen_cols = [c for c in schema if c != layout.id_column and c not in passthrough]
+    gen = pl.DataFrame({c: [r.get(c) for r in state.results] for c in gen_cols},
+                       schema={c: schema[c] for c in gen_cols})
+    out = pl.concat([pl.DataFrame([ids.alias(layout.id_column)]), df.select(layout.passthrough), gen],
+                    how="horizontal")
+    io.write_parquet_atomic(out, io.join(spec.output, shard.name), so)
+
+    err = gen.get_column("error").is_not_null()
+    counts = TokenCounts(
+        rows_ok=int((~err).sum()),
+        rows_error=int(err.sum()),
+        prompt_tokens=int(gen.get_column("prompt_tokens").sum()),
+        cached_tokens=int(gen.get_column("cached_tokens").sum()),
+        completion_tokens=int(gen.get_column("completion_tokens").sum()),
+    )
+    result = ShardResult(index=shard.index, rows=shard.length, counts=counts, device=device,
+                         seconds=time.perf_counter() - state.started)
+    marker = {**result.to_json(), "run_id": run_id, "finished_at": datetime.now(timezone.utc).isoformat()}
+    io.write_json_atomic(marker, _job_url(spec, "done", shard.name.replace(".parquet", ".json")), so)
+    return result
+
+
+def run_shards(
+    spec: JobSpec,
+    shards: list[Shard],
+    llm: Any,
+    *,
+    run_id: str = "",
+    on_rows: Optional[Callable[[int, int], None]] = None,
+) -> Iterator[ShardResult]:
+    """Run `shards` through the engine together; yield each ShardResult as soon as it is committed.
+
+    All rows of the given shards go to one `llm.iter_outputs` call, so the
+    engine's batch stays full across shard boundaries; a shard's part file is
+    written as soon as its last row finishes. Memory holds these shards only.
+
+    Args:
+        on_rows: called with (rows finished, output tokens) as rows finish (progress bars).
+    """
+    tokenizer = llm.tokenizer
+    use_chat = spec.chat_template if spec.chat_template is not None else bool(getattr(tokenizer, "has_chat_template", False))
+    defaults = spec.sampling_params()
+    problem = defaults.validate()
+    if problem is not None:
+        raise ValueError(f"invalid default sampling parameters: {problem}")
+    device = spec.device_name or str(getattr(llm, "device_name", "unknown"))
+    vocab_size = getattr(tokenizer, "vocab_size", None)
+    max_model_len = getattr(llm, "max_model_len", None)
+
+    states: list[_ShardState] = []
+    prompts: list[list[int]] = []
+    params: list[SamplingParams] = []
+    owners: list[tuple[int, int]] = []  # request index -> (state index, row index)
+    for shard in shards:
+        t0 = time.perf_counter()
+        df = io.read_rows(shard.file, shard.offset, shard.length, spec.storage_options)
+        layout = InputLayout.from_schema(df.columns, spec.id_column)
+        state = _ShardState(shard, df, layout, [None] * df.height, 0, t0)
+        row_cols = [c for c in ("prompt", "messages", *layout.overrides) if c in df.columns]
+        for i, row in enumerate(df.select(row_cols).iter_rows(named=True)):
+            req = build_request(row, layout, tokenizer, defaults, system_prompt=spec.system_prompt,
+                                use_chat_template=use_chat, max_model_len=max_model_len, vocab_size=vocab_size)
+            if req.error is not None:
+                state.results[i] = _error_row(req.error)
+            else:
+                owners.append((len(states), i))
+                prompts.append(req.prompt_token_ids)
+                params.append(req.params)
+                state.remaining += 1
+        states.append(state)
+
+    for state in states:
+        errors = state.shard.length - state.remaining
+        if errors and on_rows:
+            on_rows(errors, 0)
+        if state.remaining == 0:
+            yield _commit(spec, state, device, run_id)
+    if not prompts:
+        return
+    for out in llm.iter_outputs(prompts, params, use_tqdm=False):
+        si, ri = owners[int(out.request_id)]
+        state = states[si]
+        row = _output_row(out, spec.n)
+        state.results[ri] = row
+        state.remaining -= 1
+        if on_rows:
+            on_rows(1, row["completion_tokens"])
+        if state.remaining == 0:
+            yield _commit(spec, state, device, run_id)
+            states[si] = None  # type: ignore[call-overload]  # free the shard's rows
+
+
+# ---------------------------------------------------------------- finishing
+
+def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantization: Optional[str],
+               device: str) -> CostReport:
+    """Build this run's cost report and append it to `_job/metrics.parquet`."""
+    spec = plan.spec
+    counts = TokenCounts()
+    for r in results:
+        counts = counts + r.counts
+    report = cost_report(
+        job_id=plan.job_id, run_id=plan.run_id, model=model, quantization=quantization, device=device,
+        device_count=spec.device_count, started_at=plan.started_at, finished_at=datetime.now(timezone.utc),
+        price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
+        rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
+    )
+    url = _job_url(spec, "metrics.parquet")
+    row = pl.DataFrame([report.as_row()])
+    if io.exists(url, spec.storage_options):
+        row = pl.concat([io.read_parquet(url, spec.storage_options), row], how="diagonal_relaxed")
+    io.write_parquet_atomic(row, url, spec.storage_options)
+    return report
+
+
+def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
+    """All runs' cost reports of the job at `output` (one row per run).
+
+    Raises:
+        FileNotFoundError: when the job has no metrics yet.
+    """
+    url = io.join(output, "_job", "metrics.parquet")
+    if not io.exists(url, storage_options):
+        raise FileNotFoundError(f"no job metrics at {url}")
+    return io.read_parquet(url, storage_options)
+
+
+def _windows(shards: list[Shard], k: int) -> Iterator[list[Shard]]:
+    for i in range(0, len(shards), k):
+        yield shards[i:i + k]
+
+
+def run_job(
+    spec: JobSpec,
+    llm: Any = None,
+    *,
+    on_shard_done: Optional[Callable[[ShardResult], None]] = None,
+) -> CostReport:
+    """Run a whole job in this process: resume done shards, write outputs and the cost report.
+
+    Args:
+        spec: the job.
+        llm: an `engine.LLM` to use (default: `get_llm(spec)`, loaded once per process).
+        on_shard_done: called after each shard commits (progress, tests).
+
+    Returns:
+        This run's CostReport (also appended to `OUTPUT/_job/metrics.parquet`).
+    """
+    plan = prepare_job(spec)
+    llm = llm if llm is not None else get_llm(spec)
+    device = spec.device_name or str(getattr(llm, "device_name", "unknown"))
+    results: list[ShardResult] = []
+    bar = None
+    if spec.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=plan.rows_total - plan.rows_skipped, unit="row", desc="tokenmill", dynamic_ncols=True)
+    out_tokens = 0
+    t0 = time.perf_counter()
+
+    def on_rows(rows: int, tokens: int) -> None:
+        nonlocal out_tokens
+        out_tokens += tokens
+        if bar is not None:
+            bar.update(rows)
+            bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} out tok/s", refresh=False)
+
+    try:
+        for window in _windows(plan.pending, spec.shards_in_flight):
+            for result in run_shards(spec, window, llm, run_id=plan.run_id, on_rows=on_rows):
+                results.append(result)
+                if on_shard_done is not None:
+                    on_shard_done(result)
+    finally:
+        if bar is not None:
+            bar.close()
+    return finish_job(plan, results, model=spec.model,
+                      quantization=spec.quantization or getattr(getattr(llm, "config", None), "quantization", None),
+                      device=device)

@@ -1,0 +1,263 @@
+"""Input and output schemas of a job, and row validation.
+
+Input (one Parquet file or a folder of them):
+    - an id column (default ``id``; the row index when there is none);
+    - ``prompt`` (string) and/or ``messages`` (a list of {role, content}, as a
+      Parquet list of structs or as a JSON string); a row uses ``messages``
+      when it is not null, else ``prompt``;
+    - optional per-row overrides: ``system``, ``max_tokens``, ``temperature``,
+      ``top_p``, ``seed``, ``stop``;
+    - every other column passes through to the output unchanged.
+
+A bad row never fails the job: `build_request` returns a `RowRequest` whose
+``error`` names the problem, and the job writes it as an error row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import polars as pl
+
+from engine.config import SamplingParams
+
+PROMPT_COLUMN = "prompt"
+MESSAGES_COLUMN = "messages"
+OVERRIDE_COLUMNS = ("system", "max_tokens", "temperature", "top_p", "seed", "stop")
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+
+# Output columns added after the id and pass-through columns, in this order.
+GENERATION_COLUMNS: dict[str, pl.DataType] = {
+    "generation": pl.Utf8(),
+    "finish_reason": pl.Utf8(),
+    "prompt_tokens": pl.Int64(),
+    "completion_tokens": pl.Int64(),
+    "cached_tokens": pl.Int64(),
+    "ttft_s": pl.Float64(),
+    "latency_s": pl.Float64(),
+    "error": pl.Utf8(),
+}
+GENERATIONS_LIST_COLUMN = "generations"  # only when n > 1
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """Which input columns play which role, for one input file's schema.
+
+    Attributes:
+        id_column: name of the id column in the output.
+        id_in_input: False when the input has no such column (ids are row indexes).
+        has_prompt / has_messages: which prompt columns exist.
+        overrides: per-row override columns present in the input.
+        passthrough: all other input columns, in input order.
+    """
+
+    id_column: str
+    id_in_input: bool
+    has_prompt: bool
+    has_messages: bool
+    overrides: tuple[str, ...]
+    passthrough: tuple[str, ...]
+
+    @classmethod
+    def from_schema(cls, columns: Sequence[str], id_column: str = "id") -> "InputLayout":
+        """Classify columns. Raises ValueError when there is neither `prompt` nor `messages`."""
+        cols = list(columns)
+        has_prompt = PROMPT_COLUMN in cols
+        has_messages = MESSAGES_COLUMN in cols
+        if not (has_prompt or has_messages):
+            raise ValueError(
+                f"input needs a {PROMPT_COLUMN!r} column (string) or a {MESSAGES_COLUMN!r} column "
+                f"(list of {{role, content}}); found columns {cols}"
+            )
+        reserved = {id_column, PROMPT_COLUMN, MESSAGES_COLUMN, *OVERRIDE_COLUMNS}
+        clash = [c for c in cols if c in GENERATION_COLUMNS or c == GENERATIONS_LIST_COLUMN]
+        if clash:
+            raise ValueError(f"input columns {clash} collide with output columns; rename them")
+        return cls(
+            id_column=id_column,
+            id_in_input=id_column in cols,
+            has_prompt=has_prompt,
+            has_messages=has_messages,
+            overrides=tuple(c for c in OVERRIDE_COLUMNS if c in cols),
+            passthrough=tuple(c for c in cols if c not in reserved),
+        )
+
+
+@dataclass
+class RowRequest:
+    """One row turned into an engine request, or into an error.
+
+    Attributes:
+        prompt_token_ids: the tokenized prompt (after the chat template), or None on error.
+        params: the row's SamplingParams, or None on error.
+        error: why the row cannot run, or None.
+    """
+
+    prompt_token_ids: Optional[list[int]] = None
+    params: Optional[SamplingParams] = None
+    error: Optional[str] = None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _override(name: str, value: Any) -> Any:
+    """Check one per-row override value's type; return the value, or raise ValueError."""
+    if name == "max_tokens" or name == "seed":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not _is_int(value):
+            raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        if name == "max_tokens" and value < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {value!r}")
+        return value
+    if name in ("temperature", "top_p"):
+        if not _is_num(value) or math.isnan(value):
+            raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if name == "stop":
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {value!r}")
+        return list(value)
+    if name == "system":
+        if not isinstance(value, str):
+            raise ValueError(f"system must be a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ValueError(f"unknown override column {name!r}")
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    """Normalise a `messages` cell to a list of {role, content} dicts.
+
+    Accepts a list of dicts (Parquet list<struct>) or a JSON string of one.
+
+    Raises:
+        ValueError: with a message saying what is wrong with the value.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"messages is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(value, (list, tuple)) or len(value) == 0:
+        raise ValueError(f"messages must be a non-empty list of {{role, content}}, got {type(value).__name__}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a {{role, content}} object, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in MESSAGE_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {list(MESSAGE_ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def build_request(
+    row: dict[str, Any],
+    layout: InputLayout,
+    tokenizer: Any,
+    defaults: SamplingParams,
+    *,
+    system_prompt: Optional[str] = None,
+    use_chat_template: bool = True,
+    max_model_len: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> RowRequest:
+    """Validate one input row and build its prompt token ids and SamplingParams.
+
+    Args:
+        row: the row as a dict (column -> Python value).
+        layout: the input's column roles.
+        tokenizer: has `encode(str) -> list[int]` and
+            `apply_chat_template(messages, add_generation_prompt=True) -> str`.
+        defaults: the job's default sampling parameters; overrides replace fields.
+        system_prompt: the job's system prompt; a row's `system` replaces it.
+        use_chat_template: wrap prompts in the chat template; without it a
+            system prompt is prepended as text and `messages` rows are errors.
+        max_model_len: context length in tokens; longer prompts are errors.
+
+    Returns:
+        A RowRequest; never raises for a bad row (any exception becomes `error`).
+    """
+    try:
+        return _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template,
+                              max_model_len, vocab_size)
+    except Exception as exc:  # noqa: BLE001 - one row's failure must not fail the job
+        return RowRequest(error=f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
+
+
+def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template, max_model_len, vocab_size):
+    overrides: dict[str, Any] = {}
+    for name in layout.overrides:
+        value = row.get(name)
+        if value is not None:
+            overrides[name] = _override(name, value)
+    system = overrides.pop("system", system_prompt)
+
+    messages_value = row.get(MESSAGES_COLUMN) if layout.has_messages else None
+    if messages_value is not None:
+        messages = parse_messages(messages_value)
+        if not use_chat_template:
+            raise ValueError("messages rows need the chat template (chat_template is off or the model has none)")
+        if system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        prompt = row.get(PROMPT_COLUMN) if layout.has_prompt else None
+        if prompt is None:
+            what = "prompt and messages are both null" if layout.has_messages and layout.has_prompt else (
+                "messages is null" if layout.has_messages and not layout.has_prompt else "prompt is null")
+            raise ValueError(what)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r}")
+        if not prompt.strip():
+            raise ValueError("prompt is empty")
+        if use_chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            if system is not None:
+                messages.insert(0, {"role": "system", "content": system})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        else:
+            text = prompt if system is None else f"{system}\n\n{prompt}"
+
+    params = dataclasses.replace(defaults, **overrides)
+    problem = params.validate(vocab_size)
+    if problem is not None:
+        raise ValueError(problem)
+    ids = list(tokenizer.encode(text))
+    if not ids:
+        raise ValueError("prompt is empty after tokenization")
+    if max_model_len is not None and len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt is too long: {len(ids)} tokens, and the model's context (max_model_len) is "
+            f"{max_model_len} tokens, which leaves no room for output"
+        )
+    return RowRequest(prompt_token_ids=ids, params=params)
+
+
+def output_schema(
+    id_column: str, id_dtype: pl.DataType, passthrough: dict[str, pl.DataType], n: int
+) -> dict[str, pl.DataType]:
+    """The output part schema: id, pass-through columns, then the generation columns.
+
+    `generations` (list of strings, one per completion) follows `generation` when n > 1.
+    """
+    out: dict[str, pl.DataType] = {id_column: id_dtype, **passthrough}
+    for name, dtype in GENERATION_COLUMNS.items():
+        out[name] = dtype
+        if name == "generation" and n > 1:
+            out[GENERATIONS_LIST_COLUMN] = pl.List(pl.Utf8())
+    return out

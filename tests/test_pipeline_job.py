@@ -1,0 +1,183 @@
+"""run_job with a stand-in engine: ids once, pass-through, resume, changed spec, atomic shards, S3."""
+from __future__ import annotations
+
+import os
+
+import polars as pl
+import pytest
+
+from pipeline import JobSpec, JobSpecChanged, done_shards, read_metrics, run_job
+from pipeline import io
+from pipeline.testing import FakeLLM
+
+try:
+    from tests.s3_server import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from s3_server import s3_bucket, s3_server  # noqa: F401
+
+
+def dataset(n: int, start: int = 0) -> pl.DataFrame:
+    return pl.DataFrame({
+        "id": [f"r{i:03d}" for i in range(start, start + n)],
+        "prompt": [f"Label item number {i}" for i in range(start, start + n)],
+        "topic": [f"t{i % 3}" for i in range(start, start + n)],
+        "score": [float(i) / 2 for i in range(start, start + n)],
+    })
+
+
+@pytest.fixture
+def local_input(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    dataset(7).write_parquet(d / "a.parquet")
+    dataset(5, 7).write_parquet(d / "b.parquet")
+    return d
+
+
+def spec_for(inp, out, **kw) -> JobSpec:
+    return JobSpec(input=str(inp), output=str(out), max_tokens=4, shard_size=3, progress=False, **kw)
+
+
+def read_output(out) -> pl.DataFrame:
+    parts = sorted(p for p in os.listdir(out) if p.startswith("part-"))
+    return pl.concat([pl.read_parquet(os.path.join(out, p)) for p in parts])
+
+
+def test_run_job_local(local_input, tmp_path):
+    out = tmp_path / "out"
+    llm = FakeLLM()
+    report = run_job(spec_for(local_input, out, price_per_hour=2.0), llm)
+    df = read_output(out)
+    # shards never span files: 7 rows -> 3+3+1, 5 rows -> 3+2
+    assert sorted(p for p in os.listdir(out) if p.startswith("part-")) == [f"part-{i:05d}.parquet" for i in range(5)]
+    assert df["id"].to_list() == [f"r{i:03d}" for i in range(12)]
+    assert df.columns == ["id", "topic", "score", "generation", "finish_reason", "prompt_tokens",
+                          "completion_tokens", "cached_tokens", "ttft_s", "latency_s", "error"]
+    assert df["topic"].to_list() == dataset(12)["topic"].to_list()
+    assert df["score"].to_list() == dataset(12)["score"].to_list()
+    assert df["error"].null_count() == 12
+    assert all(len(g) > 0 for g in df["generation"])
+    assert set(df["completion_tokens"]) == {4}
+    m = read_metrics(str(out))
+    assert m.height == 1
+    row = m.row(0, named=True)
+    assert row["rows_total"] == 12 and row["rows_ok"] == 12 and row["rows_error"] == 0 and row["rows_skipped"] == 0
+    assert row["prompt_tokens"] == df["prompt_tokens"].sum()
+    assert row["completion_tokens"] == df["completion_tokens"].sum() == 48
+    assert row["device"] == "fake" and row["price_per_device_hour"] == 2.0
+    assert report.cost_usd == pytest.approx(report.wall_s / 3600 * 2.0)
+
+
+def test_rerun_skips_done_shards(local_input, tmp_path):
+    out = tmp_path / "out"
+    run_job(spec_for(local_input, out), FakeLLM())
+    llm = FakeLLM()
+    report = run_job(spec_for(local_input, out), llm)
+    assert llm.prompts_seen == 0
+    assert report.rows_skipped == 12 and report.rows_ok == 0
+    assert read_metrics(str(out)).height == 2
+
+
+def test_resume_after_failure(local_input, tmp_path):
+    out = tmp_path / "out"
+    spec = spec_for(local_input, out, shards_in_flight=1)
+
+    class Killed(Exception):
+        pass
+
+    def die(result):
+        raise Killed
+
+    with pytest.raises(Killed):
+        run_job(spec, FakeLLM(), on_shard_done=die)
+    assert list(done_shards(spec)) == [0]
+    first = (out / "part-00000.parquet").read_bytes()
+    llm = FakeLLM()
+    report = run_job(spec, llm)
+    assert llm.prompts_seen == 9  # shard 0 (3 rows) is not recomputed
+    assert (out / "part-00000.parquet").read_bytes() == first
+    ids = read_output(out)["id"].to_list()
+    assert sorted(ids) == [f"r{i:03d}" for i in range(12)] and len(set(ids)) == 12
+    assert report.rows_skipped == 3 and report.rows_ok == 9
+
+
+def test_part_without_marker_is_recomputed(local_input, tmp_path):
+    """Killed between the part commit and its marker: the shard runs again, rows appear once."""
+    out = tmp_path / "out"
+    spec = spec_for(local_input, out)
+    run_job(spec, FakeLLM())
+    os.remove(out / "_job" / "done" / "part-00001.json")
+    llm = FakeLLM()
+    run_job(spec, llm)
+    assert llm.prompts_seen == 3
+    ids = read_output(out)["id"].to_list()
+    assert len(ids) == len(set(ids)) == 12
+
+
+def test_changed_spec_refused(local_input, tmp_path):
+    out = tmp_path / "out"
+    run_job(spec_for(local_input, out), FakeLLM())
+    with pytest.raises(JobSpecChanged, match=r"max_tokens: 4 -> 5.*--overwrite"):
+        run_job(spec_for(local_input, out).model_copy(update={"max_tokens": 5}), FakeLLM())
+    # price and progress do not change the outputs: allowed
+    run_job(spec_for(local_input, out, price_per_hour=9.0), FakeLLM())
+    # changed input is refused too
+    dataset(6, 7).write_parquet(local_input / "b.parquet")
+    with pytest.raises(JobSpecChanged, match="input changed"):
+        run_job(spec_for(local_input, out), FakeLLM())
+    report = run_job(spec_for(local_input, out, overwrite=True), FakeLLM())
+    assert report.rows_total == 13 and report.rows_skipped == 0
+    assert read_output(out).height == 13
+    assert read_metrics(str(out)).height == 1  # overwrite starts the job's history over
+
+
+def test_stray_parts_refused(local_input, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-00000.parquet").write_bytes(b"junk")
+    with pytest.raises(JobSpecChanged, match="no job manifest"):
+        run_job(spec_for(local_input, out), FakeLLM())
+
+
+def test_no_id_column_uses_row_index_and_n_gt_1(tmp_path):
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"prompt": ["a b", "c d", None, "e f"], "max_tokens": [2, None, 3, -1]}).write_parquet(inp)
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning, match="row index"):
+        run_job(spec_for(inp, out, n=2, temperature=0.7), FakeLLM())
+    df = read_output(out)
+    assert df["id"].to_list() == [0, 1, 2, 3]
+    assert df["generations"].to_list()[0] == ["b0", "b1"]
+    assert df["generation"].to_list()[1] == "d0 d"
+    assert df["error"].to_list()[2] == "prompt is null" and df["finish_reason"][2] == "error"
+    assert "max_tokens" in df["error"].to_list()[3]
+    assert df["completion_tokens"].to_list() == [4, 8, 0, 0]
+    m = read_metrics(str(out)).row(0, named=True)
+    assert (m["rows_ok"], m["rows_error"]) == (2, 2)
+
+
+def test_limit(local_input, tmp_path):
+    report = run_job(spec_for(local_input, tmp_path / "out", limit=8), FakeLLM())
+    assert report.rows_total == 8 and read_output(tmp_path / "out").height == 8
+
+
+def test_s3_to_s3(s3_bucket, tmp_path):
+    so = {}
+    for i, name in enumerate(["x/p0.parquet", "x/p1.parquet", "x/sub/p2.parquet"]):
+        buf = tmp_path / f"{i}.parquet"
+        dataset(4, 4 * i).write_parquet(buf)
+        fs, path = io.filesystem(f"s3://{s3_bucket}/{name}", so)
+        fs.put(str(buf), path)
+    spec = JobSpec(input=f"s3://{s3_bucket}/x/", output=f"s3://{s3_bucket}/out", max_tokens=3, shard_size=3,
+                   progress=False)
+    run_job(spec, FakeLLM())
+    names = io.list_names(spec.output)
+    assert names == ["_job"] + [f"part-{i:05d}.parquet" for i in range(6)]
+    df = pl.concat([io.read_parquet(io.join(spec.output, n)) for n in names if n.startswith("part-")])
+    assert sorted(df["id"].to_list()) == [f"r{i:03d}" for i in range(12)]
+    # polars can read the outputs directly with translated storage options
+    opts = io.polars_storage_options(io.resolve_storage_options(spec.output))
+    direct = pl.read_parquet(f"{spec.output}/part-*.parquet", storage_options=opts)
+    assert direct.height == 12
+    with pytest.raises(JobSpecChanged):
+        run_job(spec.model_copy(update={"max_tokens": 4}), FakeLLM())
