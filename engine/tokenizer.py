@@ -313,15 +313,16 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text (e.g. `<|im_start|>`) map to their ids.
 
         With `add_special_tokens`, BOS/EOS are added only if the model's
-        tokenizer is configured to (SmolLM2 adds none). Pass False for text
-        that already went through the chat template (see `encode_chat`).
+        tokenizer is configured to (SmolLM2 adds none). A text that already
+        starts with the BOS token (a rendered chat template, e.g. Llama 3's
+        `<|begin_of_text|>`) never gets a second one.
 
         Raises:
             TypeError: `text` is not a str.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._dedupe_bos(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for many texts at once (one call into the Rust backend, which may use threads).
@@ -335,7 +336,14 @@ class Tokenizer:
                 raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
         if not texts:
             return []
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [self._dedupe_bos(e.ids) for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def _dedupe_bos(self, ids: list[int]) -> list[int]:
+        """Drop an added BOS in front of a BOS the text itself wrote."""
+        bos = self.bos_token_id
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            return ids[1:]
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (invalid UTF-8 byte runs become U+FFFD, as in Hugging Face)."""

@@ -7,6 +7,7 @@ facts of the model card (ChatML markers, `<|im_end|>` is EOS).
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 
@@ -123,6 +124,23 @@ def test_no_bos_added(tok: Tokenizer):
     assert tok.bos_token_id not in ids
 
 
+def test_bos_added_only_when_configured_and_never_twice(tok: Tokenizer):
+    """A tokenizer whose post-processor adds BOS (Llama-style): BOS once, even before a templated BOS."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    bos = tok.hf.bos_token
+    rust = RustTokenizer.from_str(tok.backend.to_str())
+    rust.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.bos_token_id)])
+    llama_like = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust, bos_token=bos, eos_token=tok.hf.eos_token))
+    plain = tok.encode("Hello world")
+    assert llama_like.encode("Hello world") == [tok.bos_token_id] + plain
+    assert llama_like.encode("Hello world", add_special_tokens=False) == plain
+    assert llama_like.encode(bos + "Hello world") == [tok.bos_token_id] + plain
+    assert llama_like.encode_batch([bos + "Hello world", "Hello world"]) == [[tok.bos_token_id] + plain] * 2
+
+
 def test_encode_batch_equals_encode(tok: Tokenizer):
     texts = list(TEXTS.values()) + ["", "a"]
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
@@ -225,6 +243,26 @@ def test_split_characters_are_held_back(tok: Tokenizer, name: str):
         assert TEXTS[name].startswith(detok.text)  # emitted text is always a correct prefix
         held += out == ""
     assert held > 0
+
+
+def test_streaming_random_byte_heavy_sequences(tok: Tokenizer):
+    """Property: for random ids rich in partial-UTF-8 byte tokens, random prompts (which may end
+    inside a character) and random chunk sizes, streamed text + finish() == one-shot decode."""
+    rng = random.Random(1234)
+    byte_ids = [i for i in range(tok.vocab_size) if FFFD in tok.decode([i])]
+    assert byte_ids
+    for _ in range(150):
+        ids = [rng.choice(byte_ids) if rng.random() < 0.5 else rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 8))]
+        skip = rng.random() < 0.5
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        out, i = "", 0
+        while i < len(ids):
+            k = rng.randint(1, 3)
+            out += detok.add(ids[i : i + k])
+            i += k
+        out += detok.finish()
+        assert out == detok.text == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_stream_never_emits_prompt_text(tok: Tokenizer):
