@@ -401,7 +401,8 @@ class IncrementalDetokenizer:
     `ids[prefix_offset:]` and emits what lies beyond the window's text. Text
     ending in U+FFFD (a character whose bytes are not all generated yet) is
     held back until a later token completes it, so no chunk carries a split
-    character. Cost per call: one decode of about (window + new) ids.
+    character. Cost per call: two decodes of about (window + new) ids, about
+    14 us per token here for ordinary text.
 
     For byte-level BPE tokenizers (SmolLM2, Llama 3, Qwen2, GPT-2), the
     concatenated chunks plus `finish()` equal `tokenizer.decode(generated_ids)`.
@@ -413,7 +414,8 @@ class IncrementalDetokenizer:
         token_ids: all generated ids added so far.
     """
 
-    #: Prompt ids kept as decoding context (enough for any merge of spaces/bytes).
+    #: Prompt ids kept as decoding context (for the leading space of the
+    #: first generated token in SentencePiece-style decoders).
     CONTEXT_TOKENS = 6
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
@@ -486,7 +488,7 @@ class StopStringMatcher:
                 raise ValueError(f"stop[{i}] must be a str, got {type(s).__name__}")
             if not s:
                 raise ValueError(f"stop[{i}] is an empty string")
-        # Deduplicate, keep the caller's order for tie-breaking.
+        # Deduplicate (order kept).
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
         self.max_len: int = max((len(s) for s in self.stops), default=0)
 

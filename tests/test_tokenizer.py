@@ -6,6 +6,7 @@ facts of the model card (ChatML markers, `<|im_end|>` is EOS).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -96,6 +97,19 @@ def test_from_model_names(tok: Tokenizer):
     assert Tokenizer.from_model("dummy:llama-3-8b").hf is tok.hf  # dummy weights borrow the default tokenizer
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_model("/nonexistent/model.gguf")
+
+
+def test_from_pretrained_folder_and_generation_config_eos(tok: Tokenizer, tmp_path):
+    """A Hugging Face folder loads; generation_config.json's eos_token_id list joins eos_token_ids."""
+    tok.hf.save_pretrained(tmp_path)
+    extra = tok.token_to_id("<|im_start|>")  # any in-vocab id the folder declares as an end token
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, extra]}))
+    folder = Tokenizer.from_pretrained(str(tmp_path))
+    assert folder.encode(TEXTS["mixed"]) == tok.encode(TEXTS["mixed"])
+    assert folder.eos_token_ids == tok.eos_token_ids | {extra}
+    assert Tokenizer.from_model(str(tmp_path)).hf is folder.hf
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_pretrained(str(tmp_path / "missing"))
 
 
 def test_vocab_and_eos(tok: Tokenizer):
