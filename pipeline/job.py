@@ -20,6 +20,7 @@ part with the same rows: every input row appears exactly once.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import threading
@@ -130,13 +131,46 @@ class JobSpec(BaseModel):
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_tokens=self.max_tokens, stop=list(self.stop), **self.sampling_options)
 
+    @classmethod
+    def from_file(cls, path: str, **overrides: Any) -> "JobSpec":
+        """Load a spec from a YAML or JSON file (fields at the top level or under `spec:`).
+
+        Other top-level keys (e.g. a `deployment:` section for `flows/deploy.py`) are ignored here.
+        """
+        return cls(**{**load_spec_file(path)[0], **overrides})
+
     def fingerprint_fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in FINGERPRINT_FIELDS}
+
+
+def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(spec fields, the rest) from a YAML or JSON file.
+
+    The file holds JobSpec fields, either at the top level or under a `spec`
+    key; with `spec`, the other top-level keys (e.g. `deployment`) are returned
+    as the rest.
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if str(path).endswith(".json"):
+        doc = json.loads(text)
+    else:
+        import yaml
+
+        doc = yaml.safe_load(text)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a mapping of JobSpec fields, got {type(doc).__name__}")
+    if "spec" in doc:
+        rest = {k: v for k, v in doc.items() if k != "spec"}
+        return dict(doc["spec"] or {}), rest
+    rest = {k: doc.pop(k) for k in list(doc) if k == "deployment"}
+    return doc, rest
 
 
 # ---------------------------------------------------------------- the engine, once per process
 
 _ENGINES: dict[str, Any] = {}
+_ENGINE_LOCKS: dict[int, threading.Lock] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -149,6 +183,13 @@ def get_llm(spec: JobSpec) -> Any:
 
             _ENGINES[key] = LLM(spec.model, **spec.engine_kwargs())
         return _ENGINES[key]
+
+
+def engine_lock(llm: Any) -> threading.Lock:
+    """A lock per engine object: one engine runs one batch at a time, so threads (e.g. Prefect's
+    thread-pool task runner) take turns; separate worker processes each have their own engine."""
+    with _ENGINES_LOCK:
+        return _ENGINE_LOCKS.setdefault(id(llm), threading.Lock())
 
 
 # ---------------------------------------------------------------- plan and manifest
@@ -316,6 +357,12 @@ _EMPTY = {"generation": None, "finish_reason": "error", "prompt_tokens": 0, "com
           "cached_tokens": 0, "ttft_s": None, "latency_s": None}
 
 
+def row_seed(job_seed: int, row_index: int) -> int:
+    """A row's sampling seed when it has none: a hash of the job seed and the row's index in the dataset."""
+    digest = hashlib.blake2b(f"{job_seed}:{row_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def _error_row(message: str) -> dict:
     return {**_EMPTY, "error": message}
 
@@ -417,9 +464,12 @@ def run_shards(
             if req.error is not None:
                 state.results[i] = _error_row(req.error)
             else:
+                p = req.params
+                if p.seed is None:  # same samples for a row whatever the sharding, batch or resume
+                    p = dataclasses.replace(p, seed=row_seed(spec.seed, shard.first_row + i))
                 owners.append((len(states), i))
                 prompts.append(req.prompt_token_ids)
-                params.append(req.params)
+                params.append(p)
                 state.remaining += 1
         states.append(state)
 
@@ -501,8 +551,8 @@ def run_job(
         This run's CostReport (also appended to `OUTPUT/_job/metrics.parquet`).
     """
     plan = prepare_job(spec)
-    llm = llm if llm is not None else get_llm(spec)
-    device = spec.device_name or str(getattr(llm, "device_name", "unknown"))
+    if llm is None and plan.pending:
+        llm = get_llm(spec)
     results: list[ShardResult] = []
     bar = None
     if spec.progress:
@@ -530,4 +580,19 @@ def run_job(
             bar.close()
     return finish_job(plan, results, model=spec.model,
                       quantization=spec.quantization or getattr(getattr(llm, "config", None), "quantization", None),
-                      device=device)
+                      device=job_device(plan, results, llm))
+
+
+def job_device(plan: JobPlan, results: list[ShardResult], llm: Any = None) -> str:
+    """The device name for the report: the spec's, else the engine's, else the one done shards recorded."""
+    if plan.spec.device_name:
+        return plan.spec.device_name
+    for r in results:
+        if r.device:
+            return r.device
+    if llm is not None and getattr(llm, "device_name", None):
+        return str(llm.device_name)
+    for r in done_shards(plan.spec).values():
+        if r.device:
+            return r.device
+    return "unknown"
