@@ -58,3 +58,18 @@ def s3_bucket(s3_server):
     name = f"tm-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
     return name
+
+
+# Engine options shared by every test that runs the real model: `pipeline.get_llm` caches one
+# engine per (model, options) per process, so the whole session loads the model once.
+TEST_ENGINE_FIELDS = {
+    "max_model_len": 256,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 512,
+    "kv_cache_memory_bytes": 128 << 20,
+    "num_threads": 1,  # two OpenMP threads collapse when other work shares the 2 cores
+}
+TEST_ENGINE_FLAGS = [
+    "--max-model-len", "256", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
+    "--kv-cache-memory-bytes", str(128 << 20), "--num-threads", "1",
+]

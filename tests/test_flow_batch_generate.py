@@ -1,0 +1,161 @@
+"""The Prefect flow end to end through S3 (moto), with retries, resume after a failed shard, and artifacts.
+
+Runs on Prefect's temporary local API (no server configured), one per session.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="tokenmill-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+import polars as pl  # noqa: E402
+import pytest  # noqa: E402
+
+import pipeline.job  # noqa: E402
+from pipeline import JobSpec, JobSpecChanged, io, read_metrics  # noqa: E402
+
+try:
+    from tests.s3_server import TEST_ENGINE_FIELDS, s3_bucket, s3_server  # noqa: F401  (fixtures)
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from s3_server import TEST_ENGINE_FIELDS, s3_bucket, s3_server  # noqa: F401
+
+PROMPTS = ["Say yes.", "Say no.", "Name a fruit.", "Name a month.", "Say hi.", "Name a colour.", "Count to two.",
+           "Name a dog.", "Say thanks."]
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    """One temporary Prefect API (SQLite) for this module's flows."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def upload_dataset(bucket: str, tmp_path) -> str:
+    """Three Parquet files (3 rows each) under s3://bucket/prompts/; returns the prefix URL."""
+    for f in range(3):
+        local = tmp_path / f"{f}.parquet"
+        pl.DataFrame({
+            "id": [f"q{3 * f + i}" for i in range(3)],
+            "prompt": PROMPTS[3 * f:3 * f + 3],
+            "source": [f"file{f}"] * 3,
+            "weight": [float(3 * f + i) for i in range(3)],
+        }).write_parquet(local)
+        fs, path = io.filesystem(f"s3://{bucket}/prompts/part{f}.parquet")
+        fs.put(str(local), path)
+    return f"s3://{bucket}/prompts/"
+
+
+def read_parts(output: str) -> pl.DataFrame:
+    names = [n for n in io.list_names(output) if n.startswith("part-")]
+    return pl.concat([io.read_parquet(io.join(output, n)) for n in names])
+
+
+def part_bytes(output: str, name: str) -> bytes:
+    fs, path = io.filesystem(io.join(output, name))
+    return fs.cat_file(path)
+
+
+def test_flow_s3_to_s3(prefect_api, s3_bucket, tmp_path, monkeypatch):
+    from prefect.artifacts import Artifact
+
+    from flows import batch_generate
+
+    inp = upload_dataset(s3_bucket, tmp_path)
+    spec = JobSpec(input=inp, output=f"s3://{s3_bucket}/out", max_tokens=4, shard_size=2, progress=False,
+                   price_per_hour=3.0, **TEST_ENGINE_FIELDS)
+
+    # the first read of each of shards 1 and 3 fails: the task retries and succeeds
+    real_read, failed = pipeline.job.io.read_rows, set()
+
+    def flaky_read(url, offset, length, storage_options=None):
+        key = (url, offset)
+        if key in {(f"s3://{s3_bucket}/prompts/part0.parquet", 2), (f"s3://{s3_bucket}/prompts/part1.parquet", 2)} \
+                and key not in failed:
+            failed.add(key)
+            raise ConnectionError("injected S3 hiccup")
+        return real_read(url, offset, length, storage_options)
+
+    monkeypatch.setattr(pipeline.job.io, "read_rows", flaky_read)
+    report = batch_generate(spec, shard_retries=2, retry_delay_s=0)
+    assert len(failed) == 2
+
+    df = read_parts(spec.output)
+    assert sorted(df["id"].to_list()) == sorted(f"q{i}" for i in range(9))  # every id exactly once
+    assert df.height == 9
+    src = {r["id"]: r for r in df.to_dicts()}
+    for i in range(9):
+        assert src[f"q{i}"]["source"] == f"file{i // 3}" and src[f"q{i}"]["weight"] == float(i)
+    assert df["error"].null_count() == 9 and all(df["generation"].str.len_chars() > 0)
+
+    m = read_metrics(spec.output).row(0, named=True)
+    assert m["prompt_tokens"] == df["prompt_tokens"].sum() > 0
+    assert m["completion_tokens"] == df["completion_tokens"].sum() > 0
+    assert m["cached_tokens"] == df["cached_tokens"].sum()
+    assert (m["rows_total"], m["rows_ok"], m["rows_error"], m["rows_skipped"]) == (9, 9, 0, 0)
+    assert m["cost_usd"] == pytest.approx(m["wall_s"] / 3600 * 3.0)
+    assert report["run_id"] == m["run_id"]
+
+    table = Artifact.get("tokenmill-cost-report")
+    assert table is not None and "usd_per_1m_tokens" in str(table.data)
+    progress = Artifact.get("tokenmill-progress")
+    assert progress is not None and float(progress.data) == pytest.approx(100.0)
+
+    # a re-run with another spec is refused
+    with pytest.raises(JobSpecChanged):
+        batch_generate(spec.model_copy(update={"max_tokens": 5}), shard_retries=0)
+
+
+def test_flow_resume_after_failed_shard(prefect_api, s3_bucket, tmp_path, monkeypatch):
+    from flows import batch_generate
+
+    inp = upload_dataset(s3_bucket, tmp_path)
+    spec = JobSpec(input=inp, output=f"s3://{s3_bucket}/out", max_tokens=4, shard_size=3, progress=False,
+                   **TEST_ENGINE_FIELDS)
+    real_read = pipeline.job.io.read_rows
+
+    def broken_after_first(url, offset, length, storage_options=None):
+        if not url.endswith("part0.parquet"):
+            raise ConnectionError("injected: the job dies after its first shard")
+        return real_read(url, offset, length, storage_options)
+
+    monkeypatch.setattr(pipeline.job.io, "read_rows", broken_after_first)
+    with pytest.raises(ConnectionError):
+        batch_generate(spec, shard_retries=0)
+    assert [n for n in io.list_names(spec.output) if n.startswith("part-")] == ["part-00000.parquet"]
+    first = part_bytes(spec.output, "part-00000.parquet")
+
+    computed = []
+    monkeypatch.setattr(pipeline.job.io, "read_rows",
+                        lambda url, o, n, so=None: computed.append(url) or real_read(url, o, n, so))
+    report = batch_generate(spec, shard_retries=0)
+    assert sorted(computed) == [f"{inp}part1.parquet", f"{inp}part2.parquet"]  # shard 0 is not recomputed
+    assert part_bytes(spec.output, "part-00000.parquet") == first
+    ids = read_parts(spec.output)["id"].to_list()
+    assert sorted(ids) == sorted(f"q{i}" for i in range(9)) and len(ids) == 9
+    assert report["rows_skipped"] == 3 and report["rows_ok"] == 6
+
+
+def test_deploy_serves_spec_file_on_cron(tmp_path, monkeypatch):
+    from flows import batch_generate, deploy
+
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(
+        "spec:\n  input: s3://bucket/prompts/\n  output: s3://bucket/out/\n  max_tokens: 8\n"
+        "deployment:\n  name: nightly\n  cron: '0 2 * * *'\n  shard_retries: 1\n")
+    captured = {}
+    monkeypatch.setattr(type(batch_generate), "serve", lambda self, **kw: captured.update(kw))
+    assert deploy.main([str(spec_file), "--name", "labels"]) == 0
+    assert captured["cron"] == "0 2 * * *" and captured["name"] == "labels"
+    assert captured["parameters"]["spec"]["max_tokens"] == 8 and captured["parameters"]["shard_retries"] == 1
+    JobSpec(**captured["parameters"]["spec"])  # the parameters round-trip into a JobSpec
+
+    json_file = tmp_path / "job.json"
+    json_file.write_text('{"input": "in.parquet", "output": "out"}')
+    with pytest.raises(ValueError, match="cron"):
+        deploy.load_deployment(str(json_file))
+    spec, dep = deploy.load_deployment(str(json_file), cron="*/5 * * * *")
+    assert spec.input == "in.parquet" and dep["cron"] == "*/5 * * * *"
