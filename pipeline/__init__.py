@@ -11,6 +11,7 @@ from pipeline.job import (
     JobSpec,
     JobSpecChanged,
     ShardResult,
+    cache_llm,
     done_shards,
     finish_job,
     get_llm,
@@ -21,7 +22,7 @@ from pipeline.job import (
 )
 
 __all__ = [
-    "CostReport", "JobPlan", "JobSpec", "JobSpecChanged", "ShardResult", "TokenCounts", "cost_report",
+    "CostReport", "JobPlan", "JobSpec", "JobSpecChanged", "ShardResult", "TokenCounts", "cache_llm", "cost_report",
     "done_shards", "finish_job", "format_report", "get_llm", "prepare_job", "read_metrics", "run_job",
     "run_shards",
 ]

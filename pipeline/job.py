@@ -174,15 +174,25 @@ _ENGINE_LOCKS: dict[int, threading.Lock] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
+def _engine_key(spec: JobSpec) -> str:
+    return json.dumps([spec.model, spec.engine_kwargs()], sort_keys=True, default=str)
+
+
 def get_llm(spec: JobSpec) -> Any:
     """The `engine.LLM` for this spec's model and engine options, loaded once per process and reused."""
-    key = json.dumps([spec.model, spec.engine_kwargs()], sort_keys=True, default=str)
+    key = _engine_key(spec)
     with _ENGINES_LOCK:
         if key not in _ENGINES:
             from engine import LLM
 
             _ENGINES[key] = LLM(spec.model, **spec.engine_kwargs())
         return _ENGINES[key]
+
+
+def cache_llm(spec: JobSpec, llm: Any) -> None:
+    """Make `get_llm` return `llm` (an engine you already built) for this spec's model and engine options."""
+    with _ENGINES_LOCK:
+        _ENGINES[_engine_key(spec)] = llm
 
 
 def engine_lock(llm: Any) -> threading.Lock:

@@ -1,11 +1,12 @@
 """A moto S3 server on 127.0.0.1 for the pipeline and flow tests (import its fixtures; no conftest needed).
 
-    from s3_server import s3_server, s3_bucket   # noqa: F401  (pytest fixtures)
+    from s3_server import s3_server, s3_bucket, job_llm   # noqa: F401  (pytest fixtures)
 
 `s3_server` (session): starts `moto.server.ThreadedMotoServer` on a free
 loopback port and sets the standard AWS environment variables (endpoint,
 dummy keys, region) that boto3, s3fs and polars read; restores them after.
 `s3_bucket`: a fresh bucket per test, returned as its name.
+`job_llm`: the session's engine, reused by jobs with default engine options.
 """
 from __future__ import annotations
 
@@ -60,16 +61,13 @@ def s3_bucket(s3_server):
     return name
 
 
-# Engine options shared by every test that runs the real model: `pipeline.get_llm` caches one
-# engine per (model, options) per process, so the whole session loads the model once.
-TEST_ENGINE_FIELDS = {
-    "max_model_len": 256,
-    "max_num_seqs": 32,
-    "max_num_batched_tokens": 512,
-    "kv_cache_memory_bytes": 128 << 20,
-    "num_threads": 1,  # two OpenMP threads collapse when other work shares the 2 cores
-}
-TEST_ENGINE_FLAGS = [
-    "--max-model-len", "256", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
-    "--kv-cache-memory-bytes", str(128 << 20), "--num-threads", "1",
-]
+
+@pytest.fixture
+def job_llm(llm):
+    """The session's engine (conftest's `llm`, default settings), registered so that every job whose
+    spec leaves the engine options at their defaults (run_job, the CLI, the flow's tasks) reuses it:
+    the whole test session loads the model once."""
+    from pipeline import JobSpec, cache_llm
+
+    cache_llm(JobSpec(input="-", output="-"), llm)
+    return llm

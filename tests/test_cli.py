@@ -8,9 +8,9 @@ import polars as pl
 from pipeline.cli import build_parser, main, spec_from_args
 
 try:
-    from tests.s3_server import TEST_ENGINE_FLAGS
+    from tests.s3_server import job_llm  # noqa: F401  (fixture)
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from s3_server import TEST_ENGINE_FLAGS
+    from s3_server import job_llm  # noqa: F401
 
 
 def test_flags_mirror_jobspec(tmp_path):
@@ -27,14 +27,14 @@ def test_flags_mirror_jobspec(tmp_path):
     assert spec.storage_options == {"endpoint_url": "http://x"} and spec.engine_kwargs()["block_size"] == 32
 
 
-def test_run_report_and_refusal(tmp_path, capsys):
+def test_run_report_and_refusal(job_llm, tmp_path, capsys):
     inp = tmp_path / "prompts.parquet"
     pl.DataFrame({"id": ["a", "b", "c", "d", "e"],
                   "prompt": ["Say yes.", "Say no.", "Name a fruit.", "Name a month.", "Say hi."],
                   "lang": ["en"] * 5}).write_parquet(inp)
     out = tmp_path / "out"
     args = ["run", "--input", str(inp), "--output", str(out), "--max-tokens", "4", "--shard-size", "2",
-            "--price-per-hour", "0.10", *TEST_ENGINE_FLAGS]
+            "--price-per-hour", "0.10"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "cost report" in printed and "usd_per_1m_tokens" in printed and "output_tokens_per_s" in printed
@@ -45,15 +45,15 @@ def test_run_report_and_refusal(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     assert "rows_ok" in capsys.readouterr().out
 
-    assert main(args[:-len(TEST_ENGINE_FLAGS)] + ["--max-tokens", "5", *TEST_ENGINE_FLAGS]) == 2
+    assert main(args + ["--max-tokens", "5"]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "nothing")]) == 1
 
 
-def test_demo(tmp_path, capsys):
+def test_demo(job_llm, tmp_path, capsys):
     out = tmp_path / "demo"
     rc = main(["demo", "--output", str(out), "--limit", "3", "--max-tokens", "2", "--no-progress",
-               *TEST_ENGINE_FLAGS])
+               ])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "labelling job" in printed and "cost report" in printed

@@ -17,9 +17,9 @@ import pipeline.job  # noqa: E402
 from pipeline import JobSpec, JobSpecChanged, io, read_metrics  # noqa: E402
 
 try:
-    from tests.s3_server import TEST_ENGINE_FIELDS, s3_bucket, s3_server  # noqa: F401  (fixtures)
+    from tests.s3_server import job_llm, s3_bucket, s3_server  # noqa: F401  (fixtures)
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from s3_server import TEST_ENGINE_FIELDS, s3_bucket, s3_server  # noqa: F401
+    from s3_server import job_llm, s3_bucket, s3_server  # noqa: F401
 
 PROMPTS = ["Say yes.", "Say no.", "Name a fruit.", "Name a month.", "Say hi.", "Name a colour.", "Count to two.",
            "Name a dog.", "Say thanks."]
@@ -59,14 +59,14 @@ def part_bytes(output: str, name: str) -> bytes:
     return fs.cat_file(path)
 
 
-def test_flow_s3_to_s3(prefect_api, s3_bucket, tmp_path, monkeypatch):
+def test_flow_s3_to_s3(prefect_api, job_llm, s3_bucket, tmp_path, monkeypatch):
     from prefect.artifacts import Artifact
 
     from flows import batch_generate
 
     inp = upload_dataset(s3_bucket, tmp_path)
     spec = JobSpec(input=inp, output=f"s3://{s3_bucket}/out", max_tokens=4, shard_size=2, progress=False,
-                   price_per_hour=3.0, **TEST_ENGINE_FIELDS)
+                   price_per_hour=3.0)
 
     # the first read of each of shards 1 and 3 fails: the task retries and succeeds
     real_read, failed = pipeline.job.io.read_rows, set()
@@ -109,12 +109,12 @@ def test_flow_s3_to_s3(prefect_api, s3_bucket, tmp_path, monkeypatch):
         batch_generate(spec.model_copy(update={"max_tokens": 5}), shard_retries=0)
 
 
-def test_flow_resume_after_failed_shard(prefect_api, s3_bucket, tmp_path, monkeypatch):
+def test_flow_resume_after_failed_shard(prefect_api, job_llm, s3_bucket, tmp_path, monkeypatch):
     from flows import batch_generate
 
     inp = upload_dataset(s3_bucket, tmp_path)
     spec = JobSpec(input=inp, output=f"s3://{s3_bucket}/out", max_tokens=4, shard_size=3, progress=False,
-                   **TEST_ENGINE_FIELDS)
+                   )
     real_read = pipeline.job.io.read_rows
 
     def broken_after_first(url, offset, length, storage_options=None):
