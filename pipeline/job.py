@@ -35,12 +35,11 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import SamplingParams
-from pipeline import io
+from pipeline import io, manifest
 from pipeline.cost import CostReport, TokenCounts, cost_report
+from pipeline.manifest import ShardResult
 from pipeline.planner import Shard, plan_shards
 from pipeline.schema import InputLayout, build_request, output_schema
-
-MANIFEST_VERSION = 1
 
 # JobSpec fields that change what the outputs are; any change refuses a resume.
 FINGERPRINT_FIELDS = (
@@ -107,7 +106,7 @@ class JobSpec(BaseModel):
     device_name: Optional[str] = Field(None, description="device name in the report (default: the engine's)")
     device_count: int = Field(1, ge=1)
     output_token_weight: float = Field(4.0, gt=0, description="cost of one output token in uncached input tokens")
-    overwrite: bool = Field(False, description="discard a previous job with another spec at the output")
+    overwrite: bool = Field(False, description="delete the job outputs already at the output and start over")
     progress: bool = Field(True, description="show a tqdm progress bar")
 
     @field_validator("stop", mode="before")
@@ -205,27 +204,6 @@ def engine_lock(llm: Any) -> threading.Lock:
 # ---------------------------------------------------------------- plan and manifest
 
 @dataclass
-class ShardResult:
-    """What committing one shard produced."""
-
-    index: int
-    rows: int
-    counts: TokenCounts
-    device: str
-    seconds: float
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["counts"] = asdict(self.counts)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> "ShardResult":
-        return cls(index=d["index"], rows=d["rows"], counts=TokenCounts(**d["counts"]),
-                   device=d.get("device", ""), seconds=d.get("seconds", 0.0))
-
-
-@dataclass
 class JobPlan:
     """A prepared run: the shard plan and which shards still need to run."""
 
@@ -244,55 +222,9 @@ class JobPlan:
         self.rows_skipped = sum(s.length for s in self.shards if s.index not in pending)
 
 
-def _job_url(spec: JobSpec, *parts: str) -> str:
-    return io.join(spec.output, "_job", *parts)
-
-
-def _fingerprint(spec: JobSpec, files: list[io.InputFile]) -> tuple[str, dict]:
-    doc = {
-        "inputs": [asdict(f) for f in files],
-        "spec": spec.fingerprint_fields(),
-    }
-    digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
-    return digest, doc
-
-
-def _describe_change(old: dict, new: dict) -> str:
-    changes = []
-    for k in sorted(set(old.get("spec", {})) | set(new["spec"])):
-        a, b = old.get("spec", {}).get(k), new["spec"].get(k)
-        if a != b:
-            changes.append(f"{k}: {a!r} -> {b!r}")
-    old_inputs = {f["path"]: f for f in old.get("inputs", [])}
-    new_inputs = {f["path"]: f for f in new["inputs"]}
-    for p in sorted(set(old_inputs) | set(new_inputs)):
-        if p not in new_inputs:
-            changes.append(f"input removed: {p}")
-        elif p not in old_inputs:
-            changes.append(f"input added: {p}")
-        elif old_inputs[p] != new_inputs[p]:
-            changes.append(f"input changed: {p}")
-    return "; ".join(changes) or "fingerprint differs"
-
-
-def _clear_output(spec: JobSpec) -> None:
-    so = spec.storage_options
-    for name in io.list_names(spec.output, so):
-        if name.startswith("part-") and name.endswith(".parquet"):
-            io.remove(io.join(spec.output, name), so)
-    io.remove(_job_url(spec), so)
-
-
 def done_shards(spec: JobSpec) -> dict[int, ShardResult]:
-    """Shards with a done marker, by index."""
-    out = {}
-    for name in io.list_names(_job_url(spec, "done"), spec.storage_options):
-        if name.startswith("part-") and name.endswith(".json"):
-            d = io.read_json(_job_url(spec, "done", name), spec.storage_options)
-            if d is not None:
-                r = ShardResult.from_json(d)
-                out[r.index] = r
-    return out
+    """The job's shards that have a done marker, by index."""
+    return manifest.done_shards(spec.output, spec.storage_options)
 
 
 def prepare_job(spec: JobSpec) -> JobPlan:
@@ -314,40 +246,28 @@ def prepare_job(spec: JobSpec) -> JobPlan:
             warnings.warn(f"{f.path} has no {spec.id_column!r} column; using the row index as the id",
                           stacklevel=2)
     shards = plan_shards(files, spec.shard_size, spec.limit)
-    fingerprint, doc = _fingerprint(spec, files)
-    manifest_url = _job_url(spec, "manifest.json")
-    manifest = io.read_json(manifest_url, so)
-
-    if manifest is not None and manifest.get("fingerprint") != fingerprint:
-        if not spec.overwrite:
-            raise JobSpecChanged(
-                f"{spec.output} already holds a job with a different spec or input "
-                f"({_describe_change(manifest, doc)}). Re-run with --overwrite (overwrite=True) to discard "
-                f"its outputs, or choose another output."
-            )
-        _clear_output(spec)
-        manifest = None
-    if manifest is None:
-        stray = [n for n in io.list_names(spec.output, so) if n.startswith("part-")]
-        if stray and not spec.overwrite:
-            raise JobSpecChanged(
-                f"{spec.output} has part files ({stray[0]}, ...) but no job manifest; "
-                f"re-run with --overwrite to replace them, or choose another output."
-            )
-        if stray:
-            _clear_output(spec)
-        manifest = {
-            "version": MANIFEST_VERSION,
-            "fingerprint": fingerprint,
-            **doc,
-            "shards": [asdict(s) for s in shards],
-            "created_at": started_at.isoformat(),
-        }
-        io.write_json_atomic(manifest, manifest_url, so)
+    digest, doc = manifest.fingerprint(files, spec.fingerprint_fields())
+    previous = manifest.read_manifest(spec.output, so)
+    if spec.overwrite:
+        manifest.clear_output(spec.output, so)
+    elif previous is not None and previous.get("fingerprint") != digest:
+        raise JobSpecChanged(
+            f"{spec.output} already holds a job with a different spec or input "
+            f"({manifest.describe_change(previous, doc)}). Re-run with --overwrite (overwrite=True) to "
+            f"discard its outputs and start over, or choose another output."
+        )
+    elif previous is None and manifest.part_files(spec.output, so):
+        raise JobSpecChanged(
+            f"{spec.output} has part files but no job manifest; re-run with --overwrite to replace them, "
+            f"or choose another output."
+        )
+    if spec.overwrite or previous is None:
+        manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, "shards": [asdict(s) for s in shards],
+                                              "created_at": started_at.isoformat()}, so)
 
     done = done_shards(spec)
     pending = [s for s in shards if s.index not in done]
-    return JobPlan(spec=spec, job_id=fingerprint[:16], run_id=uuid.uuid4().hex[:12], shards=shards,
+    return JobPlan(spec=spec, job_id=digest[:16], run_id=uuid.uuid4().hex[:12], shards=shards,
                    pending=pending, started_at=started_at)
 
 
@@ -426,8 +346,8 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str) -> Shar
     )
     result = ShardResult(index=shard.index, rows=shard.length, counts=counts, device=device,
                          seconds=time.perf_counter() - state.started)
-    marker = {**result.to_json(), "run_id": run_id, "finished_at": datetime.now(timezone.utc).isoformat()}
-    io.write_json_atomic(marker, _job_url(spec, "done", shard.name.replace(".parquet", ".json")), so)
+    manifest.mark_done(spec.output, shard.name, result,
+                       {"run_id": run_id, "finished_at": datetime.now(timezone.utc).isoformat()}, so)
     return result
 
 
@@ -519,7 +439,7 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
         rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
     )
-    url = _job_url(spec, "metrics.parquet")
+    url = manifest.job_url(spec.output, "metrics.parquet")
     row = pl.DataFrame([report.as_row()])
     if io.exists(url, spec.storage_options):
         row = pl.concat([io.read_parquet(url, spec.storage_options), row], how="diagonal_relaxed")

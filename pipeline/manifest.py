@@ -1,0 +1,125 @@
+"""The job's record under `OUTPUT/_job/`: manifest (fingerprint + shard plan) and per-shard done markers.
+
+    OUTPUT/_job/manifest.json         {"fingerprint", "inputs", "spec", "shards", ...}
+    OUTPUT/_job/done/part-00000.json  one marker per committed shard, with its counts
+
+The fingerprint is a SHA-256 of the input files (URL, size, ETag or mtime, rows,
+columns) and the spec fields that shape the outputs (model, sampling,
+templates, shard size, ...). Markers are separate files rather than a list
+inside the manifest, so shard tasks running in parallel (threads, processes,
+machines) never race on one file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipeline import io
+from pipeline.cost import TokenCounts
+
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class ShardResult:
+    """What committing one shard produced (also the content of its done marker).
+
+    Attributes:
+        index: the shard's number.
+        rows: rows in the shard.
+        counts: ok/error rows and token counts of the shard.
+        device: the engine's device name.
+        seconds: wall seconds from reading the shard to its commit.
+    """
+
+    index: int
+    rows: int
+    counts: TokenCounts
+    device: str
+    seconds: float
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["counts"] = asdict(self.counts)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ShardResult":
+        return cls(index=d["index"], rows=d["rows"], counts=TokenCounts(**d["counts"]),
+                   device=d.get("device", ""), seconds=d.get("seconds", 0.0))
+
+
+def job_url(output: str, *parts: str) -> str:
+    """URL of a file under OUTPUT/_job/."""
+    return io.join(output, "_job", *parts)
+
+
+def fingerprint(files: list[io.InputFile], spec_fields: dict[str, Any]) -> tuple[str, dict]:
+    """(SHA-256 hex, the document hashed) for these input files and output-shaping spec fields."""
+    doc = {"inputs": [asdict(f) for f in files], "spec": spec_fields}
+    doc = json.loads(json.dumps(doc, sort_keys=True, default=str))  # as it will read back from JSON
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return digest, doc
+
+
+def describe_change(old: dict, new: dict) -> str:
+    """Human-readable differences between a stored manifest and a new fingerprint document."""
+    changes = []
+    old_spec, new_spec = old.get("spec", {}), new.get("spec", {})
+    for k in sorted(set(old_spec) | set(new_spec)):
+        if old_spec.get(k) != new_spec.get(k):
+            changes.append(f"{k}: {old_spec.get(k)!r} -> {new_spec.get(k)!r}")
+    old_inputs = {f["path"]: f for f in old.get("inputs", [])}
+    new_inputs = {f["path"]: f for f in new.get("inputs", [])}
+    for p in sorted(set(old_inputs) | set(new_inputs)):
+        if p not in new_inputs:
+            changes.append(f"input removed: {p}")
+        elif p not in old_inputs:
+            changes.append(f"input added: {p}")
+        elif old_inputs[p] != new_inputs[p]:
+            changes.append(f"input changed: {p}")
+    return "; ".join(changes) or "fingerprint differs"
+
+
+def read_manifest(output: str, storage_options: dict[str, Any]) -> dict | None:
+    return io.read_json(job_url(output, "manifest.json"), storage_options)
+
+
+def write_manifest(output: str, manifest: dict, storage_options: dict[str, Any]) -> None:
+    io.write_json_atomic({"version": MANIFEST_VERSION, **manifest}, job_url(output, "manifest.json"),
+                         storage_options)
+
+
+def part_files(output: str, storage_options: dict[str, Any]) -> list[str]:
+    """Names of the part files at the output."""
+    return [n for n in io.list_names(output, storage_options) if n.startswith("part-") and n.endswith(".parquet")]
+
+
+def clear_output(output: str, storage_options: dict[str, Any]) -> None:
+    """Delete a job's part files and its `_job/` folder (nothing else at the output)."""
+    for name in part_files(output, storage_options):
+        io.remove(io.join(output, name), storage_options)
+    io.remove(job_url(output), storage_options)
+
+
+def marker_url(output: str, shard_name: str) -> str:
+    return job_url(output, "done", shard_name.replace(".parquet", ".json"))
+
+
+def mark_done(output: str, shard_name: str, result: ShardResult, extra: dict, storage_options: dict[str, Any]) -> None:
+    """Write a shard's done marker (after its part file is committed)."""
+    io.write_json_atomic({**result.to_json(), **extra}, marker_url(output, shard_name), storage_options)
+
+
+def done_shards(output: str, storage_options: dict[str, Any]) -> dict[int, ShardResult]:
+    """Shards with a done marker, by index."""
+    out = {}
+    for name in io.list_names(job_url(output, "done"), storage_options):
+        if name.startswith("part-") and name.endswith(".json"):
+            d = io.read_json(job_url(output, "done", name), storage_options)
+            if d is not None:
+                r = ShardResult.from_json(d)
+                out[r.index] = r
+    return out
