@@ -13,6 +13,7 @@ strings and length; finished sequences free their KV blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
@@ -34,7 +35,7 @@ from .weights import DEFAULT_MODEL, load_model_weights, resolve_model
 
 PromptType = Union[str, list[int]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CPU_KV_DEFAULT_CAP = 4 << 30  # bytes
+_CPU_KV_DEFAULT_CAP = 2 << 30  # bytes
 
 
 class _BadPrompt:
@@ -56,6 +57,26 @@ def _available_memory_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 8 << 30
+
+
+@functools.lru_cache(maxsize=2)
+def _load_model(source_key, dtype: torch.dtype, device: str, seed: int) -> tuple[LlamaModel, Tokenizer]:
+    """Load weights and tokenizer once per process; LLM instances share the read-only weights."""
+    source = source_key
+    mcfg, state = load_model_weights(source)
+    if source.kind == "gguf":
+        tokenizer = Tokenizer.from_gguf(source.path)
+    elif source.kind == "hf":
+        tokenizer = Tokenizer.from_pretrained(source.path)
+    else:
+        tokenizer = Tokenizer.default()
+    model = LlamaModel(mcfg, dtype, torch.device(device))
+    if state is None:
+        model.init_dummy(seed)
+    else:
+        model.load_weights(state)
+        del state
+    return model, tokenizer
 
 
 class LLM:
@@ -92,20 +113,8 @@ class LLM:
 
         source = resolve_model(model)
         t0 = time.perf_counter()
-        mcfg, state = load_model_weights(source)
-        self.model_config = mcfg
-        if source.kind == "gguf":
-            self.tokenizer = Tokenizer.from_gguf(source.path)
-        elif source.kind == "hf":
-            self.tokenizer = Tokenizer.from_pretrained(source.path)
-        else:
-            self.tokenizer = Tokenizer.default()
-        self.model = LlamaModel(mcfg, self.dtype, self.device)
-        if state is None:
-            self.model.init_dummy(cfg.seed)
-        else:
-            self.model.load_weights(state)
-            del state
+        self.model, self.tokenizer = _load_model(source, self.dtype, str(self.device), cfg.seed)
+        mcfg = self.model_config = self.model.cfg
         self.load_time_s = time.perf_counter() - t0
 
         # KV cache sized from the memory budget
@@ -161,7 +170,8 @@ class LLM:
             raise RuntimeError("compute_logits needs an idle engine")
         if not prompt_token_ids or len(prompt_token_ids) > self.max_model_len:
             raise ValueError(f"prompt must have 1..{self.max_model_len} tokens")
-        return self.runner.compute_logits(list(prompt_token_ids)).float().cpu()
+        with torch.inference_mode():
+            return self.runner.compute_logits(list(prompt_token_ids)).float().cpu()
 
     # ------------------------------------------------------------ public API
     def generate(self, prompts: Seq[PromptType], sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
@@ -311,6 +321,7 @@ class LLM:
             reqs.append(req)
         return reqs
 
+    @torch.inference_mode()
     def _step(self) -> tuple[list[Request], int, int]:
         """Run one engine step. Returns (requests finished in it, prompt tokens computed, tokens sampled)."""
         st = self.stats

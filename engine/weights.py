@@ -86,7 +86,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSource:
     """Where a model comes from: kind is "gguf", "hf" or "dummy"."""
 
