@@ -6,48 +6,106 @@ so that a later prefix cache can share blocks between sequences.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from typing import Optional, Sequence
 
 import torch
 
 from .weights import ModelConfig
 
 
+BlockKey = tuple  # (parent block's hash, token ids of the block)
+
+
+def block_key(parent_hash: Optional[int], token_ids: Sequence[int]) -> BlockKey:
+    """Prefix-cache key of a full block: chained over the parent block's hash, so equal
+    keys mean equal token prefixes (the token tuple is compared exactly on lookup)."""
+    return (parent_hash, tuple(token_ids))
+
+
 class BlockPool:
-    """Free list and reference counts of `num_blocks` KV blocks.
+    """Free list, reference counts and the prefix-cache index of `num_blocks` KV blocks.
+
+    A full block whose K/V are computed can be registered under its `block_key`;
+    identical prefixes then map to the same physical block, shared by reference
+    count. A registered block whose count falls to zero is not wiped: it stays
+    in an LRU of idle cached blocks and is evicted (its key forgotten) only when
+    a fresh block is needed and no never-cached block is free. (Automatic prefix
+    caching as in vLLM; hash-chained block keys as in its design.)
 
     Raises:
-        RuntimeError: on allocating from an empty pool or freeing a free block
-            (both are engine bugs, never user errors).
+        RuntimeError: on allocating from an exhausted pool or freeing a free
+            block (engine bugs, never user errors).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # idle, not in the cache index
+        self.idle_cached: OrderedDict[int, None] = OrderedDict()  # idle, cached; oldest use first
+        self.cached: dict[BlockKey, int] = {}
+        self.block_keys: list[Optional[BlockKey]] = [None] * num_blocks
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks not owned by any sequence."""
-        return len(self.free_blocks)
+        """Blocks not owned by any sequence (never-cached free blocks plus idle cached ones)."""
+        return len(self.free_blocks) + len(self.idle_cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix-cache index (owned or idle)."""
+        return len(self.cached)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each)."""
-        if n > len(self.free_blocks):
-            raise RuntimeError(f"KV block pool exhausted: asked {n}, {len(self.free_blocks)} free")
-        out = [self.free_blocks.popleft() for _ in range(n)]
-        for b in out:
+        """Take `n` fresh blocks (ref count 1 each), evicting least recently used idle cached blocks last."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"KV block pool exhausted: asked {n}, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self.free_blocks:
+                b = self.free_blocks.popleft()
+            else:
+                b, _ = self.idle_cached.popitem(last=False)
+                del self.cached[self.block_keys[b]]
+                self.block_keys[b] = None
+                self.num_evictions += 1
             self.ref_counts[b] = 1
+            out.append(b)
         return out
 
+    def lookup(self, key: BlockKey) -> Optional[int]:
+        """The cached block holding `key`, or None."""
+        return self.cached.get(key) if self.enable_prefix_caching else None
+
+    def acquire(self, block: int) -> None:
+        """Take one more reference to a cached block (reviving it if idle)."""
+        if self.ref_counts[block] == 0:
+            self.idle_cached.pop(block)
+        self.ref_counts[block] += 1
+
+    def register(self, block: int, key: BlockKey) -> bool:
+        """Index a full, computed block under `key`. Returns False if the key is
+        already held by another block (the duplicate stays private)."""
+        if not self.enable_prefix_caching or key in self.cached or self.block_keys[block] is not None:
+            return False
+        self.cached[key] = block
+        self.block_keys[block] = key
+        return True
+
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero return to the free list."""
+        """Drop one reference to each block; at zero a cached block becomes idle-cached
+        (most recently used), any other block returns to the free list."""
         for b in reversed(blocks):
             if self.ref_counts[b] <= 0:
                 raise RuntimeError(f"double free of KV block {b}")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_blocks.append(b)
+                if self.block_keys[b] is not None:
+                    self.idle_cached[b] = None
+                else:
+                    self.free_blocks.append(b)
 
 
 class KVCache:

@@ -136,7 +136,7 @@ class LLM:
         # a sequence may never need more blocks than the whole pool holds
         self.max_model_len = min(max_len, num_blocks * bs)
         self.kv_cache = KVCache(mcfg, num_blocks, bs, self.dtype, self.device)
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.backend = get_backend("torch")
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
         self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -361,6 +361,7 @@ class LLM:
         st.time_model_s += t2 - t1
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens
+            self.scheduler.register_computed(c.seq)
         st.num_steps += 1
         st.num_batched_tokens_sum += out.num_tokens
         st.num_prompt_tokens_computed += n_prefill
@@ -440,6 +441,6 @@ class LLM:
                                      finish_reason=s.finish_reason, logprobs=s.logprobs, stop_reason=s.stop_reason)
                     for s in req.seqs]
         m.output_tokens = sum(len(o.token_ids) for o in outs)
-        cached = max((s.num_cached_tokens for s in req.seqs), default=0)
+        cached = req.seqs[0].num_cached_tokens if req.seqs else 0
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                              outputs=outs, finished=True, num_cached_tokens=cached, metrics=m, error=req.error)

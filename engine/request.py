@@ -50,6 +50,12 @@ class Sequence:
     logprobs: Optional[list[dict[int, float]]] = None
     detokenizer: Optional[object] = None
     num_cached_tokens: int = 0
+    stop_matcher: Optional[object] = None
+    # (hash, key) of each full block of token_ids, in order, and how many are indexed (prefix caching)
+    block_keys: list[tuple] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    was_admitted: bool = False
+    pending_range: tuple[int, int] = (0, 0)
 
     @property
     def num_prompt_tokens(self) -> int:

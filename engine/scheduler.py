@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
-from .kv_cache import BlockPool
+from .kv_cache import BlockPool, block_key
 from .request import Sequence, SequenceStatus
 
 
@@ -75,6 +76,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order, oldest first
         self.num_preemptions = 0
+        # keys of full blocks that admitted sequences will compute but have not registered yet
+        self.pending: dict = {}
 
     # ------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -89,6 +92,7 @@ class Scheduler:
         """Mark a running sequence finished and free its blocks."""
         seq.status = SequenceStatus.FINISHED
         self.pool.free(seq.block_table)
+        self._drop_pending(seq)
         seq.block_table = []
         self.running.remove(seq)
 
@@ -109,8 +113,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
+        self._drop_pending(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -155,14 +161,26 @@ class Scheduler:
         # 2. admit waiting sequences while budget, seats and blocks allow
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            hits = self._match_prefix(seq)
+            if hits < len(seq.block_keys) and seq.block_keys[hits][1] in self.pending:
+                # its next block is being computed by a running sequence: admit it next
+                # step and read that block from the cache instead of computing it twice
+                self._release_prefix(seq, hits)
+                break
             n = seq.num_uncomputed_tokens
             if n > budget:
                 if not self.enable_chunked_prefill:
+                    self._release_prefix(seq, hits)
                     break
                 n = budget
             if not self._grow(seq, n):
+                self._release_prefix(seq, hits)
                 break
             self.waiting.popleft()
+            self._add_pending(seq)
+            if not seq.was_admitted:  # prompt tokens served from the cache, counted once
+                seq.was_admitted = True
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunk = ScheduledChunk(seq, n)
@@ -170,6 +188,77 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
         return SchedulerOutput(decodes, prefills, preempted)
+
+    # ------------------------------------------------------------ prefix cache
+    def _add_pending(self, seq: Sequence) -> None:
+        """Mark the keys of the full blocks seq will compute as in flight."""
+        if self.pool.enable_prefix_caching:
+            seq.pending_range = (seq.num_registered_blocks, len(seq.block_keys))
+            for _, key in seq.block_keys[seq.pending_range[0]:seq.pending_range[1]]:
+                self.pending[key] = self.pending.get(key, 0) + 1
+
+    def _drop_pending(self, seq: Sequence, upto: Optional[int] = None) -> None:
+        """Forget seq's in-flight keys below block index `upto` (all if None)."""
+        lo, hi = seq.pending_range
+        stop = hi if upto is None else min(upto, hi)
+        for _, key in seq.block_keys[lo:stop]:
+            c = self.pending.get(key, 0) - 1
+            if c <= 0:
+                self.pending.pop(key, None)
+            else:
+                self.pending[key] = c
+        seq.pending_range = (max(lo, stop), hi)
+
+    def _match_prefix(self, seq: Sequence) -> int:
+        """Point a fresh sequence's block table at cached blocks of its longest cached
+        prefix; returns the number of blocks taken. If every token is cached, the
+        last one is still recomputed, to produce the logits for the next sample."""
+        if seq.num_computed_tokens > 0 or not self.pool.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        toks = seq.token_ids
+        self._update_hashes(seq, len(toks))
+        hits = 0
+        for key_hash, key in seq.block_keys:
+            b = self.pool.lookup(key)
+            if b is None:
+                break
+            self.pool.acquire(b)
+            seq.block_table.append(b)
+            hits += 1
+        cached = min(hits * bs, len(toks) - 1)
+        seq.num_computed_tokens = cached
+        return hits
+
+    def _release_prefix(self, seq: Sequence, hits: int) -> None:
+        """Undo `_match_prefix` for a sequence that could not be admitted after all."""
+        if hits:
+            self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _update_hashes(self, seq: Sequence, upto: int) -> None:
+        """Extend `seq.block_keys` with the keys of its full blocks within the first `upto` tokens."""
+        bs = self.block_size
+        keys = seq.block_keys
+        while (len(keys) + 1) * bs <= upto:
+            i = len(keys)
+            parent = keys[-1][0] if keys else None
+            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            keys.append((hash(key), key))
+
+    def register_computed(self, seq: Sequence) -> None:
+        """After a forward pass: index the sequence's newly full, computed blocks in the prefix cache."""
+        if not self.pool.enable_prefix_caching:
+            return
+        n_full = seq.num_computed_tokens // self.block_size
+        self._update_hashes(seq, n_full * self.block_size)
+        if n_full <= seq.num_registered_blocks:
+            return
+        for i in range(seq.num_registered_blocks, n_full):
+            self.pool.register(seq.block_table[i], seq.block_keys[i][1])
+        self._drop_pending(seq, n_full)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, n_full)
 
     def kv_utilization(self) -> float:
         """Used token slots / allocated slots of the blocks held by running sequences (1.0 = no waste)."""
