@@ -59,3 +59,11 @@ def test_demo(job_llm, tmp_path, capsys):
     assert "labelling job" in printed and "cost report" in printed
     df = pl.read_parquet(out / "part-00000.parquet")
     assert df.height == 3 and "reference_label" in df.columns and "title" in df.columns
+
+
+def test_pipeline_never_imports_prefect():
+    import subprocess
+    import sys
+
+    code = "import sys, pipeline, pipeline.cli; assert 'prefect' not in sys.modules, 'pipeline imported prefect'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
