@@ -25,6 +25,11 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 
+# Temp files of atomic writes start with "." so that readers of a folder (pyarrow datasets,
+# `part-*` globs) skip them.
+TEMP_PREFIX = ".tmp-"
+
+
 @dataclass(frozen=True)
 class InputFile:
     """One input Parquet file.
@@ -167,7 +172,7 @@ def join(url: str, *parts: str) -> str:
 def _atomic_put(url: str, data: bytes, storage_options: Optional[dict[str, Any]]) -> None:
     fs, path = filesystem(url, storage_options)
     parent = path.rsplit("/", 1)[0]
-    tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
+    tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
     fs.makedirs(parent, exist_ok=True)
     with fs.open(tmp, "wb") as f:
         f.write(data)

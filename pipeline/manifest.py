@@ -98,9 +98,10 @@ def part_files(output: str, storage_options: dict[str, Any]) -> list[str]:
 
 
 def clear_output(output: str, storage_options: dict[str, Any]) -> None:
-    """Delete a job's part files and its `_job/` folder (nothing else at the output)."""
-    for name in part_files(output, storage_options):
-        io.remove(io.join(output, name), storage_options)
+    """Delete a job's part files, temp files of killed writes and its `_job/` folder (nothing else)."""
+    for name in io.list_names(output, storage_options):
+        if (name.startswith("part-") and name.endswith(".parquet")) or name.startswith(io.TEMP_PREFIX):
+            io.remove(io.join(output, name), storage_options)
     io.remove(job_url(output), storage_options)
 
 
