@@ -9,7 +9,8 @@ local API. Each shard task loads the engine through `pipeline.get_llm`, once
 per worker process, and reuses it for every later shard; thread workers in one
 process share the engine and take turns on it. Shards are submitted to the
 flow's task runner, so a distributed runner (prefect-dask's DaskTaskRunner,
-RayTaskRunner) spreads them over machines without changes here.
+RayTaskRunner) spreads them over machines without changes here (process workers
+need a running Prefect server: each would otherwise start its own temporary API).
 
 Artifacts: `tokenmill-progress` (fraction of rows done, updated as shards
 finish) and `tokenmill-cost-report` (a table with the run's cost report).
