@@ -170,8 +170,15 @@ class LLM:
             raise RuntimeError("compute_logits needs an idle engine")
         if not prompt_token_ids or len(prompt_token_ids) > self.max_model_len:
             raise ValueError(f"prompt must have 1..{self.max_model_len} tokens")
-        with torch.inference_mode():
-            return self.runner.compute_logits(list(prompt_token_ids)).float().cpu()
+        nblocks = -(-len(prompt_token_ids) // self.config.block_size)
+        if nblocks > self.num_free_blocks:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens does not fit the free KV blocks")
+        blocks = self.block_pool.allocate(nblocks)  # scratch, never registered in the prefix cache
+        try:
+            with torch.inference_mode():
+                return self.runner.compute_logits(list(prompt_token_ids), blocks).float().cpu()
+        finally:
+            self.block_pool.free(blocks)
 
     # ------------------------------------------------------------ public API
     def generate(self, prompts: Seq[PromptType], sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,

@@ -110,11 +110,12 @@ class ModelRunner:
         self.time_model += time.perf_counter() - t0
         return logits if logits_idx else None
 
-    def compute_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def compute_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits of the last position of `token_ids` run as one fresh sequence.
 
-        Uses blocks [0, ceil(len/bs)) of the cache as scratch; call only when
-        no request is running.
+        Args:
+            token_ids: the prompt.
+            block_table: ceil(len / block_size) blocks the caller allocated as scratch.
 
         Returns:
             [vocab] float32.
@@ -126,11 +127,8 @@ class ModelRunner:
             prompt_token_ids = token_ids
 
         n = len(token_ids)
-        nblocks = (n + self.block_size - 1) // self.block_size
-        if nblocks > self.kv_cache.num_blocks:
-            raise ValueError(f"prompt of {n} tokens does not fit the KV cache")
         seq = Sequence(seq_id=-1, request=_Tmp(), index=0, token_ids=list(token_ids))
-        seq.block_table = list(range(nblocks))
+        seq.block_table = list(block_table)
         out = SchedulerOutput(decodes=[], prefills=[ScheduledChunk(seq, n)])
         if n == 1:
             out = SchedulerOutput(decodes=[ScheduledChunk(seq, 1)], prefills=[])
