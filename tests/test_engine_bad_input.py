@@ -1,0 +1,131 @@
+"""Bad input never kills a batch; bad engine configuration raises at once.
+
+One batch mixes valid requests with one of every bad kind the spec lists. Each
+bad request comes back in place with `finish_reason == "error"`, no tokens, and
+an error naming the parameter; `generate` does not raise; and the valid
+requests of the batch are identical to a clean run of just them.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+MODEL = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 64
+KV_BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2-135M, fp32, block_size 16
+
+
+@pytest.fixture(scope="module")
+def small_llm():
+    """An engine with max_model_len=64, so that over-long prompts are cheap to build."""
+    return LLM(MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 * KV_BYTES_PER_BLOCK)
+
+
+def test_bad_requests_become_error_outputs_and_spare_the_batch(small_llm):
+    llm = small_llm
+    assert llm.max_model_len == MAX_MODEL_LEN
+    vocab = llm.tokenizer.vocab_size
+    long_ids = llm.tokenizer.encode("Four score and seven years ago our fathers brought forth on this continent " * 12)
+    assert len(long_ids) > MAX_MODEL_LEN + 10
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+
+    good = {  # index in the batch -> (prompt, params)
+        0: ("The capital of France is", greedy),
+        5: ("def add(a, b):", greedy),
+        9: (long_ids[: MAX_MODEL_LEN - 1], greedy),  # room for exactly one token
+        14: ("Water boils at", SamplingParams(temperature=0.8, seed=11, max_tokens=6)),
+    }
+    bad = {  # index -> (prompt, params, words of which one must appear in the error)
+        1: ("", greedy, ("prompt",)),
+        2: ([], greedy, ("prompt",)),
+        3: (long_ids[: MAX_MODEL_LEN + 10], greedy, ("prompt", "max_model_len")),
+        4: (long_ids[:MAX_MODEL_LEN], greedy, ("prompt", "max_model_len")),  # no room for output
+        6: ("Hello", SamplingParams(temperature=0.0, max_tokens=0), ("max_tokens",)),
+        7: ("Hello", SamplingParams(temperature=0.0, min_tokens=5, max_tokens=3), ("min_tokens",)),
+        8: ("Hello", SamplingParams(temperature=-0.5, max_tokens=6), ("temperature",)),
+        10: ("Hello", SamplingParams(temperature=math.nan, max_tokens=6), ("temperature",)),
+        11: ("Hello", SamplingParams(temperature=0.7, top_p=0.0, max_tokens=6), ("top_p",)),
+        12: ("Hello", SamplingParams(temperature=0.7, top_p=1.5, max_tokens=6), ("top_p",)),
+        13: ("Hello", SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[vocab + 7]), ("stop_token_ids",)),
+    }
+    n = len(good) + len(bad)
+    assert sorted(list(good) + list(bad)) == list(range(n))
+    prompts = [good[i][0] if i in good else bad[i][0] for i in range(n)]
+    params = [good[i][1] if i in good else bad[i][1] for i in range(n)]
+
+    outs = llm.generate(prompts, params, use_tqdm=False)
+
+    assert [o.request_id for o in outs] == [str(i) for i in range(n)]
+    for i, (_, _, names) in bad.items():
+        o = outs[i]
+        assert len(o.outputs) == 1, i
+        c = o.outputs[0]
+        assert c.finish_reason == "error", (i, c)
+        assert c.token_ids == [] and c.text == "", (i, c)
+        assert c.error and any(name in c.error for name in names), f"request {i}: error {c.error!r} names none of {names}"
+        assert o.error == c.error
+    for i in good:
+        assert outs[i].error is None and outs[i].outputs[0].error is None
+        assert outs[i].outputs[0].finish_reason in ("stop", "length")
+    # The one-token room is used, then the length limit ends the request.
+    assert len(outs[9].outputs[0].token_ids) == 1 and outs[9].outputs[0].finish_reason == "length"
+
+    clean = llm.generate([good[i][0] for i in good], [good[i][1] for i in good], use_tqdm=False)
+    for i, c in zip(good, clean):
+        got, want = outs[i].outputs[0], c.outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), i
+        assert len(want.token_ids) >= 1
+    assert llm.num_free_blocks == llm.num_total_blocks
+
+
+def test_bad_requests_through_iter_outputs_and_chat(small_llm):
+    """iter_outputs yields error outputs too (each request exactly once); chat turns a bad params into an error."""
+    llm = small_llm
+    prompts = ["", "The sky is", "Hello"]
+    params = [SamplingParams(temperature=0.0, max_tokens=4),
+              SamplingParams(temperature=0.0, max_tokens=4),
+              SamplingParams(temperature=0.0, top_p=2.0, max_tokens=4)]
+    outs = {o.request_id: o for o in llm.iter_outputs(prompts, params, use_tqdm=False)}
+    assert sorted(outs) == ["0", "1", "2"]
+    assert outs["0"].outputs[0].finish_reason == "error" and "prompt" in outs["0"].outputs[0].error
+    assert outs["2"].outputs[0].finish_reason == "error" and "top_p" in outs["2"].outputs[0].error
+    assert outs["1"].outputs[0].finish_reason == "length" and len(outs["1"].outputs[0].token_ids) == 4
+
+    chats = llm.chat([[{"role": "user", "content": "Hi"}]] * 2,
+                     [SamplingParams(temperature=0.0, max_tokens=3),
+                      SamplingParams(temperature=0.0, max_tokens=3, min_tokens=4)], use_tqdm=False)
+    assert chats[0].outputs[0].finish_reason in ("stop", "length") and chats[0].outputs[0].token_ids
+    assert chats[1].outputs[0].finish_reason == "error" and "min_tokens" in chats[1].outputs[0].error
+
+
+def test_sampling_params_list_must_match_prompts(small_llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        small_llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+@pytest.mark.parametrize("model", ["no-such-model-xyz", "/nonexistent/dir/model.gguf"])
+def test_unknown_model_raises(model):
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        LLM(model)
+    assert model in str(info.value) or "model" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": -1}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"kv_cache_memory_bytes": 10}, "kv_cache_memory_bytes"),  # smaller than one KV block
+        ({"max_num_seq": 8}, "max_num_seq"),  # a misspelt kwarg is not silently ignored
+    ],
+)
+def test_invalid_engine_kwargs_raise(kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        LLM(MODEL, **kwargs)

@@ -1,0 +1,237 @@
+"""Sampling, stop conditions and detokenization, observed through `LLM.generate`.
+
+- Seeded sampling draws the same tokens whatever else is in the batch; `n=4`
+  gives 4 samples that are not all equal; `top_k=1` is greedy.
+- Stop strings are derived from an actual greedy output (never guessed): one
+  inside a single token, one across two tokens, one that also appears in the
+  prompt; the text is cut before the stop string, the token ids end at the
+  token that completed it, `finish_reason == "stop"`.
+- EOS, `ignore_eos`, `min_tokens` and `stop_token_ids`.
+- Detokenization: the text of every output (emoji, CJK, accents) equals a
+  one-shot decode of its token ids.
+
+Each test batches its variants into one `generate` call (per-request
+SamplingParams) to keep the suite fast on 2 CPU cores.
+"""
+from __future__ import annotations
+
+from engine import SamplingParams
+
+MAX_TOKENS = 12
+
+
+def _chat(llm, text: str) -> str:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+# ------------------------------------------------------------------ sampling
+def test_same_seed_same_tokens_whatever_the_batch(llm):
+    target = "Once upon a time, a dragon"
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS)
+    others = ["The weather today is", _chat(llm, "Name a color."), "def main():", "My favourite food is"]
+
+    alone = llm.generate([target], seeded, use_tqdm=False)[0].outputs[0]
+    batch_a = llm.generate(
+        others[:2] + [target] + others[2:],
+        [SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS),
+         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+         seeded,
+         SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS),  # unseeded: engine's stream
+         SamplingParams(temperature=0.5, top_k=5, seed=1234, max_tokens=MAX_TOKENS)],
+        use_tqdm=False,
+    )
+    batch_b = llm.generate(
+        [target] + others[::-1] + [target],
+        [seeded] + [SamplingParams(temperature=1.2, max_tokens=MAX_TOKENS + 4)] * 4
+        + [SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=MAX_TOKENS)],
+        use_tqdm=False,
+    )
+    for got in (batch_a[2].outputs[0], batch_b[0].outputs[0]):
+        assert got.token_ids == alone.token_ids
+        assert got.text == alone.text
+    assert len(alone.token_ids) >= 1
+    # The seed is what fixes the sample: other seeds give other samples.
+    others_seeded = llm.generate(
+        [target] * 4,
+        [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=MAX_TOKENS) for s in (1, 2, 3, 4)],
+        use_tqdm=False,
+    )
+    assert any(o.outputs[0].token_ids != alone.token_ids for o in others_seeded)
+
+
+def test_n_samples_are_distinct_and_seeded_as_a_set(llm):
+    prompt = "Write a creative name for a cafe:"
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=MAX_TOKENS)
+    outs = llm.generate([prompt, "The sun rises in the", prompt],
+                        [params, SamplingParams(temperature=0.0, max_tokens=4), params], use_tqdm=False)
+    first, third = outs[0], outs[2]
+    assert len(first.outputs) == 4
+    assert [c.index for c in first.outputs] == [0, 1, 2, 3]
+    assert all(1 <= len(c.token_ids) <= MAX_TOKENS for c in first.outputs)
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1, "n=4 gave 4 identical samples"
+    # The seed covers the whole set: the same request again gives the same 4 samples.
+    assert [c.token_ids for c in third.outputs] == [c.token_ids for c in first.outputs]
+    assert [c.text for c in third.outputs] == [c.text for c in first.outputs]
+    assert len(outs[1].outputs) == 1
+
+
+def test_top_k_1_equals_greedy(llm):
+    prompts = ["The capital of France is", _chat(llm, "Give me a synonym for fast."),
+               "for i in range(10):", "Water boils at"]
+    top1 = [SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_TOKENS),
+            SamplingParams(temperature=1.5, top_k=1, seed=5, max_tokens=MAX_TOKENS)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    n = len(prompts)
+    outs = llm.generate(prompts * 3, [top1[0]] * n + [top1[1]] * n + [greedy] * n, use_tqdm=False)
+    for i in range(n):
+        want = outs[2 * n + i].outputs[0]
+        assert len(want.token_ids) >= 1
+        for k in (0, 1):
+            got = outs[k * n + i].outputs[0]
+            assert got.token_ids == want.token_ids, f"prompt {i}, {top1[k]}"
+            assert got.text == want.text
+
+
+# ------------------------------------------------------------------ stop strings
+STOP_PROMPT = "Repeat after me: The quick brown fox jumps over the lazy dog."
+
+
+def _token_spans(llm, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Text of `ids` and each token's [start, end) character span in it (prefix decodes must be stable)."""
+    texts = [llm.tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    for k in range(len(ids)):
+        assert texts[k + 1].startswith(texts[k]), "prefix decodes are not stable; pick an ASCII prompt"
+    return texts[-1], [(len(texts[k]), len(texts[k + 1])) for k in range(len(ids))]
+
+
+def _expected_stop(full: str, spans: list[tuple[int, int]], ids: list[int], stop: str):
+    """(text cut before the first occurrence, ids up to the token completing it)."""
+    at = full.find(stop)
+    assert at >= 0
+    end = at + len(stop)
+    k = next(i for i, (_, b) in enumerate(spans) if b >= end)
+    return full[:at], ids[: k + 1]
+
+
+def test_stop_strings(llm):
+    prompt = _chat(llm, STOP_PROMPT)
+    base = SamplingParams(temperature=0.0, max_tokens=32)
+    ref = llm.generate([prompt], base, use_tqdm=False)[0].outputs[0]
+    ids = ref.token_ids
+    full, spans = _token_spans(llm, ids)
+    assert ref.text == full
+    assert len(full) > 20, full
+
+    inside = across = None
+    for i, (a, b) in enumerate(spans):
+        piece = full[a:b]
+        if inside is None and b - a >= 5 and piece[1:-1].isalpha():
+            s = full[a + 1:b - 1]
+            if full.find(s) == a + 1:
+                inside = s
+        if across is None and i + 1 < len(spans) and b - a >= 3 and spans[i + 1][1] - b >= 3:
+            s = full[b - 2:b + 2]
+            if full.find(s) == b - 2 and s.strip() == s:
+                across = s
+    prompt_words = {w.strip(".,:!?") for w in STOP_PROMPT.split()}
+    shared = next((w for w in sorted(prompt_words, key=len, reverse=True) if len(w) >= 4 and w in full), None)
+    absent = next((w for w in sorted(prompt_words) if len(w) >= 4 and w not in full), None)
+    assert inside and across and shared and absent, (full, inside, across, shared, absent)
+    assert shared in prompt and absent in prompt
+
+    cases = {
+        "inside one token": [inside],
+        "across tokens": [across],
+        "also in the prompt": [shared],
+        "earliest of several": [across, inside, "zzqx"],
+    }
+    outs = llm.generate([prompt] * (len(cases) + 1),
+                        [SamplingParams(temperature=0.0, max_tokens=32, stop=s) for s in cases.values()]
+                        + [SamplingParams(temperature=0.0, max_tokens=32, stop=[absent])],
+                        use_tqdm=False)
+    for (name, stops), out in zip(cases.items(), outs):
+        # Generation ends at the first token that completes any stop string; the text is cut before it.
+        expected = {s: _expected_stop(full, spans, ids, s) for s in stops if s in full}
+        k_min = min(len(e[1]) for e in expected.values())
+        winners = {s for s, e in expected.items() if len(e[1]) == k_min}
+        got = out.outputs[0]
+        assert got.finish_reason == "stop", (name, got)
+        assert got.stop_reason in winners, (name, got.stop_reason, winners)
+        want_text, want_ids = expected[got.stop_reason]
+        assert got.text == want_text, f"{name} stop={got.stop_reason!r}"
+        assert got.token_ids == want_ids, f"{name} stop={got.stop_reason!r}"
+    # A stop string present only in the prompt never fires: the output is the unstopped one.
+    got = outs[-1].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+
+
+def test_eos_ignore_eos_min_tokens_and_stop_token_ids(llm):
+    prompt = _chat(llm, "What is the capital of France?")
+    eos = llm.tokenizer.eos_token_ids
+    natural = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    assert natural.finish_reason == "stop" and natural.token_ids[-1] in eos, natural
+    body = natural.token_ids[:-1]
+    assert len(body) >= 3
+    assert natural.text == llm.tokenizer.decode(body)
+    assert "<|im_end|>" not in natural.text
+
+    stop_id = body[2]
+    j = body.index(stop_id)
+    outs = llm.generate([prompt] * 3, [
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=32, min_tokens=len(natural.token_ids) + 3),
+        SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop_id]),
+    ], use_tqdm=False)
+    ignore, min_tok, stop_tok = (o.outputs[0] for o in outs)
+
+    assert len(ignore.token_ids) == 32 and ignore.finish_reason == "length"
+    assert ignore.token_ids[:len(body)] == body
+
+    assert len(min_tok.token_ids) >= len(natural.token_ids) + 3
+    assert not eos & set(min_tok.token_ids[:len(natural.token_ids) + 3])
+    assert min_tok.token_ids[:len(body)] == body
+
+    assert stop_tok.finish_reason == "stop" and stop_tok.stop_reason == stop_id
+    assert stop_tok.token_ids in (body[:j], body[:j + 1])
+    assert stop_tok.text == llm.tokenizer.decode(body[:j])
+
+
+# ------------------------------------------------------------------ detokenization
+DETOK_REQUESTS = [
+    "Repeat exactly: 🎉🚀 Happy birthday! 🎂🎈",
+    "Translate to Japanese: I love cherry blossoms.",
+    "Repeat exactly: 你好，世界。我喜欢学习中文。",
+    "Repeat exactly: Café, naïve, façade, jalapeño, Ångström, über, crème brûlée.",
+]
+
+
+def _has(text: str, lo: int, hi: int) -> bool:
+    return any(lo <= ord(ch) <= hi for ch in text)
+
+
+def test_streamed_text_equals_one_shot_decode(llm):
+    prompts = [_chat(llm, r) for r in DETOK_REQUESTS]
+    params = ([SamplingParams(temperature=0.0, max_tokens=24)] * len(prompts)
+              + [SamplingParams(temperature=0.8, seed=3, max_tokens=24)] * len(prompts))
+    outs = {int(o.request_id): o for o in llm.iter_outputs(prompts * 2, params, use_tqdm=False)}
+    assert sorted(outs) == list(range(2 * len(prompts)))
+    eos = llm.tokenizer.eos_token_ids
+    texts, split_chars = [], 0
+    for i in sorted(outs):
+        c = outs[i].outputs[0]
+        ids = list(c.token_ids)
+        while ids and ids[-1] in eos:
+            ids.pop()
+        one_shot = llm.tokenizer.decode(ids)
+        assert c.text == one_shot, f"request {i}: streamed {c.text!r} != decode {one_shot!r}"
+        # U+FFFD only where max_tokens cut a character in half, at the very end.
+        assert "\ufffd" not in c.text.rstrip("\ufffd"), f"request {i}: {c.text!r}"
+        if c.finish_reason == "stop":
+            assert "\ufffd" not in c.text
+        split_chars += sum("\ufffd" in llm.tokenizer.decode([t]) for t in ids)
+        texts.append(c.text)
+    joined = "".join(texts)
+    assert _has(joined, 0x1F300, 0x1FAFF), "no emoji in the outputs: the test would not exercise them"
+    assert _has(joined, 0x3040, 0x9FFF), "no CJK in the outputs"
+    assert _has(joined, 0xC0, 0x17F), "no accented Latin in the outputs"
+    assert split_chars > 0, "no character was split across tokens"
