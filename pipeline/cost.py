@@ -17,6 +17,12 @@ decode token costs: a decode token runs in a small, bandwidth-bound batch
 while prompt tokens run in large, compute-bound ones. USD per 1M input tokens
 divides the input cost by all prompt tokens (cached ones included), so prefix
 caching lowers it; USD per 1M tokens divides the whole cost by all tokens.
+
+Prefix sharing: `prompt_tokens_computed` = prompt - cached tokens;
+`prefix_cache_hit_rate` = cached / prompt tokens of this run;
+`ideal_prefix_hit_rate` = the whole dataset's best possible hit rate,
+1 - distinct block-level prefix-tree tokens / prompt tokens (see
+pipeline.planner); `plan` says how rows were ordered.
 """
 from __future__ import annotations
 
@@ -61,8 +67,11 @@ class CostReport:
     rows_skipped: int
     prompt_tokens: int
     cached_tokens: int
+    prompt_tokens_computed: int
     completion_tokens: int
     prefix_cache_hit_rate: float
+    ideal_prefix_hit_rate: Optional[float]
+    plan: str
     rows_per_s: float
     input_tokens_per_s: float
     output_tokens_per_s: float
@@ -106,6 +115,8 @@ def cost_report(
     rows_total: int,
     rows_skipped: int,
     output_token_weight: float = 4.0,
+    ideal_prefix_hit_rate: Optional[float] = None,
+    plan: str = "input",
 ) -> CostReport:
     """Build a run's CostReport from its wall time and token counts."""
     wall_s = max((finished_at - started_at).total_seconds(), 1e-9)
@@ -132,8 +143,11 @@ def cost_report(
         rows_skipped=rows_skipped,
         prompt_tokens=counts.prompt_tokens,
         cached_tokens=counts.cached_tokens,
+        prompt_tokens_computed=counts.prompt_tokens - counts.cached_tokens,
         completion_tokens=counts.completion_tokens,
         prefix_cache_hit_rate=counts.cached_tokens / counts.prompt_tokens if counts.prompt_tokens else 0.0,
+        ideal_prefix_hit_rate=ideal_prefix_hit_rate,
+        plan=plan,
         rows_per_s=rows_done / wall_s,
         input_tokens_per_s=counts.prompt_tokens / wall_s,
         output_tokens_per_s=counts.completion_tokens / wall_s,

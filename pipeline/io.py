@@ -17,10 +17,11 @@ import json
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import fsspec
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
@@ -240,3 +241,42 @@ def remove(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
     fs, path = filesystem(url, storage_options)
     if fs.exists(path):
         fs.rm(path, recursive=True)
+
+
+def iter_batches(url: str, columns: list[str], batch_rows: int = 4096,
+                 storage_options: Optional[dict[str, Any]] = None) -> Iterator[pl.DataFrame]:
+    """The file's `columns` (only those are read), `batch_rows` rows at a time, in file order."""
+    fs, path = filesystem(url, storage_options)
+    with fs.open(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+            yield pl.from_arrow(pa.Table.from_batches([batch]))
+
+
+def read_rows_at(url: str, rows: Sequence[int], storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
+    """Rows `rows` (row numbers, any order, no repeats needed) of one Parquet file, in that order.
+
+    Reads only the row groups that hold them, one at a time (memory: one row group plus the result).
+    """
+    fs, path = filesystem(url, storage_options)
+    want = sorted(set(rows))
+    pieces = []
+    with fs.open(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        start, k = 0, 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            local = []
+            while k < len(want) and want[k] < start + n:
+                local.append(want[k] - start)
+                k += 1
+            if local:
+                pieces.append(pf.read_row_group(g).take(pa.array(local, pa.int64())))
+            start += n
+            if k == len(want):
+                break
+        if k < len(want):
+            raise IndexError(f"{url} has {start} rows; row {want[k]} asked for")
+        table = pa.concat_tables(pieces) if pieces else pf.schema_arrow.empty_table()
+    pos = {r: i for i, r in enumerate(want)}
+    return pl.from_arrow(table.take(pa.array([pos[r] for r in rows], pa.int64())))

@@ -27,25 +27,25 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Literal, Optional
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.config import SamplingParams
+from engine.config import EngineConfig, SamplingParams
 from pipeline import io, manifest
 from pipeline.cost import CostReport, TokenCounts, cost_report
 from pipeline.manifest import ShardResult
-from pipeline.planner import Shard, plan_shards
+from pipeline.planner import PlanStats, Shard, TokenizedRows, plan_input_order, plan_prefix
 from pipeline.schema import InputLayout, build_request, output_schema
 
 # JobSpec fields that change what the outputs are; any change refuses a resume.
 FINGERPRINT_FIELDS = (
     "model", "dtype", "quantization", "max_model_len", "seed", "engine_options",
     "max_tokens", "temperature", "top_p", "top_k", "stop", "sampling_options",
-    "system_prompt", "chat_template", "n", "id_column", "shard_size", "limit",
+    "system_prompt", "chat_template", "n", "id_column", "shard_size", "limit", "plan", "decode_heavy_first",
 )
 
 
@@ -97,6 +97,11 @@ class JobSpec(BaseModel):
     id_column: str = "id"
     shard_size: int = Field(256, ge=1, description="rows per output part file")
     limit: Optional[int] = Field(None, ge=1, description="process only the first N rows")
+    plan: Literal["prefix", "input"] = Field(
+        "prefix", description="row order: 'prefix' groups rows sharing a prompt prefix (depth-first over the "
+                              "dataset's prefix tree) so the engine computes each shared prefix once; 'input' keeps input order")
+    decode_heavy_first: bool = Field(
+        False, description="with plan='prefix': run groups with the most output per prompt token first")
     shards_in_flight: int = Field(2, ge=1, description="shards fed to the engine at once (memory vs. batch fill)")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, repr=False,
@@ -194,6 +199,25 @@ def cache_llm(spec: JobSpec, llm: Any) -> None:
         _ENGINES[_engine_key(spec)] = llm
 
 
+def job_tokenizer(spec: JobSpec) -> Any:
+    """The tokenizer of the spec's model: the loaded engine's when there is one, else the tokenizer alone
+    (no model weights), for planning in a process that does not run the engine (the flow)."""
+    with _ENGINES_LOCK:
+        llm = _ENGINES.get(_engine_key(spec))
+    if llm is not None:
+        return llm.tokenizer
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_model(spec.model)
+
+
+def use_chat_template(spec: JobSpec, tokenizer: Any) -> bool:
+    """Whether prompts go through the chat template: the spec's choice, else when the model has one."""
+    if spec.chat_template is not None:
+        return spec.chat_template
+    return bool(getattr(tokenizer, "has_chat_template", False))
+
+
 def engine_lock(llm: Any) -> threading.Lock:
     """A lock per engine object: one engine runs one batch at a time, so threads (e.g. Prefect's
     thread-pool task runner) take turns; separate worker processes each have their own engine."""
@@ -213,6 +237,7 @@ class JobPlan:
     shards: list[Shard]
     pending: list[Shard]
     started_at: datetime
+    stats: PlanStats = field(default_factory=PlanStats)
     rows_total: int = field(init=False)
     rows_skipped: int = field(init=False)
 
@@ -227,8 +252,37 @@ def done_shards(spec: JobSpec) -> dict[int, ShardResult]:
     return manifest.done_shards(spec.output, spec.storage_options)
 
 
-def prepare_job(spec: JobSpec) -> JobPlan:
-    """List inputs, plan shards, and check the manifest (refuse a changed job unless `overwrite`).
+def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None) -> tuple[list[Shard], PlanStats]:
+    """The shard plan of a job: prefix groups in depth-first order (`spec.plan == "prefix"`) or input order.
+
+    The plan is a deterministic function of the input files and the spec (and the
+    tokenizer); it is stored in the manifest, and a resume reads it from there.
+
+    Args:
+        tokenizer: the model's tokenizer (default: `job_tokenizer(spec)`); only prefix plans tokenise.
+    """
+    if spec.plan == "input":
+        shards = plan_input_order(files, spec.shard_size, spec.limit)
+        return shards, PlanStats(order="input", rows=sum(s.length for s in shards))
+    if tokenizer is None:
+        tokenizer = job_tokenizer(spec)
+    block_size = int(spec.engine_kwargs().get("block_size", EngineConfig.block_size))
+    rows = TokenizedRows(files, tokenizer, spec.sampling_params(), id_column=spec.id_column,
+                         system_prompt=spec.system_prompt, use_chat_template=use_chat_template(spec, tokenizer),
+                         limit=spec.limit, storage_options=spec.storage_options)
+    return plan_prefix(rows, files, spec.shard_size, spec.limit, block_size=block_size,
+                       decode_heavy_first=spec.decode_heavy_first)
+
+
+def prepare_job(spec: JobSpec, tokenizer: Any = None) -> JobPlan:
+    """List inputs, check the manifest (refuse a changed job unless `overwrite`), plan shards.
+
+    A new job (or `overwrite`) is planned (`plan_job`) and its plan written to the
+    manifest; a resumed job reads its plan from the manifest, so the shards are
+    exactly those of the first run.
+
+    Args:
+        tokenizer: for planning (default: `job_tokenizer(spec)`, loaded only when planning).
 
     Raises:
         FileNotFoundError: no input files.
@@ -245,7 +299,6 @@ def prepare_job(spec: JobSpec) -> JobPlan:
         if not layout.id_in_input:
             warnings.warn(f"{f.path} has no {spec.id_column!r} column; using the row index as the id",
                           stacklevel=2)
-    shards = plan_shards(files, spec.shard_size, spec.limit)
     digest, doc = manifest.fingerprint(files, spec.fingerprint_fields())
     previous = manifest.read_manifest(spec.output, so)
     if spec.overwrite:
@@ -262,13 +315,18 @@ def prepare_job(spec: JobSpec) -> JobPlan:
             f"or choose another output."
         )
     if spec.overwrite or previous is None:
-        manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, "shards": [asdict(s) for s in shards],
+        shards, stats = plan_job(spec, files, tokenizer)
+        manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, "plan": stats.to_json(),
+                                              "shards": [s.to_json() for s in shards],
                                               "created_at": started_at.isoformat()}, so)
+    else:
+        shards = [Shard.from_json(d) for d in previous["shards"]]
+        stats = PlanStats(**previous.get("plan", {}))
 
     done = done_shards(spec)
     pending = [s for s in shards if s.index not in done]
     return JobPlan(spec=spec, job_id=digest[:16], run_id=uuid.uuid4().hex[:12], shards=shards,
-                   pending=pending, started_at=started_at)
+                   pending=pending, started_at=started_at, stats=stats)
 
 
 # ---------------------------------------------------------------- running shards
@@ -326,7 +384,7 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str) -> Shar
     if layout.id_in_input:
         ids = df.get_column(layout.id_column)
     else:
-        ids = pl.Series(layout.id_column, range(shard.first_row, shard.first_row + shard.length), pl.Int64)
+        ids = pl.Series(layout.id_column, shard.dataset_rows(), pl.Int64)
     passthrough = {c: df.schema[c] for c in layout.passthrough}
     schema = output_schema(layout.id_column, ids.dtype, passthrough, spec.n)
     gen_cols = [c for c in schema if c != layout.id_column and c not in passthrough]
@@ -351,6 +409,14 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str) -> Shar
     return result
 
 
+def read_shard(shard: Shard, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
+    """The shard's input rows, in shard order (one range read when the rows are consecutive)."""
+    runs = shard.runs()
+    if len(runs) == 1:
+        return io.read_rows(shard.file, runs[0][0], runs[0][1], storage_options)
+    return io.read_rows_at(shard.file, shard.rows, storage_options)
+
+
 def run_shards(
     spec: JobSpec,
     shards: list[Shard],
@@ -361,15 +427,18 @@ def run_shards(
 ) -> Iterator[ShardResult]:
     """Run `shards` through the engine together; yield each ShardResult as soon as it is committed.
 
-    All rows of the given shards go to one `llm.iter_outputs` call, so the
-    engine's batch stays full across shard boundaries; a shard's part file is
-    written as soon as its last row finishes. Memory holds these shards only.
+    All rows of the given shards go to one `llm.iter_outputs` call, in shard
+    order and each shard's planned row order (the engine admits requests first
+    come, first served, so rows sharing a prefix run together while it is
+    cached), so the engine's batch stays full across shard boundaries; a
+    shard's part file is written as soon as its last row finishes. Memory
+    holds these shards only.
 
     Args:
         on_rows: called with (rows finished, output tokens) as rows finish (progress bars).
     """
     tokenizer = llm.tokenizer
-    use_chat = spec.chat_template if spec.chat_template is not None else bool(getattr(tokenizer, "has_chat_template", False))
+    use_chat = use_chat_template(spec, tokenizer)
     defaults = spec.sampling_params()
     problem = defaults.validate()
     if problem is not None:
@@ -384,7 +453,8 @@ def run_shards(
     owners: list[tuple[int, int]] = []  # request index -> (state index, row index)
     for shard in shards:
         t0 = time.perf_counter()
-        df = io.read_rows(shard.file, shard.offset, shard.length, spec.storage_options)
+        df = read_shard(shard, spec.storage_options)
+        seeds = shard.dataset_rows()
         layout = InputLayout.from_schema(df.columns, spec.id_column)
         state = _ShardState(shard, df, layout, [None] * df.height, 0, t0)
         row_cols = [c for c in ("prompt", "messages", *layout.overrides) if c in df.columns]
@@ -396,7 +466,7 @@ def run_shards(
             else:
                 p = req.params
                 if p.seed is None:  # same samples for a row whatever the sharding, batch or resume
-                    p = dataclasses.replace(p, seed=row_seed(spec.seed, shard.first_row + i))
+                    p = dataclasses.replace(p, seed=row_seed(spec.seed, seeds[i]))
                 owners.append((len(states), i))
                 prompts.append(req.prompt_token_ids)
                 params.append(p)
@@ -438,6 +508,7 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         device_count=spec.device_count, started_at=plan.started_at, finished_at=datetime.now(timezone.utc),
         price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
         rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
+        ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order,
     )
     url = manifest.job_url(spec.output, "metrics.parquet")
     row = pl.DataFrame([report.as_row()])
@@ -460,8 +531,16 @@ def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) 
 
 
 def _windows(shards: list[Shard], k: int) -> Iterator[list[Shard]]:
-    for i in range(0, len(shards), k):
-        yield shards[i:i + k]
+    """Consecutive runs of `k` shards for one engine call each; a window grows (up to 2k shards) while
+    the next shard continues the last one's prefix group, so a group stays within one engine call."""
+    i = 0
+    while i < len(shards):
+        j = min(i + k, len(shards))
+        while j < len(shards) and j < i + 2 * k and shards[j].continues_group \
+                and shards[j].index == shards[j - 1].index + 1:
+            j += 1
+        yield shards[i:j]
+        i = j
 
 
 def run_job(
@@ -480,7 +559,7 @@ def run_job(
     Returns:
         This run's CostReport (also appended to `OUTPUT/_job/metrics.parquet`).
     """
-    plan = prepare_job(spec)
+    plan = prepare_job(spec, tokenizer=llm.tokenizer if llm is not None else None)
     if llm is None and plan.pending:
         llm = get_llm(spec)
     results: list[ShardResult] = []

@@ -1,6 +1,7 @@
 """The job's record under `OUTPUT/_job/`: manifest (fingerprint + shard plan) and per-shard done markers.
 
-    OUTPUT/_job/manifest.json         {"fingerprint", "inputs", "spec", "shards", ...}
+    OUTPUT/_job/manifest.json         {"fingerprint", "inputs", "spec", "plan", "shards", ...}
+                                      (shards: rows as [offset, length] runs; plan: PlanStats)
     OUTPUT/_job/done/part-00000.json  one marker per committed shard, with its counts
 
 The fingerprint is a SHA-256 of the input files (URL, size, ETag or mtime, rows,
@@ -19,7 +20,7 @@ from typing import Any
 from pipeline import io
 from pipeline.cost import TokenCounts
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: shards are row lists (runs) of a prefix plan, plus plan statistics
 
 
 @dataclass
