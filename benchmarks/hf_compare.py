@@ -17,8 +17,9 @@ tokenizer). Only ``generate`` is timed (a short warm-up runs first); loading is
 reported separately. Before each measurement the script prints the machine
 load: ``os.getloadavg()`` (whose 1-minute figure also counts this process's
 own recent work) and the CPU cores that *other* processes kept busy over a
-one-second sample while this one slept. On this 2-core machine any other load
-slows both sides a lot: trust a run only when that figure is near 0.
+one-second sample while this one slept; after each, the cores other processes
+kept busy *during* it. On this 2-core machine any other load slows both sides
+a lot: trust a run only when those figures are near 0.
 
 Usage::
 
@@ -72,6 +73,30 @@ def machine_load(sample_s: float = 1.0) -> dict[str, Any]:
             other_busy = round(ncpu * (after[0] - before[0]) / (after[1] - before[1]), 2)
     return {"loadavg_1m": round(load1, 2), "loadavg_5m": round(load5, 2), "loadavg_15m": round(load15, 2),
             "other_busy_cores": other_busy}
+
+
+class BusyMeter:
+    """CPU cores kept busy by *other* processes while a measurement runs.
+
+    Machine-wide busy jiffies from /proc/stat minus this process's own CPU time
+    (os.times), over the wall time between ``start`` and ``stop``; None off Linux.
+    """
+
+    def start(self) -> "BusyMeter":
+        self._machine = _cpu_busy_jiffies()
+        t = os.times()
+        self._own = t.user + t.system
+        return self
+
+    def stop(self) -> Optional[float]:
+        after = _cpu_busy_jiffies()
+        t = os.times()
+        if self._machine is None or after is None or after[1] <= self._machine[1]:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        own = (t.user + t.system - self._own) * hz
+        ncpu = os.cpu_count() or 1
+        return round(max(0.0, ncpu * (after[0] - self._machine[0] - own) / (after[1] - self._machine[1])), 2)
 
 
 def wait_for_quiet(timeout_s: float, threshold: float = 0.3) -> dict[str, Any]:
@@ -204,14 +229,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     load_tm = wait_for_quiet(args.wait_quiet)
     print(f"before tokenmill: {_fmt_load(load_tm)}", flush=True)
+    meter = BusyMeter().start()
     results["tokenmill"] = run_tokenmill(llm, prompt_ids, args.max_tokens)
-    results["tokenmill"].update(load_s=tm_load_s, machine_load=load_tm)
+    results["tokenmill"].update(load_s=tm_load_s, machine_load=load_tm, other_busy_during=meter.stop())
     print(f"  tokenmill: {results['tokenmill']['wall_s']:.1f} s", flush=True)
 
     load_hf = wait_for_quiet(args.wait_quiet)
     print(f"before transformers: {_fmt_load(load_hf)}", flush=True)
+    meter = BusyMeter().start()
     results["transformers"] = run_transformers(hf_model, prompt_ids, args.max_tokens, args.batch_size, pad_id)
-    results["transformers"].update(load_s=hf_load_s, machine_load=load_hf)
+    results["transformers"].update(load_s=hf_load_s, machine_load=load_hf, other_busy_during=meter.stop())
     print(f"  transformers: {results['transformers']['wall_s']:.1f} s", flush=True)
 
     for r in results.values():
@@ -223,20 +250,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     names = {"tokenmill": "tokenmill LLM.generate",
              "transformers": f"transformers generate (batch {args.batch_size})"}
     print()
+    def cores(x: Optional[float]) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
     print(f"{'engine':<34} {'out tokens':>10} {'wall s':>8} {'out tok/s':>10} {'in+out tok/s':>13} "
-          f"{'load 1m':>8} {'other busy':>10} {'model load s':>13}")
+          f"{'load 1m':>8} {'busy before':>11} {'busy during':>11} {'model load s':>13}")
     for key, r in results.items():
-        busy = r["machine_load"]["other_busy_cores"]
         print(f"{names[key]:<34} {r['output_tokens']:>10} {r['wall_s']:>8.1f} {r['output_tok_s']:>10.1f} "
               f"{r['total_tok_s']:>13.1f} {r['machine_load']['loadavg_1m']:>8.2f} "
-              f"{'n/a' if busy is None else f'{busy:.2f}':>10} {r['load_s']:>13.1f}")
+              f"{cores(r['machine_load']['other_busy_cores']):>11} {cores(r['other_busy_during']):>11} "
+              f"{r['load_s']:>13.1f}")
+    print("(busy before/during: cores of this machine kept busy by other processes; 'load 1m' is os.getloadavg)")
     print(f"\nratio tokenmill / transformers (output tok/s): {ratio:.2f}x")
     print(f"greedy agreement: {agree['identical_sequences']}/{agree['num_sequences']} sequences identical, "
           f"mean common prefix {agree['mean_common_prefix_tokens']} of {args.max_tokens} tokens")
     print(f"torch threads: {torch.get_num_threads()}")
-    busiest = max((r["machine_load"]["other_busy_cores"] or 0.0) for r in results.values())
+    busiest = max(max(r["machine_load"]["other_busy_cores"] or 0.0, r["other_busy_during"] or 0.0)
+                  for r in results.values())
     if busiest > 0.3:
-        print(f"WARNING: other processes kept {busiest:.2f} cores busy during a measurement; "
+        print(f"WARNING: other processes kept up to {busiest:.2f} cores busy around a measurement; "
               "the numbers are not those of a quiet machine", file=sys.stderr)
 
     if args.output_json:
