@@ -148,6 +148,23 @@ class PlanStats:
         return asdict(self)
 
 
+_MASK = (1 << 64) - 1
+_P = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
+_P_INV = pow(_P, -1, 1 << 64)
+
+
+def _block_weights(block_size: int) -> np.ndarray:
+    """Fixed odd 64-bit weights per token position (a fixed seed: the same hashes in every process)."""
+    return np.random.default_rng(20241203).integers(1, 1 << 63, size=block_size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64 (wraps mod 2**64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class PrefixTree:
     """The block-level prefix tree of a dataset's prompts.
 
@@ -155,22 +172,31 @@ class PrefixTree:
     per full block per row (token ids are not kept), plus a node per block that
     at least two rows share.
 
+    A block's key is a 64-bit hash chained over the row's earlier blocks (a
+    polynomial hash of mixed block hashes, computed with numpy for a batch of
+    rows at once); two rows share k blocks when their k-th keys are equal.
+
     Args:
         block_size: tokens per KV block (the engine's `block_size`).
     """
+
+    BATCH_ROWS = 4096
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self._chains: list[array] = []
+        self._weights = _block_weights(block_size)
+        self._pending: list[Sequence[int]] = []
+        self._hashes: list[np.ndarray] = []  # uint64 chained keys, batch by batch
+        self._nblocks = array("q")  # full blocks per row
         self._lens = array("q")
         self._max_tokens = array("q")
         self._parts = array("q")
         self._built = False
 
     def __len__(self) -> int:
-        return len(self._chains)
+        return len(self._lens)
 
     def add(self, token_ids: Optional[Sequence[int]], max_tokens: int = 0, part: int = 0) -> int:
         """Add a row; returns its index.
@@ -180,60 +206,87 @@ class PrefixTree:
             max_tokens: the row's output budget (for `decode_heavy_first`).
             part: the row's input file; within a group, `order` keeps a file's rows together.
         """
-        chain = array("q")
-        n = 0
-        if token_ids:
-            t = tuple(token_ids)
-            n = len(t)
-            bs = self.block_size
-            h = 0
-            for k in range(0, n - bs + 1, bs):
-                h = hash((h, t[k:k + bs]))  # ints and tuples of ints hash the same in every process
-                chain.append(h)
-        self._chains.append(chain)
-        self._lens.append(n)
+        ids = token_ids or ()
+        self._pending.append(ids)
+        self._lens.append(len(ids))
+        self._nblocks.append(len(ids) // self.block_size)
         self._max_tokens.append(int(max_tokens or 0))
         self._parts.append(part)
         self._built = False
-        return len(self._chains) - 1
+        if len(self._pending) >= self.BATCH_ROWS:
+            self._flush()
+        return len(self._lens) - 1
+
+    def _flush(self) -> None:
+        """Hash the full blocks of the pending rows, all at once."""
+        bs = self.block_size
+        rows = [(ids, len(ids) // bs) for ids in self._pending if len(ids) >= bs]
+        self._pending = []
+        if not rows:
+            return
+        counts = np.fromiter((n for _, n in rows), dtype=np.int64, count=len(rows))
+        flat = np.concatenate([np.asarray(ids[:n * bs], dtype=np.int64) for ids, n in rows])
+        blocks = flat.reshape(-1, bs).astype(np.uint64)
+        b = _mix((blocks * self._weights).sum(axis=1, dtype=np.uint64))
+        # chain: H_k = H_{k-1} * P + b_k (mod 2**64) = P**k * sum_{j<=k} b_j * P**-j, per row
+        start = np.repeat(np.cumsum(counts) - counts, counts)  # per block: index of its row's first block
+        local = np.arange(len(b), dtype=np.int64) - start
+        kmax = int(counts.max())
+        pows = np.empty(kmax, dtype=np.uint64)
+        invs = np.empty(kmax, dtype=np.uint64)
+        p = q = 1
+        for k in range(kmax):
+            pows[k], invs[k] = p, q
+            p, q = (p * _P) & _MASK, (q * _P_INV) & _MASK
+        c = np.cumsum(b * invs[local], dtype=np.uint64)
+        before = np.where(start > 0, c[np.maximum(start - 1, 0)], np.uint64(0))
+        self._hashes.append(_mix((c - before) * pows[local]))
 
     # -- build
     def _build(self) -> None:
-        """Count distinct blocks; make nodes for blocks shared by >= 2 rows; record first-appearance items."""
-        chains = [c for c in self._chains if len(c)]
-        if chains:
-            allh = np.concatenate([np.frombuffer(c, dtype=np.int64) for c in chains])
-            uniq, counts = np.unique(allh, return_counts=True)
-            shared = set(uniq[counts >= 2].tolist())
+        """Count distinct blocks; make nodes for blocks shared by >= 2 rows, in first-appearance order."""
+        self._flush()
+        nb = np.frombuffer(self._nblocks, dtype=np.int64) if len(self._nblocks) else np.zeros(0, np.int64)
+        allh = np.concatenate(self._hashes) if self._hashes else np.zeros(0, np.uint64)
+        self._allh = allh
+        off = np.cumsum(nb) - nb
+        self._off = off
+        if len(allh):
+            uniq, inv, counts = np.unique(allh, return_inverse=True, return_counts=True)
             self.distinct_blocks = int(len(uniq))
+            cs = np.concatenate([[0], np.cumsum(counts[inv] >= 2)])
+            shared_depth = cs[off + nb] - cs[off]  # shared blocks form a prefix of a row's chain
         else:
-            shared, self.distinct_blocks = set(), 0
+            self.distinct_blocks = 0
+            shared_depth = np.zeros(len(nb), np.int64)
+        leaf_key = np.where(shared_depth > 0, allh[np.maximum(off + shared_depth - 1, 0)] if len(allh) else 0, 0)
         node_of: dict[int, int] = {}
-        depth = [0]
+        depth, parent = [0], [0]
         items: list[list[int]] = [[]]  # per node: row r as r, child node n as ~n, in first-appearance order
-        for r, chain in enumerate(self._chains):
-            d = 0
-            while d < len(chain) and chain[d] in shared:  # shared blocks form a prefix of the chain
-                d += 1
+        leaf = [0] * len(nb)
+        for r, (d, key) in enumerate(zip(shared_depth.tolist(), leaf_key.tolist())):
             if d == 0:
                 items[0].append(r)
                 continue
-            leaf = node_of.get(chain[d - 1])
-            if leaf is None:
+            node = node_of.get(key)
+            if node is None:
+                chain = allh[off[r]:off[r] + d].tolist()
                 j = d - 1
                 while j > 0 and chain[j - 1] not in node_of:
                     j -= 1
-                parent = node_of[chain[j - 1]] if j > 0 else 0
+                up = node_of[chain[j - 1]] if j > 0 else 0
                 for k in range(j, d):
                     nid = len(depth)
                     node_of[chain[k]] = nid
                     depth.append(k + 1)
+                    parent.append(up)
                     items.append([])
-                    items[parent].append(~nid)
-                    parent = nid
-                leaf = parent
-            items[leaf].append(r)
-        self._depth, self._items = depth, items
+                    items[up].append(~nid)
+                    up = nid
+                node = up
+            items[node].append(r)
+            leaf[r] = node
+        self._depth, self._parent, self._items, self._leaf = depth, parent, items, leaf
         self._built = True
 
     def _ensure(self) -> None:
@@ -258,6 +311,12 @@ class PrefixTree:
         total = self.prompt_tokens
         return 1.0 - self.distinct_tokens / total if total else 0.0
 
+    @property
+    def num_nodes(self) -> int:
+        """Shared blocks (tree nodes below the root)."""
+        self._ensure()
+        return len(self._depth) - 1
+
     def groups(self) -> list[list[int]]:
         """Rows of each group (a root child: rows sharing >= 1 block), in depth-first order."""
         self._ensure()
@@ -277,12 +336,16 @@ class PrefixTree:
         return out
 
     def shared_blocks(self, a: int, b: int) -> int:
-        """Full blocks rows `a` and `b` share."""
-        ca, cb = self._chains[a], self._chains[b]
-        k, n = 0, min(len(ca), len(cb))
-        while k < n and ca[k] == cb[k]:
-            k += 1
-        return k
+        """Full blocks rows `a` and `b` share (the depth of their leaves' common ancestor)."""
+        self._ensure()
+        u, v = self._leaf[a], self._leaf[b]
+        depth, parent = self._depth, self._parent
+        while u != v:
+            if depth[u] >= depth[v]:
+                u = parent[u]
+            else:
+                v = parent[v]
+        return depth[u]
 
     # -- order
     def order(self, decode_heavy_first: bool = False) -> tuple[list[int], list[int]]:
