@@ -215,3 +215,97 @@ def test_plan_is_deterministic_across_processes():
                                 env=env, cwd=os.path.dirname(os.path.dirname(__file__))).stdout)
     shards, _ = plan_prefix([(r, 1) for r in random_dataset(3)], fake_files(300), 16, block_size=4)
     assert outs == {str([x.to_json() for x in shards]) + "\n"}
+
+
+# ---------------------------------------------------------------- jobs
+
+INSTRUCTIONS = [
+    "You label short product reviews. Read the review and answer with one word: positive, negative or "
+    "neutral. Do not explain your answer and do not repeat the review. Reviews may be short.",
+    "You translate short sentences from English into French. Write only the French sentence, with no quotes, "
+    "no notes and no other text. Keep names as they are and keep the punctuation.",
+]
+ITEMS = ["Tea was cold.", "I love this lamp.", "Broke after a day.", "Fine, nothing special.",  # distinct
+         "Great value.", "Opened box.", "Works as described.", "Loud."]  # first letters: no deeper sharing
+
+
+def interleaved(n: int) -> pl.DataFrame:
+    """Two shared instructions alternating row by row (the worst case for input order)."""
+    return pl.DataFrame({
+        "id": [f"r{i:02d}" for i in range(n)],
+        "prompt": [f"{INSTRUCTIONS[i % 2]}\n\n{ITEMS[i // 2 % len(ITEMS)]} ({i})" for i in range(n)],
+        "task": [i % 2 for i in range(n)],
+    })
+
+
+def read_parts(out) -> pl.DataFrame:
+    parts = sorted(p for p in os.listdir(out) if p.startswith("part-"))
+    return pl.concat([pl.read_parquet(os.path.join(out, p)).with_columns(pl.lit(p).alias("part")) for p in parts])
+
+
+def test_job_groups_interleaved_prefixes_and_resumes_exactly(tmp_path):
+    inp = tmp_path / "in.parquet"
+    interleaved(12).write_parquet(inp)
+    spec = JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=4, shard_size=3, progress=False,
+                   shards_in_flight=1)
+    full = run_job(spec.model_copy(update={"output": str(tmp_path / "full")}), FakeLLM())
+    df = read_parts(tmp_path / "full")
+    # each part holds rows of one instruction, in input order within it: 0 2 4 | 6 8 10 | 1 3 5 | 7 9 11
+    assert df["id"].to_list() == [f"r{i:02d}" for i in (0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11)]
+    assert df.group_by("part").agg(pl.col("task").n_unique())["task"].to_list() == [1, 1, 1, 1]
+    assert df.sort("id")["task"].to_list() == interleaved(12)["task"].to_list()  # pass-through follows its row
+    assert full.plan == "prefix" and 0.5 < full.ideal_prefix_hit_rate < 1
+    manifest = io.read_json(str(tmp_path / "full" / "_job" / "manifest.json"))
+    assert manifest["plan"]["groups"] == 2 and manifest["shards"][0]["runs"] == [[0, 1], [2, 1], [4, 1]]
+
+    class Killed(Exception):
+        pass
+
+    def die(result):
+        raise Killed
+
+    with pytest.raises(Killed):
+        run_job(spec, FakeLLM(), on_shard_done=die)
+    llm = FakeLLM()
+    report = run_job(spec, llm)
+    assert llm.prompts_seen == 9 and report.rows_skipped == 3
+    timing = ["ttft_s", "latency_s"]
+    assert read_parts(tmp_path / "out").drop(timing).equals(df.drop(timing))
+
+
+def test_input_order_plan_keeps_contiguous_shards(tmp_path):
+    inp = tmp_path / "in.parquet"
+    interleaved(7).write_parquet(inp)
+    run_job(JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, shard_size=3, progress=False,
+                    plan="input"), FakeLLM())
+    df = read_parts(tmp_path / "out")
+    assert df["id"].to_list() == [f"r{i:02d}" for i in range(7)]
+    m = read_metrics(str(tmp_path / "out")).row(0, named=True)
+    assert m["plan"] == "input" and m["ideal_prefix_hit_rate"] is None
+
+
+def test_planned_order_beats_input_order_on_the_real_model(llm, tmp_path):
+    """A KV pool of 7 blocks (a row needs 6) and one sequence at a time: in input order each instruction's blocks are
+    evicted by the other's before they are used again; planned, each is computed about once."""
+    from engine import LLM
+
+    block_bytes = llm.kv_cache.bytes_per_block(llm.model_config, 16, llm.dtype)
+    inp = tmp_path / "in.parquet"
+    interleaved(10).write_parquet(inp)
+    runs = {}
+    for plan in ("input", "prefix"):
+        # a fresh engine (the weights are shared) for each run: no cached blocks from the other run
+        small = LLM("smollm2-135m-instruct", kv_cache_memory_bytes=7 * block_bytes, max_num_seqs=1)
+        out = tmp_path / plan
+        report = run_job(JobSpec(input=str(inp), output=str(out), max_tokens=4, shard_size=5, progress=False,
+                                 plan=plan), small)
+        runs[plan] = (report, read_parts(out).sort("id"))
+    (r_in, df_in), (r_pl, df_pl) = runs["input"], runs["prefix"]
+    assert r_pl.cached_tokens > r_in.cached_tokens
+    assert r_pl.prompt_tokens_computed < r_in.prompt_tokens_computed
+    assert r_pl.prompt_tokens == r_in.prompt_tokens
+    assert r_pl.prefix_cache_hit_rate <= r_pl.ideal_prefix_hit_rate + 1e-9
+    assert r_pl.prefix_cache_hit_rate >= 0.9 * r_pl.ideal_prefix_hit_rate
+    assert r_in.prefix_cache_hit_rate < 0.9 * r_pl.ideal_prefix_hit_rate
+    assert df_pl["generation"].to_list() == df_in["generation"].to_list()  # greedy: same text per id
+    assert df_pl["error"].null_count() == 10
