@@ -109,20 +109,21 @@ class BlockPool:
 
 
 class KVCache:
-    """K and V tensors of every layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+    """K and V tensors of every layer, in the layout the attention backend chooses
+    (`AttentionBackend.cache_shape`); a token's slot is block * block_size + offset.
 
     Args:
         cfg: model shape.
         num_blocks: blocks to allocate.
         block_size: tokens per block.
         dtype, device: storage dtype and device.
+        shape: one layer's K (and V) shape.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # zeros, not empty: padded decode gathers read slot 0, which must be finite
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

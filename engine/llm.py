@@ -135,9 +135,10 @@ class LLM:
         max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # a sequence may never need more blocks than the whole pool holds
         self.max_model_len = min(max_len, num_blocks * bs)
-        self.kv_cache = KVCache(mcfg, num_blocks, bs, self.dtype, self.device)
-        self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.backend = get_backend("torch")
+        shape = self.backend.cache_shape(num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim)
+        self.kv_cache = KVCache(mcfg, num_blocks, bs, self.dtype, self.device, shape)
+        self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
         self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)

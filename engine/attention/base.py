@@ -43,9 +43,13 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Computes attention of a varlen batch against a paged KV cache.
 
-    KV cache layout per layer: k_cache, v_cache of shape
-    [num_blocks, block_size, num_kv_heads, head_dim].
+    Each backend chooses its KV cache layout (`cache_shape`); a token's slot
+    is block * block_size + offset in every layout.
     """
+
+    @abstractmethod
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's K (and V) cache tensor."""
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:

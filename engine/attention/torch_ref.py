@@ -10,13 +10,20 @@ from .base import AttentionBackend, AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     """Decode tokens in one batched, masked matmul; each prefill chunk through SDPA.
 
+    Cache layout: [num_kv_heads, num_blocks * block_size, head_dim] per layer
+    (head-major), so that gathering slots yields tensors that the batched
+    matmuls and SDPA read without another transpose copy.
+
     Decode: the KV of every decoding sequence is gathered by slot index into
-    [Bd, Lmax, Hkv, D] (padded to the longest sequence, padding masked with
+    [Hkv, Bd, Lmax, D] (padded to the longest sequence, padding masked with
     -inf), and the query heads of a KV group are folded together (GQA), so one
     matmul pair serves all sequences. Prefill: for a chunk with no cached prefix
     the fresh k/v are used directly with a causal mask; otherwise the prefix is
     gathered from the cache and the mask is offset by the prefix length.
     """
+
+    def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
+        return (num_kv_heads, num_blocks * block_size, head_dim)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         cache: dict = {}
@@ -50,26 +57,24 @@ class TorchAttentionBackend(AttentionBackend):
         meta.cache = cache
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        nb, bs, hkv, d = k_cache.shape
+        hkv, _, d = k_cache.shape
         hq = q.shape[1]
         g = hq // hkv
-        k_flat = k_cache.view(nb * bs, hkv, d)
-        v_flat = v_cache.view(nb * bs, hkv, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:
             slots = c["decode_slots"]  # [Bd, L]
-            kd = k_flat[slots].to(q.dtype)  # [Bd, L, Hkv, D]
-            vd = v_flat[slots].to(q.dtype)
-            qd = q[:bd].view(bd, hkv, g, d)
-            scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)) * scale  # [Bd, Hkv, G, L]
-            scores = scores.float() + c["decode_bias"][:, None, None, :]
+            kd = k_cache[:, slots].to(q.dtype)  # [Hkv, Bd, L, D]
+            vd = v_cache[:, slots].to(q.dtype)
+            qd = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
+            scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # [Hkv, Bd, G, L]
+            scores = scores.float() + c["decode_bias"][None, :, None, :]
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            od = torch.matmul(probs, vd.permute(0, 2, 1, 3))  # [Bd, Hkv, G, D]
-            out[:bd] = od.reshape(bd, hq, d)
+            od = torch.matmul(probs, vd)  # [Hkv, Bd, G, D]
+            out[:bd] = od.transpose(0, 1).reshape(bd, hq, d)
         for start, qlen, slots, mask in c["prefill"]:
             qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
             if slots is None:
@@ -77,8 +82,8 @@ class TorchAttentionBackend(AttentionBackend):
                 vs = v[start : start + qlen].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ks = k_flat[slots].to(q.dtype).transpose(0, 1)  # [Hkv, slen, D]
-                vs = v_flat[slots].to(q.dtype).transpose(0, 1)
+                ks = k_cache[:, slots].to(q.dtype)  # [Hkv, slen, D]
+                vs = v_cache[:, slots].to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start : start + qlen] = o.transpose(0, 1)
         return out

@@ -181,7 +181,7 @@ class LlamaModel(nn.Module):
             input_ids: [T] int64 token ids.
             positions: [T] int64 absolute positions.
             meta: the step's attention metadata (already `backend.prepare`d).
-            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+            kv_caches: per layer (k_cache, v_cache), in the backend's layout.
             backend: attention backend.
             logits_indices: [S] int64, which of the T positions need logits.
         Returns:
