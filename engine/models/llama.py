@@ -44,6 +44,43 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
+class Linear(nn.Module):
+    """y = x W^T + b over a flattened batch. The unit that quantization swaps
+    (`engine.quant`): a quantized counterpart owns packed weights and scales and
+    keeps this `forward(x) -> y` contract.
+
+    Args:
+        weight: [out_features, in_features]; bias: [out_features] or None.
+    Shapes: x [T, in_features] -> y [T, out_features], in the weight's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_bytes(self) -> int:
+        """Bytes this layer reads per forward pass (weights and bias)."""
+        n = self.weight.numel() * self.weight.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block's weights: attention (fused q/k/v, output) and SwiGLU MLP (fused gate/up, down)."""
+
+    def __init__(self, attn_norm: torch.Tensor, qkv: Linear, o: Linear, mlp_norm: torch.Tensor,
+                 gate_up: Linear, down: Linear) -> None:
+        super().__init__()
+        self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.mlp_norm = nn.Parameter(mlp_norm, requires_grad=False)
+
+
 class LlamaModel(nn.Module):
     """Decoder weights plus the varlen forward pass.
 
@@ -67,9 +104,9 @@ class LlamaModel(nn.Module):
         self.cos = self.sin = None
         # weights, filled by load_state_dict / init_dummy
         self.embed: Optional[torch.Tensor] = None
-        self.lm_head: Optional[torch.Tensor] = None
+        self.lm_head: Optional[Linear] = None
         self.final_norm: Optional[torch.Tensor] = None
-        self.layers: list[dict[str, torch.Tensor]] = []
+        self.layers = nn.ModuleList()
 
     # ------------------------------------------------------------ weights
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -89,23 +126,24 @@ class LlamaModel(nn.Module):
             return t.to(device=self.device, dtype=self.dtype).contiguous()
 
         self.embed = put(take("embed_tokens.weight"))
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else put(state["lm_head.weight"])
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+        self.lm_head = Linear(self.embed if tied else put(state["lm_head.weight"]))
         self.final_norm = put(take("norm.weight"))
-        self.layers = []
+        layers = []
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            layer = {
-                "attn_norm": put(take(p + "input_layernorm.weight")),
-                "qkv": put(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0)),
-                "o": put(take(p + "self_attn.o_proj.weight")),
-                "mlp_norm": put(take(p + "post_attention_layernorm.weight")),
-                "gate_up": put(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)),
-                "down": put(take(p + "mlp.down_proj.weight")),
-                "qkv_bias": None,
-            }
+            qkv_bias = None
             if cfg.attention_bias:
-                layer["qkv_bias"] = put(torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0))
-            self.layers.append(layer)
+                qkv_bias = put(torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0))
+            layers.append(DecoderLayer(
+                attn_norm=put(take(p + "input_layernorm.weight")),
+                qkv=Linear(put(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0)), qkv_bias),
+                o=Linear(put(take(p + "self_attn.o_proj.weight"))),
+                mlp_norm=put(take(p + "post_attention_layernorm.weight")),
+                gate_up=Linear(put(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0))),
+                down=Linear(put(take(p + "mlp.down_proj.weight"))),
+            ))
+        self.layers = nn.ModuleList(layers)
 
     def init_dummy(self, seed: int = 0) -> None:
         """Random weights of the configured shape, made directly on the device (for benchmarks)."""
@@ -118,28 +156,41 @@ class LlamaModel(nn.Module):
         h, i = cfg.hidden_size, cfg.intermediate_size
         ones = lambda: torch.ones(h, device=self.device, dtype=self.dtype)  # noqa: E731
         self.embed = rnd(cfg.vocab_size, h)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, h)
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, h))
         self.final_norm = ones()
-        self.layers = []
-        for _ in range(cfg.num_layers):
-            self.layers.append({
-                "attn_norm": ones(),
-                "qkv": rnd(self.q_size + 2 * self.kv_size, h),
-                "o": rnd(h, self.q_size),
-                "mlp_norm": ones(),
-                "gate_up": rnd(2 * i, h),
-                "down": rnd(h, i),
-                "qkv_bias": rnd(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None,
-            })
+        self.layers = nn.ModuleList([
+            DecoderLayer(
+                attn_norm=ones(),
+                qkv=Linear(rnd(self.q_size + 2 * self.kv_size, h),
+                           rnd(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None),
+                o=Linear(rnd(h, self.q_size)),
+                mlp_norm=ones(),
+                gate_up=Linear(rnd(2 * i, h)),
+                down=Linear(rnd(h, i)),
+            )
+            for _ in range(cfg.num_layers)
+        ])
+
+    def linear_layers(self) -> list[tuple[str, Linear]]:
+        """(name, layer) of every swappable linear layer, LM head last."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                out.append((f"layers.{i}.{name}", getattr(layer, name)))
+        out.append(("lm_head", self.lm_head))
+        return out
 
     def weight_bytes(self) -> int:
-        """Bytes of all weights (the tied embedding counted once)."""
-        n = self.embed.numel() + self.final_norm.numel()
-        if self.lm_head is not self.embed:
-            n += self.lm_head.numel()
+        """Bytes of all weights as stored (the tied embedding counted once)."""
+        el = self.embed.element_size()
+        n = self.embed.numel() * el + self.final_norm.numel() * el
+        for name, lin in self.linear_layers():
+            if name == "lm_head" and lin.weight.data_ptr() == self.embed.data_ptr():
+                continue
+            n += lin.weight_bytes()
         for layer in self.layers:
-            n += sum(t.numel() for t in layer.values() if t is not None)
-        return n * self.embed.element_size()
+            n += (layer.attn_norm.numel() + layer.mlp_norm.numel()) * el
+        return n
 
     # ------------------------------------------------------------ pieces
     def _rope_tables(self, max_pos: int) -> None:
@@ -195,17 +246,15 @@ class LlamaModel(nn.Module):
         h = F.embedding(input_ids, self.embed)
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x = self._rms_norm(h, layer["attn_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            x = self._rms_norm(h, layer.attn_norm)
+            q, k, v = layer.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self._apply_rope(q.view(T, hq, d), cos, sin)
             k = self._apply_rope(k.view(T, hkv, d), cos, sin)
             v = v.reshape(T, hkv, d)
             a = backend.forward(q, k, v, kc, vc, meta, self.scale)
-            h = h + F.linear(a.view(T, hq * d), layer["o"])
-            x = self._rms_norm(h, layer["mlp_norm"])
-            gu = F.linear(x, layer["gate_up"])
-            g, u = gu.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(g) * u, layer["down"])
+            h = h + layer.o(a.view(T, hq * d))
+            x = self._rms_norm(h, layer.mlp_norm)
+            g, u = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(g) * u)
         h = self._rms_norm(h[logits_indices], self.final_norm)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
