@@ -1,0 +1,419 @@
+"""Weight-only quantized linear layers (int8, int4) and the GGUF block mapping.
+
+One representation serves every scheme: integer codes q, a scale s and an
+optional min m per group of `group_size` consecutive input columns of a row,
+
+    w[o, i] = q[o, i] * s[o, i // gs] (+ m[o, i // gs])        (fp32 arithmetic)
+
+- `bits=8`: q is int8 [out, in] (signed, or unsigned values < 128).
+- `bits=4`: q in 0..15, packed two per byte [out, in // 2]. Within each group,
+  byte j holds element j (low nibble) and element j + gs/2 (high nibble): the
+  byte layout of GGUF's Q4_0/Q4_1 blocks, so those blocks are copied as they are.
+
+Schemes (`quantize_model`):
+- "int8": per-output-channel symmetric, s = max|w_row| / 127, q = round(w / s).
+- "int4": group-wise asymmetric (group 32/64/128), s = (max - min) / 15,
+  m = min, q = round((w - m) / s) clamped to 0..15.
+- "gguf": `load_gguf_linears` keeps the file's own blocks (see `GGUF_MAPPING`).
+
+Kernel (CPU and the GPU fallback): dequantize a tile of output rows into an
+fp32 buffer, then one fp32 matmul per tile. PyTorch's packed kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) run at ~2 GFLOP/s on
+this AVX2 CPU (measured: benchmarks/quality.py --kernels), 40-70x below fp32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SCHEMES = ("int8", "int4", "gguf")
+INT4_GROUP_SIZES = (32, 64, 128)
+
+# GGUF type -> how it maps onto QuantLinear; "exact" means the stored blocks map 1:1
+# (same codes, same fp16 scale/min values widened to fp32); all listed types
+# reconstruct bit-exactly to gguf.quants.dequantize.
+GGUF_MAPPING = {
+    "Q8_0": "exact: int8 codes, scale per 32 (fp16 d -> fp32)",
+    "Q4_0": "exact: int4 group 32, bytes copied; scale d, min -8d ((q-8)d == qd - 8d exactly)",
+    "Q4_1": "exact: int4 group 32, bytes copied; scale d, min m",
+    "Q4_K": "converted: int4 group 32 (nibbles re-packed); 6-bit sub-scales folded: s = d*sc, m = -dmin*mn",
+    "Q5_K": "converted: 5-bit codes widened to int8, group 32; s = d*sc, m = -dmin*mn",
+    "Q6_K": "converted: 6-bit codes widened to signed int8 (q-32), group 16; s = d*sc",
+}
+
+
+# ---------------------------------------------------------------- packing
+
+def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Pack codes 0..15 [out, in] (any int dtype) into uint8 [out, in // 2], GGUF Q4_0 layout per group."""
+    out, n = q.shape
+    g = q.to(torch.uint8).view(out, n // group_size, 2, group_size // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(out, n // 2)
+
+
+def unpack_int4(p: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of `pack_int4`: uint8 [out, in // 2] -> uint8 codes [out, in]."""
+    out, half = p.shape
+    g = p.view(out, half * 2 // group_size, group_size // 2)
+    return torch.stack((g & 15, g >> 4), dim=2).reshape(out, half * 2)
+
+
+# ---------------------------------------------------------------- the layer
+
+class QuantLinear(nn.Module):
+    """Weight-only quantized drop-in for `models.llama.Linear` (same forward contract).
+
+    Args:
+        codes: int8 [out, in] (bits=8) or uint8 packed [out, in // 2] (bits=4).
+        scale: fp32 [out, in // group_size].
+        min: fp32 [out, in // group_size] or None (symmetric).
+        bits: 8 or 4.
+        group_size: input columns per scale; equal to `in` for per-channel.
+        bias: [out] or None, in the activation dtype.
+        dtype: dtype of the dequantized tile and of the output.
+    Shapes: x [T, in] -> y [T, out].
+
+    `weight` is the stored code tensor (so byte accounting that reads
+    `layer.weight` sees the packed tensor), never a float matrix; use `dequantize()`.
+    """
+
+    # output rows per tile: small batches keep the fp32 tile in L2 (decode is
+    # bandwidth-bound), large ones amortise the matmul call over a bigger tile
+    SMALL_TILE_ELEMS = 1 << 17  # 512 KiB fp32
+    LARGE_TILE_ELEMS = 1 << 22  # 16 MiB fp32
+    SMALL_M = 32
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor], bits: int,
+                 group_size: int, bias: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32,
+                 in_features: Optional[int] = None) -> None:
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        self.bits = bits
+        self.group_size = group_size
+        self.out_features = codes.shape[0]
+        # stored columns: in_features rounded up to a whole group (padding codes are 0)
+        self.padded_in = codes.shape[1] * (2 if bits == 4 else 1)
+        self.in_features = in_features or self.padded_in
+        if self.padded_in % group_size or not 0 <= self.padded_in - self.in_features < group_size:
+            raise ValueError(f"stored width {self.padded_in} is not in_features {self.in_features} "
+                             f"rounded up to a multiple of group_size {group_size}")
+        if scale.shape != (self.out_features, self.padded_in // group_size):
+            raise ValueError(f"scale shape {tuple(scale.shape)} does not match codes {tuple(codes.shape)}")
+        self.dtype = dtype
+        self.register_buffer("weight", codes.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("min", None if min is None else min.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    # ---------------------------------------------------------- dequantize
+    def _dequant_rows(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        """fp32 weight rows [r1 - r0, in] into `out` (a buffer of at least that size)."""
+        rows, gs, n = r1 - r0, self.group_size, self.padded_in
+        w = out[: rows * n].view(rows, n // gs, gs)
+        s = self.scale[r0:r1].unsqueeze(-1)
+        if self.bits == 8:
+            torch.mul(self.weight[r0:r1].view(rows, n // gs, gs), s, out=w)
+        else:
+            p = self.weight[r0:r1].view(rows, n // gs, gs // 2)
+            torch.mul(p & 15, s, out=w[..., : gs // 2])
+            torch.mul(p >> 4, s, out=w[..., gs // 2:])
+        if self.min is not None:
+            w.add_(self.min[r0:r1].unsqueeze(-1))
+        w = w.view(rows, n)
+        return w if n == self.in_features else w[:, : self.in_features]
+
+    def dequantize(self) -> torch.Tensor:
+        """The full fp32 weight [out, in]."""
+        buf = torch.empty(self.out_features * self.padded_in, dtype=torch.float32, device=self.weight.device)
+        return self._dequant_rows(0, self.out_features, buf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        per_tile = self.SMALL_TILE_ELEMS if m <= self.SMALL_M else self.LARGE_TILE_ELEMS
+        rows = max(1, min(self.out_features, per_tile // self.padded_in))
+        buf = torch.empty(rows * self.padded_in, dtype=torch.float32, device=x.device)
+        xf = x if x.dtype == torch.float32 else x.float()
+        if rows >= self.out_features:
+            y = F.linear(xf, self._dequant_rows(0, self.out_features, buf),
+                         None if self.bias is None else self.bias.float())
+            return y.to(self.dtype)
+        y = torch.empty(m, self.out_features, dtype=torch.float32, device=x.device)
+        for r0 in range(0, self.out_features, rows):
+            r1 = min(r0 + rows, self.out_features)
+            y[:, r0:r1] = torch.mm(xf, self._dequant_rows(r0, r1, buf).t())
+        if self.bias is not None:
+            y += self.bias.float()
+        return y.to(self.dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes this layer reads per forward pass: codes, scales, mins, bias."""
+        n = self.weight.numel() * self.weight.element_size() + self.scale.numel() * 4
+        if self.min is not None:
+            n += self.min.numel() * 4
+        if self.bias is not None:
+            n += self.bias.numel() * self.bias.element_size()
+        return n
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, min={self.min is not None}")
+
+
+# ---------------------------------------------------------------- our quantizers
+
+def quantize_int8(w: torch.Tensor, bias=None, dtype=torch.float32) -> QuantLinear:
+    """Per-output-channel symmetric int8: s = max|w_row| / 127, q = round(w / s) in -127..127."""
+    w = w.float()
+    s = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / s).clamp_(-127, 127).to(torch.int8)
+    return QuantLinear(q, s, None, 8, w.shape[1], bias, dtype)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32, bias=None, dtype=torch.float32) -> QuantLinear:
+    """Group-wise asymmetric int4: per group s = (max - min) / 15, m = min, q = round((w - m) / s) in 0..15."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    w = w.float()
+    out, n_in = w.shape
+    n = -(-n_in // group_size) * group_size
+    g = F.pad(w, (0, n - n_in)).view(out, n // group_size, group_size)
+    # a last partial group takes its range from its real columns only (padding codes are 0)
+    valid = (torch.arange(n, device=w.device) < n_in).view(n // group_size, group_size)
+    mn = torch.where(valid, g, torch.inf).amin(-1)
+    s = ((torch.where(valid, g, -torch.inf).amax(-1) - mn) / 15.0).clamp_min(1e-12)
+    q = torch.round((g - mn[..., None]) / s[..., None]).clamp_(0, 15)
+    q = torch.where(valid, q, 0).view(out, n)
+    return QuantLinear(pack_int4(q, group_size), s, mn, 4, group_size, bias, dtype, in_features=n_in)
+
+
+def _swap(model, name: str, new: nn.Module) -> None:
+    if name == "lm_head":
+        model.lm_head = new
+    else:
+        _, i, attr = name.split(".")
+        setattr(model.layers[int(i)], attr, new)
+
+
+def quantize_model(model, scheme: str, group_size: int = 32) -> None:
+    """Replace every linear layer of `model` (`model.linear_layers()`) by its quantized
+    counterpart, in place. A tied LM head gets its own quantized copy; the
+    embedding lookup keeps the float table.
+
+    Args:
+        scheme: "int8" (per-channel) or "int4" (group-wise, `group_size` in 32/64/128).
+    Raises:
+        ValueError: unknown scheme or group size.
+    """
+    if scheme not in ("int8", "int4"):
+        raise ValueError(f"quantize_model scheme must be 'int8' or 'int4', got {scheme!r}")
+    for name, lin in model.linear_layers():
+        if isinstance(lin, QuantLinear):
+            continue
+        b = lin.bias
+        if scheme == "int8":
+            new = quantize_int8(lin.weight.data, b, model.dtype)
+        else:
+            new = quantize_int4(lin.weight.data, group_size, b, model.dtype)
+        _swap(model, name, new.to(lin.weight.device))
+
+
+def model_weight_bytes(model) -> int:
+    """Bytes of all weights as held in memory: the embedding table, norms and every
+    linear layer (a quantized LM head is a separate copy of the tied embedding)."""
+    el = model.embed.element_size()
+    n = model.embed.numel() * el + model.final_norm.numel() * el
+    for name, lin in model.linear_layers():
+        if name == "lm_head" and not isinstance(lin, QuantLinear) and lin.weight.data_ptr() == model.embed.data_ptr():
+            continue
+        n += lin.weight_bytes()
+    for layer in model.layers:
+        n += (layer.attn_norm.numel() + layer.mlp_norm.numel()) * el
+    return n
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes read per decode step: every linear layer (incl. the LM head) and norms;
+    the embedding contributes only the looked-up rows (ignored)."""
+    el = model.embed.element_size()
+    n = model.final_norm.numel() * el + sum(lin.weight_bytes() for _, lin in model.linear_layers())
+    for layer in model.layers:
+        n += (layer.attn_norm.numel() + layer.mlp_norm.numel()) * el
+    return n
+
+
+# ---------------------------------------------------------------- GGUF blocks
+
+@dataclass
+class QuantParts:
+    """A quantized matrix before it becomes a layer (numpy, rows = output features)."""
+
+    codes: np.ndarray  # int8 [out, in] (bits 8) or uint8 [out, in // 2] (bits 4)
+    scale: np.ndarray  # float32 [out, in // gs]
+    min: Optional[np.ndarray]
+    bits: int
+    group_size: int
+
+    def unpacked(self) -> np.ndarray:
+        if self.bits == 8:
+            return self.codes
+        return unpack_int4(torch.from_numpy(self.codes), self.group_size).numpy().astype(np.int8)
+
+    def permute_rows(self, fn) -> "QuantParts":
+        return QuantParts(fn(self.codes), fn(self.scale), None if self.min is None else fn(self.min),
+                          self.bits, self.group_size)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def gguf_blocks_to_parts(data: np.ndarray, type_name: str, out: int, n_in: int) -> Optional[QuantParts]:
+    """Map one GGUF tensor's raw blocks ([out, bytes per row] uint8) onto QuantParts.
+
+    Returns None for types without a mapping (the caller keeps those in fp32).
+    """
+    if type_name == "Q8_0":
+        b = data.reshape(out, n_in // 32, 34)
+        return QuantParts(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(out, n_in),
+                          _f16(b[..., :2]).reshape(out, -1), None, 8, 32)
+    if type_name in ("Q4_0", "Q4_1"):
+        hdr = 2 if type_name == "Q4_0" else 4
+        b = data.reshape(out, n_in // 32, hdr + 16)
+        d = _f16(b[..., :2]).reshape(out, -1)
+        m = -8.0 * d if type_name == "Q4_0" else _f16(b[..., 2:4]).reshape(out, -1)
+        return QuantParts(np.ascontiguousarray(b[..., hdr:]).reshape(out, n_in // 2), d, m.astype(np.float32), 4, 32)
+    if type_name in ("Q4_K", "Q5_K"):
+        from gguf.quants import Q4_K
+
+        size = 144 if type_name == "Q4_K" else 176
+        b = data.reshape(-1, size)
+        n = b.shape[0]
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+        s = (d * sc.astype(np.float32)).reshape(out, -1)
+        m = -(dmin * mn.astype(np.float32)).reshape(out, -1)
+        if type_name == "Q4_K":
+            qs = b[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+            q = (qs & 15).reshape(out, n_in)
+            return QuantParts(pack_int4(torch.from_numpy(q), 32).numpy(), s, m, 4, 32)
+        qh, qs = b[:, 16:48], b[:, 48:]
+        ql = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+        qh = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        q = (ql.reshape(n, 8, 32) | (qh << 4)).astype(np.int8).reshape(out, n_in)
+        return QuantParts(q, s, m, 8, 32)
+    if type_name == "Q6_K":
+        b = data.reshape(-1, 210)
+        n = b.shape[0]
+        ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
+        s = (d * np.ascontiguousarray(sc).view(np.int8).astype(np.float32)).reshape(out, -1)
+        ql = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+        qh = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = (ql.reshape(n, 2, 4, 32) | (qh << 4)).astype(np.int8) - np.int8(32)
+        return QuantParts(q.reshape(out, n_in), s, None, 8, 16)
+    return None
+
+
+def concat_rows(parts: list[QuantParts]) -> QuantParts:
+    """Stack matrices along output rows (fused qkv, gate_up). Differing layouts are
+    brought to a common one without changing any value: int4 codes widened to int8,
+    scales repeated to the smallest group, a missing min becomes 0 (q*s + 0 == q*s)."""
+    p0 = parts[0]
+    if all((p.bits, p.group_size, p.min is None) == (p0.bits, p0.group_size, p0.min is None) for p in parts):
+        return QuantParts(np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]),
+                          None if p0.min is None else np.concatenate([p.min for p in parts]), p0.bits, p0.group_size)
+    gs = math.gcd(*[p.group_size for p in parts])
+    codes, scales, mins = [], [], []
+    for p in parts:
+        r = p.group_size // gs
+        codes.append(p.unpacked())
+        scales.append(np.repeat(p.scale, r, axis=1))
+        mins.append(np.zeros_like(scales[-1]) if p.min is None else np.repeat(p.min, r, axis=1))
+    return QuantParts(np.concatenate(codes), np.concatenate(scales), np.concatenate(mins), 8, gs)
+
+
+def parts_to_layer(p: QuantParts, bias=None, dtype=torch.float32, device="cpu") -> QuantLinear:
+    codes = torch.from_numpy(np.ascontiguousarray(p.codes))
+    return QuantLinear(codes, torch.from_numpy(np.ascontiguousarray(p.scale)),
+                       None if p.min is None else torch.from_numpy(np.ascontiguousarray(p.min)),
+                       p.bits, p.group_size, bias, dtype).to(device)
+
+
+def read_gguf_parts(path: str) -> tuple[dict[str, QuantParts], dict[str, str]]:
+    """QuantParts of every mapped quantized GGUF tensor, under our (Hugging Face) names,
+    with Llama q/k rows un-permuted like `weights.load_gguf`; plus each tensor's GGUF type."""
+    import gguf
+
+    from .weights import _GGUF_LAYER_NAMES, _GGUF_NAMES, _gguf_field, unpermute_rope_rows
+
+    reader = gguf.GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    n_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    parts: dict[str, QuantParts] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_NAMES:
+            ours = _GGUF_NAMES[t.name]
+        elif t.name.startswith("blk.") and t.name.split(".", 2)[2] in _GGUF_LAYER_NAMES:
+            _, idx, rest = t.name.split(".", 2)
+            ours = f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        else:
+            continue
+        if not ours.endswith("weight") or len(t.shape) != 2:
+            continue
+        n_in, out = (int(x) for x in t.shape.tolist())
+        types[ours] = t.tensor_type.name
+        p = gguf_blocks_to_parts(np.asarray(t.data).reshape(out, -1), t.tensor_type.name, out, n_in)
+        if p is None:
+            continue
+        if arch in ("llama", "mistral") and (ours.endswith("q_proj.weight") or ours.endswith("k_proj.weight")):
+            nh = n_heads if "q_proj" in ours else n_kv
+            p = p.permute_rows(lambda a, nh=nh: np.ascontiguousarray(unpermute_rope_rows(a, nh)))
+        parts[ours] = p
+    return parts, types
+
+
+_FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+def load_gguf_linears(model, path: str) -> dict[str, str]:
+    """quantization="gguf": swap each linear layer of a model loaded from `path` for one
+    built from the file's own quantized blocks (see GGUF_MAPPING). Layers whose
+    tensors are float or of an unmapped type stay fp32. A tied LM head uses the
+    token embedding's blocks. Returns {layer name: GGUF type(s) or "fp32"}."""
+    parts, types = read_gguf_parts(path)
+    report = {}
+    for name, lin in model.linear_layers():
+        if name == "lm_head":
+            src = ["lm_head.weight"] if "lm_head.weight" in parts else ["embed_tokens.weight"]
+        else:
+            _, i, attr = name.split(".")
+            src = [f"layers.{i}.{s}.weight" for s in _FUSED[attr]]
+        if not all(s in parts for s in src):
+            report[name] = "fp32"
+            continue
+        p = concat_rows([parts[s] for s in src])
+        _swap(model, name, parts_to_layer(p, lin.bias, model.dtype, lin.weight.device))
+        report[name] = "+".join(sorted({types[s] for s in src}))
+    return report
+
+
+def kernel_gflops(m: int, n: int, k: int, fn, reps: int = 5) -> float:
+    """GFLOP/s of fn() computing an [m, k] x [k, n] product (best of reps)."""
+    import time
+
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * n * k / best / 1e9
