@@ -1,0 +1,115 @@
+"""PyTorch attention over a quantized paged KV cache (int8, or fp8 e4m3 on GPU).
+
+A separate backend, so the float cache path (`TorchAttentionBackend`) is untouched.
+
+Storage: one 1-byte tensor per layer for K (and one for V), shape
+[num_kv_heads, num_blocks * block_size, head_dim + 4]: each (head, slot) row
+holds head_dim codes followed by its fp32 scale as 4 raw bytes (a per-token,
+per-head scale). The KVCache and block pool need no extra tensors.
+
+    int8:     scale = max|x| / 127, code = round(x / scale)       (symmetric)
+    fp8_e4m3: scale = max|x| / 448, code = float8_e4m3fn(x / scale)
+
+Every attention read goes through the stored (quantized) K/V, prefill chunks
+included, so a sequence's logits do not depend on how its prompt was chunked
+or batched.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionMetadata
+from .torch_ref import TorchAttentionBackend
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+_QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+_SCALE_BYTES = 4
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
+                       dtype_bytes: int) -> int:
+    """Bytes of K and V for one token over all layers (codes plus per-head scales when quantized)."""
+    per_head = head_dim * dtype_bytes if kv_cache_dtype == "auto" else head_dim + _SCALE_BYTES
+    return 2 * num_layers * num_kv_heads * per_head
+
+
+class TorchQuantKVAttentionBackend(TorchAttentionBackend):
+    """`TorchAttentionBackend` with K/V stored as 1-byte codes plus a per-token per-head fp32 scale.
+
+    Args:
+        kv_cache_dtype: "int8" or "fp8_e4m3".
+    Raises:
+        ValueError: for another kv_cache_dtype.
+    """
+
+    storage_dtype = torch.int8
+
+    def __init__(self, kv_cache_dtype: str = "int8") -> None:
+        if kv_cache_dtype not in _QMAX:
+            raise ValueError(f"quantized KV cache dtype must be int8 or fp8_e4m3, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.qmax = _QMAX[kv_cache_dtype]
+
+    def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
+        return (num_kv_heads, num_blocks * block_size, head_dim + _SCALE_BYTES)
+
+    # ------------------------------------------------------------ codec
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, Hkv, D] float -> rows [Hkv, T, D + 4] int8 (codes, then the fp32 scale's bytes)."""
+        xt = x.transpose(0, 1).float()
+        scale = (xt.abs().amax(-1, keepdim=True) / self.qmax).clamp_min(1e-12)  # [Hkv, T, 1]
+        if self.kv_cache_dtype == "int8":
+            codes = torch.round(xt / scale).clamp_(-127, 127).to(torch.int8)
+        else:
+            codes = (xt / scale).to(torch.float8_e4m3fn).view(torch.int8)
+        return torch.cat((codes, scale.view(torch.int8)), dim=-1)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """rows [..., D + 4] int8 -> values [..., D] in `dtype`."""
+        d = rows.shape[-1] - _SCALE_BYTES
+        scale = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
+        codes = rows[..., :d]
+        if self.kv_cache_dtype != "int8":
+            codes = codes.view(torch.float8_e4m3fn)
+        return (codes.float() * scale).to(dtype)
+
+    # ------------------------------------------------------------ steps
+    def prepare(self, meta: AttentionMetadata) -> None:
+        super().prepare(meta)
+        bs = meta.block_size
+        dev = meta.slot_mapping.device
+        pre = []
+        for (start, qlen, slots, mask), bt in zip(meta.cache["prefill"], meta.prefill_block_tables):
+            if slots is None:  # no cached prefix: still read the chunk back from the cache
+                pos = torch.arange(qlen, device=dev)
+                slots = bt.to(dev).long()[pos // bs] * bs + pos % bs
+                mask = pos[None, :] <= pos[:, None]
+            pre.append((start, qlen, slots, mask))
+        meta.cache["prefill"] = pre
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        hkv = k_cache.shape[0]
+        hq, d = q.shape[1], q.shape[2]
+        g = hq // hkv
+        k_cache.index_copy_(1, meta.slot_mapping, self.encode(k))
+        v_cache.index_copy_(1, meta.slot_mapping, self.encode(v))
+        out = torch.empty_like(q)
+        c = meta.cache
+        bd = meta.num_decode_tokens
+        if bd > 0:
+            slots = c["decode_slots"]  # [Bd, L]
+            kd = self.decode(k_cache[:, slots], q.dtype)  # [Hkv, Bd, L, D]
+            vd = self.decode(v_cache[:, slots], q.dtype)
+            qd = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
+            scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+            scores = scores.float() + c["decode_bias"][None, :, None, :]
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            out[:bd] = torch.matmul(probs, vd).transpose(0, 1).reshape(bd, hq, d)
+        for start, qlen, slots, mask in c["prefill"]:
+            qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
+            ks = self.decode(k_cache[:, slots], q.dtype)  # [Hkv, slen, D]
+            vs = self.decode(v_cache[:, slots], q.dtype)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start : start + qlen] = o.transpose(0, 1)
+        return out
