@@ -146,10 +146,12 @@ def test_greedy_matches_transformers_generate(llm, hf_model):
     labelled = _prompt_ids(llm)
     assert len(labelled) >= 16
 
-    # Engine: chat prompts through llm.chat (its template), raw ones as text; all in one batch per call.
+    # Engine: all 16 as one batch of text prompts (chat ones rendered by the engine's template); the
+    # EOS-allowed run goes through llm.chat.
     forced = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     natural = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    forced_outs = llm.chat(CHAT_PROMPTS, forced, use_tqdm=False) + llm.generate(RAW_PROMPTS, forced, use_tqdm=False)
+    texts = [llm.tokenizer.apply_chat_template(c) for c in CHAT_PROMPTS] + RAW_PROMPTS
+    forced_outs = llm.generate(texts, forced, use_tqdm=False)
     # EOS allowed: the chat prompts (where the model ends its turn); raw completions rarely stop within 32 tokens.
     natural_outs = llm.chat(CHAT_PROMPTS, natural, use_tqdm=False)
 

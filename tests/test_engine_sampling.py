@@ -165,35 +165,51 @@ def test_stop_strings(llm):
     assert (got.text, got.token_ids, got.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
 
 
-def test_eos_ignore_eos_min_tokens_and_stop_token_ids(llm):
+def _natural_chat_answer(llm):
+    """Greedy answer to a chat question that the model ends with EOS well within 32 tokens."""
     prompt = _chat(llm, "What is the capital of France?")
-    eos = llm.tokenizer.eos_token_ids
     natural = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    return prompt, natural
+
+
+def test_eos_ignore_eos_and_min_tokens(llm):
+    prompt, natural = _natural_chat_answer(llm)
+    eos = llm.tokenizer.eos_token_ids
     assert natural.finish_reason == "stop" and natural.token_ids[-1] in eos, natural
     body = natural.token_ids[:-1]
     assert len(body) >= 3
     assert natural.text == llm.tokenizer.decode(body)
     assert "<|im_end|>" not in natural.text
 
-    stop_id = body[2]
-    j = body.index(stop_id)
-    outs = llm.generate([prompt] * 3, [
+    need = len(natural.token_ids) + 3
+    ignore, min_tok = (o.outputs[0] for o in llm.generate([prompt] * 2, [
         SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=32, min_tokens=len(natural.token_ids) + 3),
-        SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop_id]),
-    ], use_tqdm=False)
-    ignore, min_tok, stop_tok = (o.outputs[0] for o in outs)
+        SamplingParams(temperature=0.0, max_tokens=32, min_tokens=need),
+    ], use_tqdm=False))
 
     assert len(ignore.token_ids) == 32 and ignore.finish_reason == "length"
     assert ignore.token_ids[:len(body)] == body
 
-    assert len(min_tok.token_ids) >= len(natural.token_ids) + 3
-    assert not eos & set(min_tok.token_ids[:len(natural.token_ids) + 3])
+    assert len(min_tok.token_ids) >= need
+    assert not eos & set(min_tok.token_ids[:need]), "an EOS id was sampled before min_tokens"
     assert min_tok.token_ids[:len(body)] == body
 
-    assert stop_tok.finish_reason == "stop" and stop_tok.stop_reason == stop_id
-    assert stop_tok.token_ids in (body[:j], body[:j + 1])
-    assert stop_tok.text == llm.tokenizer.decode(body[:j])
+
+def test_stop_token_ids(llm):
+    """A stop token id ends the completion (finish_reason "stop", stop_reason the id).
+
+    As in vLLM, the stop token's id is kept in token_ids but its text is not
+    part of the output text (like EOS).
+    """
+    prompt, natural = _natural_chat_answer(llm)
+    body = natural.token_ids[:-1]
+    stop_id = body[2]
+    j = body.index(stop_id)
+    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert got.finish_reason == "stop" and got.stop_reason == stop_id, got
+    assert got.token_ids == body[:j + 1]
+    assert got.text == llm.tokenizer.decode(body[:j]), "the stop token's text leaked into the output text"
 
 
 # ------------------------------------------------------------------ detokenization

@@ -149,8 +149,9 @@ def test_preemption_by_recompute_keeps_results(llm):
 
     outs = small.generate(prompts, params, use_tqdm=False)
 
+    ample_before = llm.stats.num_preemptions
     expected = llm.generate(prompts, params, use_tqdm=False)  # ample pool (thousands of blocks)
-    assert llm.stats.num_preemptions == 0
+    assert llm.stats.num_preemptions == ample_before
 
     assert small.stats.num_preemptions > before, "the pool was meant to be too small for all 16 at once"
     for i, (o, e) in enumerate(zip(outs, expected)):
