@@ -36,6 +36,13 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks of identical prefixes.
         seed: engine seed; requests without their own seed draw from
             generators derived from it, so a run is reproducible.
+        quantization: None (weights as loaded) | "int8" (weight-only,
+            per-output-channel) | "int4" (weight-only, groups of
+            `quant_group_size` with scale and min) | "gguf" (keep a GGUF
+            file's own quantized blocks). See `engine.quant`.
+        quant_group_size: int4 group size, 32 | 64 | 128.
+        kv_cache_dtype: "auto" (the model dtype) | "int8" (per-token per-head
+            scale) | "fp8_e4m3" (CUDA only).
 
     Raises:
         ValueError: naming the parameter, for any out-of-range value.
@@ -55,6 +62,8 @@ class EngineConfig:
     seed: int = 0
     quantization: Optional[str] = None
     num_threads: Optional[int] = None
+    quant_group_size: int = 32
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -75,8 +84,15 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
             raise ValueError(f"max_model_len must be an integer > 1, got {self.max_model_len!r}")
-        if self.quantization not in (None, "none"):
-            raise ValueError(f"quantization {self.quantization!r} is not supported yet (supported: None)")
+        if self.quantization not in (None, "none", "int8", "int4", "gguf"):
+            raise ValueError(f"quantization must be None|int8|int4|gguf, got {self.quantization!r}")
+        if self.quant_group_size not in (32, 64, 128):
+            raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto|int8|fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
+            raise ValueError("kv_cache_dtype='fp8_e4m3' needs a CUDA device (no fp8 arithmetic on this CPU); "
+                             "use kv_cache_dtype='int8' on CPU")
         if not self.enable_chunked_prefill and self.max_model_len is not None and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError(
                 "with enable_chunked_prefill=False, max_num_batched_tokens "
