@@ -6,11 +6,16 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "ge
 
 
 def get_backend(name: str = "torch") -> AttentionBackend:
-    """Return an attention backend by name ("torch": the PyTorch reference).
+    """Return an attention backend by name ("torch": the PyTorch reference; "triton": the
+    Triton kernels, imported only when asked for, so that TRITON_INTERPRET can be set first).
 
     Raises:
         ValueError: for an unknown name.
     """
     if name == "torch":
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (available: torch)")
+    if name == "triton":
+        from .triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (available: torch, triton)")
