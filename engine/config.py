@@ -43,6 +43,11 @@ class EngineConfig:
         quant_group_size: int4 group size, 32 | 64 | 128.
         kv_cache_dtype: "auto" (the model dtype) | "int8" (per-token per-head
             scale) | "fp8_e4m3" (CUDA only).
+        attention_backend: "auto" (Triton kernels on CUDA, the PyTorch
+            reference on CPU) | "torch" | "triton" (on CPU only under
+            TRITON_INTERPRET=1, for tests).
+        enforce_eager: never capture CUDA graphs (debugging); otherwise decode
+            steps on CUDA replay graphs captured per batch-size bucket.
 
     Raises:
         ValueError: naming the parameter, for any out-of-range value.
@@ -64,6 +69,8 @@ class EngineConfig:
     num_threads: Optional[int] = None
     quant_group_size: int = 32
     kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -93,6 +100,8 @@ class EngineConfig:
         if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
             raise ValueError("kv_cache_dtype='fp8_e4m3' needs a CUDA device (no fp8 arithmetic on this CPU); "
                              "use kv_cache_dtype='int8' on CPU")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError(
                 "with enable_chunked_prefill=False, max_num_batched_tokens "
