@@ -110,6 +110,8 @@ class LLM:
         dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.attention_backend = cfg.attention_backend if cfg.attention_backend != "auto" else (
+            "triton" if self.device.type == "cuda" else "torch")
 
         source = resolve_model(model)
         t0 = time.perf_counter()
@@ -135,7 +137,7 @@ class LLM:
         max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # a sequence may never need more blocks than the whole pool holds
         self.max_model_len = min(max_len, num_blocks * bs)
-        self.backend = get_backend("torch")
+        self.backend = get_backend(self.attention_backend)
         shape = self.backend.cache_shape(num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim)
         self.kv_cache = KVCache(mcfg, num_blocks, bs, self.dtype, self.device, shape)
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
