@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
 from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
-from .attention import get_backend
+from .attention import AttentionMetadata, get_backend
+from .attention.torch_quant_kv import TorchQuantKVAttentionBackend
 from .config import EngineConfig, SamplingParams
 from .kv_cache import BlockPool, KVCache
 from .metrics import EngineStats
@@ -59,9 +61,11 @@ def _available_memory_bytes() -> int:
         return 8 << 30
 
 
-@functools.lru_cache(maxsize=2)
-def _load_model(source_key, dtype: torch.dtype, device: str, seed: int) -> tuple[LlamaModel, Tokenizer]:
-    """Load weights and tokenizer once per process; LLM instances share the read-only weights."""
+@functools.lru_cache(maxsize=4)
+def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantization: Optional[str] = None,
+                group_size: int = 32) -> tuple[LlamaModel, Tokenizer]:
+    """Load weights and tokenizer once per process; LLM instances share the read-only weights.
+    `quantization` ("int8" | "int4" | "gguf") swaps the linear layers (`engine.quant`)."""
     source = source_key
     mcfg, state = load_model_weights(source)
     if source.kind == "gguf":
@@ -76,6 +80,12 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int) -> tuple
     else:
         model.load_weights(state)
         del state
+    if quantization == "gguf":
+        from .quant import load_gguf_linears
+        load_gguf_linears(model, source.path)
+    elif quantization in ("int8", "int4"):
+        from .quant import quantize_model
+        quantize_model(model, quantization, group_size)
     return model, tokenizer
 
 
@@ -114,14 +124,27 @@ class LLM:
             "triton" if self.device.type == "cuda" else "torch")
 
         source = resolve_model(model)
+        quant = None if cfg.quantization in (None, "none") else cfg.quantization
+        if quant == "gguf" and source.kind != "gguf":
+            raise ValueError(f"quantization='gguf' needs a .gguf model, got {model!r} ({source.kind})")
+        if cfg.kv_cache_dtype == "fp8_e4m3" and self.device.type != "cuda":
+            raise ValueError("kv_cache_dtype='fp8_e4m3' needs a CUDA device (no fp8 arithmetic on this CPU); "
+                             "use kv_cache_dtype='int8' on CPU")
         t0 = time.perf_counter()
-        self.model, self.tokenizer = _load_model(source, self.dtype, str(self.device), cfg.seed)
+        self.model, self.tokenizer = _load_model(source, self.dtype, str(self.device), cfg.seed, quant,
+                                                 cfg.quant_group_size if quant == "int4" else 32)
         mcfg = self.model_config = self.model.cfg
         self.load_time_s = time.perf_counter() - t0
 
         # KV cache sized from the memory budget
         bs = cfg.block_size
-        per_block = KVCache.bytes_per_block(mcfg, bs, self.dtype)
+        if cfg.kv_cache_dtype == "auto":
+            self.backend, kv_dtype = get_backend(self.attention_backend), self.dtype
+        else:
+            self.backend = TorchQuantKVAttentionBackend(cfg.kv_cache_dtype)
+            kv_dtype = self.backend.storage_dtype
+        per_block = 2 * mcfg.num_layers * kv_dtype.itemsize * math.prod(
+            self.backend.cache_shape(1, bs, mcfg.num_kv_heads, mcfg.head_dim))
         budget = cfg.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
@@ -137,9 +160,10 @@ class LLM:
         max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # a sequence may never need more blocks than the whole pool holds
         self.max_model_len = min(max_len, num_blocks * bs)
-        self.backend = get_backend(self.attention_backend)
         shape = self.backend.cache_shape(num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim)
-        self.kv_cache = KVCache(mcfg, num_blocks, bs, self.dtype, self.device, shape)
+        self.kv_cache = KVCache(mcfg, num_blocks, bs, kv_dtype, self.device, shape)
+        self.kv_bytes_per_token = per_block // bs  # K and V, all layers, scales included
+        self.kv_capacity_tokens = num_blocks * bs
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
         self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -182,6 +206,72 @@ class LLM:
                 return self.runner.compute_logits(list(prompt_token_ids), blocks).float().cpu()
         finally:
             self.block_pool.free(blocks)
+
+    def score(self, token_ids: Union[list[int], list[list[int]]], chunk_size: Optional[int] = None) -> list[torch.Tensor]:
+        """Log-probability of every token given its prefix (for perplexity), prompts only.
+
+        All sequences are prefilled together, in steps of at most `chunk_size`
+        tokens (default: max_num_batched_tokens), in the model's forward pass
+        with the engine's KV cache and attention backend.
+
+        Args:
+            token_ids: one sequence of token ids, or a list of them.
+        Returns:
+            per sequence, [len - 1] float32 on the CPU: entry t is log p(token t+1 | tokens 0..t).
+        Raises:
+            RuntimeError: if requests are in flight.
+            ValueError: when the sequences do not fit the free KV blocks or exceed max_model_len.
+        """
+        import numpy as np
+
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("score needs an idle engine")
+        seqs = [list(token_ids)] if token_ids and isinstance(token_ids[0], int) else [list(s) for s in token_ids]
+        bs, budget = self.config.block_size, chunk_size or self.config.max_num_batched_tokens
+        if any(not s or len(s) > self.max_model_len for s in seqs):
+            raise ValueError(f"each sequence must have 1..{self.max_model_len} tokens")
+        need = [-(-len(s) // bs) for s in seqs]
+        if sum(need) > self.num_free_blocks:
+            raise ValueError(f"sequences need {sum(need)} KV blocks, {self.num_free_blocks} are free")
+        tables = [self.block_pool.allocate(n) for n in need]  # scratch, never prefix-cached
+        out: list[list[torch.Tensor]] = [[] for _ in seqs]
+        done = [0] * len(seqs)
+        to = self.runner._to
+        try:
+            with torch.inference_mode():
+                while any(d < len(s) for d, s in zip(done, seqs)):
+                    ids, pos, slots, starts, lens, slens, bts, chunks = [], [], [], [], [], [], [], []
+                    left = budget
+                    for i, s in enumerate(seqs):
+                        if done[i] >= len(s) or left == 0:
+                            continue
+                        p0 = done[i]
+                        n = min(len(s) - p0, left)
+                        left -= n
+                        rng, table = np.arange(p0, p0 + n), np.asarray(tables[i], dtype=np.int64)
+                        starts.append(len(ids)), lens.append(n), slens.append(p0 + n), chunks.append((i, p0, n))
+                        ids.extend(s[p0 : p0 + n])
+                        pos.extend(rng.tolist())
+                        slots.extend((table[rng // bs] * bs + rng % bs).tolist())
+                        bts.append(to(table))
+                    meta = AttentionMetadata(slot_mapping=to(slots), num_decode_tokens=0, decode_seq_lens=to([]),
+                                             decode_block_tables=to(np.zeros((0, 1))), prefill_query_starts=starts,
+                                             prefill_query_lens=lens, prefill_seq_lens=slens,
+                                             prefill_block_tables=bts, block_size=bs)
+                    self.backend.prepare(meta)
+                    logits = self.model.forward(to(ids), to(pos), meta, self.kv_cache.layers, self.backend,
+                                                to(np.arange(len(ids))))
+                    lp = torch.log_softmax(logits.float(), dim=-1)
+                    for (i, p0, n), st in zip(chunks, starts):
+                        m = min(n, len(seqs[i]) - 1 - p0)  # the last token predicts nothing
+                        if m > 0:
+                            tgt = to(seqs[i][p0 + 1 : p0 + 1 + m])
+                            out[i].append(lp[st : st + m].gather(1, tgt[:, None]).squeeze(1).cpu())
+                        done[i] += n
+        finally:
+            for t in tables:
+                self.block_pool.free(t)
+        return [torch.cat(o) if o else torch.zeros(0) for o in out]
 
     # ------------------------------------------------------------ public API
     def generate(self, prompts: Seq[PromptType], sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
@@ -403,18 +493,24 @@ class LLM:
         return finished, n_prefill, len(sampling)
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
-        """Update the text and decide whether `seq` is finished after appending `tok`."""
+        """Update the text and decide whether `seq` is finished after appending `tok`.
+
+        Order: EOS and stop token ids (their text is not added, as in vLLM),
+        then stop strings in the new text (text cut before the stop string),
+        then max_tokens / max_model_len ("length").
+        """
         p = seq.request.params
         n_out = seq.num_output_tokens
-        new_text = seq.detokenizer.add([tok])
         reason = None
         stop_reason = None
-        if n_out > p.min_tokens or n_out == p.min_tokens:
-            if not p.ignore_eos and tok in self.sampler.eos_token_ids:
-                reason = "stop"
-            elif tok in p.stop_token_ids:
-                reason, stop_reason = "stop", tok
-            elif seq.stop_matcher and new_text:
+        past_min = n_out >= p.min_tokens
+        if past_min and not p.ignore_eos and tok in self.sampler.eos_token_ids:
+            reason = "stop"
+        elif past_min and tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        if reason is None:
+            new_text = seq.detokenizer.add([tok])
+            if past_min and seq.stop_matcher and new_text:
                 hit = seq.stop_matcher.find(seq.detokenizer.text, len(new_text))
                 if hit is not None:
                     cut, s = hit
@@ -422,16 +518,16 @@ class LLM:
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason, seq.stop_reason = "stop", s
                     return
-        if reason is None:
             max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
             if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
+            checked = len(seq.detokenizer.text)
             seq.detokenizer.finish()
             text = seq.detokenizer.text
-            if seq.stop_matcher:  # held-back text flushed at the end may hold a stop string
-                hit = seq.stop_matcher.find(text, len(text) - len(seq.text))
-                if hit is not None and reason == "length":
+            if seq.stop_matcher and len(text) > checked:  # text held back until now may hold a stop string
+                hit = seq.stop_matcher.find(text, len(text) - checked)
+                if hit is not None:
                     text, reason, stop_reason = text[: hit[0]], "stop", hit[1]
             seq.text = text
             seq.status = SequenceStatus.FINISHED
