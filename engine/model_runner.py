@@ -36,6 +36,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = kv_cache.block_size
         self.time_model = 0.0  # seconds inside the forward pass, cumulative
+        self.cuda_graphs = None  # an engine.cuda_graph.DecodeCudaGraphs for decode-only steps, if set
 
     def _to(self, arr, dtype=torch.int64) -> torch.Tensor:
         t = torch.from_numpy(np.asarray(arr, dtype=np.int64))
@@ -101,10 +102,13 @@ class ModelRunner:
             block_size=bs,
         )
         t0 = time.perf_counter()
-        self.backend.prepare(meta)
-        logits = self.model.forward(
-            self._to(ids), self._to(pos), meta, self.kv_cache.layers, self.backend, self._to(logits_idx)
-        )
+        if self.cuda_graphs is not None and not q_starts and self.cuda_graphs.fits(len(dec), bt.shape[1]):
+            logits = self.cuda_graphs.run(ids, pos, slots, dec_lens, bt, logits_idx)
+        else:
+            self.backend.prepare(meta)
+            logits = self.model.forward(
+                self._to(ids), self._to(pos), meta, self.kv_cache.layers, self.backend, self._to(logits_idx)
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.time_model += time.perf_counter() - t0
