@@ -24,6 +24,7 @@ from engine.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E
 from engine.attention.triton_backend import (  # noqa: E402
     TritonAttentionBackend, decode_attention, num_decode_splits, write_kv,
 )
+from engine.cuda_graph import DecodeCudaGraphs, decode_buckets  # noqa: E402
 from engine.kernels import fused_add_rms_norm, fused_add_rms_norm_ref, rope_inplace, rope_inplace_ref  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -249,7 +250,8 @@ def test_engine_greedy_tokens_match_torch_backend(monkeypatch):
     """A 2-layer dummy Llama (GQA 4, head dim 64) in the real engine: the Triton backend
     (interpreted on CPU) gives the same greedy tokens as the PyTorch reference backend, over
     steps that mix decodes, chunked prefill (a 16-token budget cuts the 23-token prompt, so its
-    second chunk extends a cached prefix) and a prefix-cache hit."""
+    second chunk extends a cached prefix) and a prefix-cache hit; decode-only steps go through
+    the CUDA-graph runner (padded to a bucket of 4)."""
     from engine import LLM, SamplingParams
     from engine.weights import PRESETS, ModelConfig
 
@@ -260,7 +262,20 @@ def test_engine_greedy_tokens_match_torch_backend(monkeypatch):
     prompts = [torch.randint(3, 49152, (7,), generator=g).tolist(), long, long[:16] + [5, 6, 7]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, kv_cache_memory_bytes=32 * 2 * 2 * 16 * 2 * 64 * 4)
-    got = LLM("dummy:tiny-gqa4", attention_backend="triton", **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM("dummy:tiny-gqa4", attention_backend="triton", max_num_seqs=4, **kw)
+    # decode-only steps through the CUDA-graph runner's padded static buffers and fused kernels
+    # (no graph on a CPU: the capture itself runs only on CUDA)
+    graphs = DecodeCudaGraphs(llm.model, llm.kv_cache.layers, llm.backend, 4, llm.max_model_len, 16,
+                              use_graphs=CUDA, buckets=[4])  # one bucket: every decode step is padded
+    llm.runner.cuda_graphs = graphs
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert graphs.num_steps >= 1
     want = LLM("dummy:tiny-gqa4", attention_backend="torch", **kw).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert got[2].num_cached_tokens == 16
+
+
+def test_decode_buckets():
+    assert decode_buckets(4) == [1, 2, 4]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
