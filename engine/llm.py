@@ -170,6 +170,11 @@ class LLM:
                                    cfg.enable_chunked_prefill)
         if not cfg.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len, cfg.max_num_batched_tokens)
+        if self.device.type == "cuda" and not cfg.enforce_eager and getattr(self.backend, "supports_cuda_graphs", False):
+            from .cuda_graph import DecodeCudaGraphs  # decode steps replayed from graphs per batch bucket
+
+            self.runner.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_cache.layers, self.backend,
+                                                       cfg.max_num_seqs, self.max_model_len, bs)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
         self.stats = EngineStats()
         self._seq_counter = 0
