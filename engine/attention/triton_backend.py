@@ -291,6 +291,8 @@ class TritonAttentionBackend(AttentionBackend):
         block_m, block_n: prefill query / key tile sizes; decode_block_n: decode key tile.
     """
 
+    supports_cuda_graphs = True  # a decode-only step reads no device value in prepare/forward
+
     def __init__(self, num_splits: Optional[int] = None, block_m: int = 64, block_n: int = 64,
                  decode_block_n: int = 64) -> None:
         self.num_splits = num_splits
