@@ -261,7 +261,7 @@ def test_engine_greedy_tokens_match_torch_backend(monkeypatch):
     long = torch.randint(3, 49152, (23,), generator=g).tolist()
     prompts = [torch.randint(3, 49152, (7,), generator=g).tolist(), long, long[:16] + [5, 6, 7]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, kv_cache_memory_bytes=32 * 2 * 2 * 16 * 2 * 64 * 4)
+    kw = dict(device=DEV.type, dtype="float32", max_num_batched_tokens=16, kv_cache_memory_bytes=32 * 2 * 2 * 16 * 2 * 64 * 4)
     llm = LLM("dummy:tiny-gqa4", attention_backend="triton", max_num_seqs=4, **kw)
     # decode-only steps through the CUDA-graph runner's padded static buffers and fused kernels
     # (no graph on a CPU: the capture itself runs only on CUDA)

@@ -1,0 +1,484 @@
+"""One-command GPU check: kernel tests, kernel microbenchmarks, offline throughput, a peer, a profile.
+
+Installs nothing. Sized for one H200 in at most 8 minutes (each section has a
+time budget and shrinks its work, printing what it ran). Writes
+``gpu_check.json`` and ``gpu_check.log`` under ``$OUT`` (or ``./gpu_results``).
+
+Sections:
+
+1. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA (fp32 and bf16).
+2. ``decode_attention``: the Triton split-K paged decode kernel on Llama-3-8B
+   attention shapes (32 query heads, 8 KV heads, head dim 128, bf16, 16-token
+   blocks scattered over the cache): achieved TB/s of K+V read, against the
+   H200's 4.8 TB/s (target: at least 70%).
+3. ``prefill_attention``: the Triton varlen prefill kernel (causal; and an
+   extend case reading a cached prefix): achieved TFLOP/s (4 * heads * head_dim
+   per attended query-key pair) against about 790 dense bf16, with torch SDPA
+   on the same causal shape as a yardstick.
+4. ``throughput``: ``LLM("dummy:llama-3-8b", dtype="bfloat16")``, greedy,
+   ``ignore_eos``, random prompts, input/output 128/128 and 1024/128, 1,000
+   prompts each or fewer if the time budget needs it (the count is printed and
+   stored). Target at 128/128: 15,000 output tokens/s.
+5. ``hf_peer``: ``transformers`` ``LlamaForCausalLM`` of the same shape with
+   random weights, bf16, on CUDA, ``generate`` at batch 64 over a subset of the
+   same prompts.
+6. ``profile``: ``torch.profiler`` table of one decode step (batch 64) eager
+   (per-kernel times), and the wall time of the same step replayed from its
+   CUDA graph.
+
+Usage::
+
+    python -m benchmarks.gpu_check [--num-prompts 1000] [--skip tests,hf_peer,...]
+    python -m benchmarks.gpu_check --cpu-smoke   # the same code paths, tiny shapes, Triton interpreter
+
+``--cpu-smoke`` exists to test this script without a GPU: tiny model, tiny
+shapes, every section, no meaningful figures.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "--cpu-smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
+
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+H200_TBPS = 4.8
+H200_BF16_TFLOPS = 790.0
+TOTAL_BUDGET_S = 460.0  # leaves margin under 8 minutes
+SECTIONS = ("kernel_tests", "decode_attention", "prefill_attention", "throughput", "hf_peer", "profile")
+
+
+class Log:
+    """Print and keep every line (written to gpu_check.log at the end and after each section)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.t0 = time.perf_counter()
+        self.lines: list[str] = []
+
+    def __call__(self, *parts: Any) -> None:
+        line = f"[{time.perf_counter() - self.t0:6.1f}s] " + " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def flush(self) -> None:
+        self.path.write_text("\n".join(self.lines) + "\n")
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def bench(fn: Callable[[], Any], dev: torch.device, warmup: int = 3, iters: int = 20) -> float:
+    """Median seconds per call (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    times = []
+    for _ in range(iters):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def _paged_cache(batch: int, seq_len: int, hkv: int, d: int, bs: int, dtype, dev, seed: int = 0):
+    """A KV cache holding `batch` sequences of `seq_len` tokens in randomly scattered blocks."""
+    nb = -(-seq_len // bs)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    perm = torch.randperm(batch * nb, generator=g)
+    bt = perm.view(batch, nb).to(torch.int32).to(dev)
+    kc = torch.randn(batch * nb * bs, hkv, d, dtype=dtype, device=dev)
+    vc = torch.randn_like(kc)
+    return kc, vc, bt
+
+
+# ---------------------------------------------------------------- sections
+
+
+def run_kernel_tests(log: Log, args) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_kernels.py", "-p", "no:cacheprovider"]
+    log("running:", " ".join(cmd))
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tests_timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -1, f"timed out after {args.tests_timeout}s\n{(e.stdout or b'')!s}"
+    tail = out.strip().splitlines()[-15:]
+    for line in tail:
+        log("  ", line)
+    return {"returncode": rc, "passed": rc == 0, "seconds": time.perf_counter() - t, "summary": tail[-1] if tail else ""}
+
+
+def run_decode_attention(log: Log, args) -> dict:
+    from engine.attention.triton_backend import decode_attention, num_decode_splits
+
+    dev, dtype = args.device, args.dtype
+    hq, hkv, d, bs = args.attn_shape
+    cases = args.decode_cases
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    rows = []
+    for batch, seq_len in cases:
+        kc, vc, bt = _paged_cache(batch, seq_len, hkv, d, bs, dtype, dev)
+        q = torch.randn(batch, hq, d, dtype=dtype, device=dev)
+        lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
+        splits = num_decode_splits(batch, hkv, seq_len, sms)
+        out = torch.empty_like(q)
+        sec = bench(lambda: decode_attention(q, kc, vc, bt, lens, d ** -0.5, bs, splits, out=out), dev,
+                    iters=args.iters)
+        nbytes = 2 * batch * seq_len * hkv * d * kc.element_size() + 2 * q.numel() * q.element_size()
+        tbps = nbytes / sec / 1e12
+        row = {"batch": batch, "seq_len": seq_len, "num_splits": splits, "us": sec * 1e6, "TB_s": tbps,
+               "fraction_of_4.8TB_s": tbps / H200_TBPS}
+        log(f"decode B={batch:4d} L={seq_len:6d} splits={splits:2d}: {sec * 1e6:9.1f} us  {tbps:6.3f} TB/s "
+            f"({100 * tbps / H200_TBPS:5.1f}% of {H200_TBPS})")
+        rows.append(row)
+        del kc, vc
+    best = max(r["fraction_of_4.8TB_s"] for r in rows)
+    return {"shape": {"num_heads": hq, "num_kv_heads": hkv, "head_dim": d, "block_size": bs, "dtype": str(dtype)},
+            "cases": rows, "best_fraction": best, "target_fraction": 0.70, "meets_target": best >= 0.70}
+
+
+def run_prefill_attention(log: Log, args) -> dict:
+    from engine.attention.triton_backend import prefill_attention
+
+    dev, dtype = args.device, args.dtype
+    hq, hkv, d, bs = args.attn_shape
+    rows = []
+    for nseq, qlen, prefix in args.prefill_cases:
+        slen = prefix + qlen
+        kc, vc, bt = _paged_cache(nseq, slen, hkv, d, bs, dtype, dev)
+        q = torch.randn(nseq * qlen, hq, d, dtype=dtype, device=dev)
+        out = torch.empty_like(q)
+        info = torch.tensor([[i * qlen for i in range(nseq)], [qlen] * nseq, [slen] * nseq],
+                            dtype=torch.int32, device=dev)
+        bm, bn = args.prefill_blocks
+        sec = bench(lambda: prefill_attention(q, kc, vc, out, bt, info[0], info[1], info[2], qlen, d ** -0.5, bs,
+                                              bm, bn), dev, iters=args.iters)
+        pairs = nseq * (qlen * prefix + qlen * (qlen + 1) / 2)
+        tflops = 4 * hq * d * pairs / sec / 1e12
+        row = {"num_seqs": nseq, "q_len": qlen, "prefix": prefix, "ms": sec * 1e3, "TFLOP_s": tflops,
+               "fraction_of_790": tflops / H200_BF16_TFLOPS}
+        if prefix == 0:  # yardstick: torch SDPA (flash) on the same causal shape, dense K/V
+            qs = q.view(nseq, qlen, hq, d).transpose(1, 2)
+            ks = torch.randn(nseq, hkv, qlen, d, dtype=dtype, device=dev)
+            vs = torch.randn_like(ks)
+            s2 = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                                enable_gqa=True), dev, iters=args.iters)
+            row["sdpa_TFLOP_s"] = 4 * hq * d * pairs / s2 / 1e12
+        log(f"prefill {nseq}x{qlen} prefix {prefix}: {sec * 1e3:8.3f} ms  {tflops:6.1f} TFLOP/s "
+            f"({100 * tflops / H200_BF16_TFLOPS:4.1f}% of ~{H200_BF16_TFLOPS:.0f})"
+            + (f"  [torch SDPA dense: {row['sdpa_TFLOP_s']:.1f}]" if "sdpa_TFLOP_s" in row else ""))
+        rows.append(row)
+        del kc, vc
+    return {"cases": rows}
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
+
+
+def _make_llm(args):
+    from engine import LLM
+
+    return LLM(args.model, dtype=args.llm_dtype, device=args.device.type, **args.engine_kwargs)
+
+
+def run_throughput(log: Log, args, budget_s: float) -> tuple[dict, Any]:
+    from engine import SamplingParams
+
+    t = time.perf_counter()
+    llm = _make_llm(args)
+    load_s = time.perf_counter() - t
+    log(f"loaded {args.model} ({llm.dtype}, attention={llm.attention_backend}, "
+        f"cuda_graphs={llm.runner.cuda_graphs is not None}) in {load_s:.1f}s; "
+        f"{llm.num_total_blocks} KV blocks ({llm.num_total_blocks * llm.config.block_size} tokens)")
+    vocab = llm.model_config.vocab_size
+    # warm-up: compiles kernels, captures the small decode graphs
+    llm.generate(_prompts(8, 32, vocab, 99), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    res: dict = {"model": args.model, "load_s": load_s, "engine_config": {k: v for k, v in vars(llm.config).items()
+                                                                         if isinstance(v, (int, float, str, bool))}}
+    workloads = args.workloads
+    per_wl = budget_s / len(workloads)
+    for in_len, out_len in workloads:
+        key = f"{in_len}/{out_len}"
+        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+        # pilot: time a slice, then size the run to the budget
+        n_pilot = min(args.num_prompts, args.pilot_prompts)
+        t = time.perf_counter()
+        llm.generate(_prompts(n_pilot, in_len, vocab, 1), params, use_tqdm=False)
+        pilot_s = time.perf_counter() - t
+        n = args.num_prompts
+        est = pilot_s * n / n_pilot  # pessimistic: bigger runs batch better
+        if est > per_wl:
+            n = max(n_pilot, int(per_wl / pilot_s * n_pilot))
+        log(f"throughput {key}: pilot {n_pilot} prompts in {pilot_s:.1f}s; running {n} prompts "
+            f"(requested {args.num_prompts})")
+        prompts = _prompts(n, in_len, vocab, 2)
+        st0 = llm.stats.num_steps
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        row = {"num_prompts": n, "input_len": in_len, "output_len": out_len, "wall_s": wall,
+               "output_tok_s": n_out / wall, "total_tok_s": (n_out + n * in_len) / wall,
+               "requests_s": n / wall, "steps": llm.stats.num_steps - st0, "pilot_prompts": n_pilot,
+               "pilot_s": pilot_s}
+        if in_len == 128 and out_len == 128:
+            row["target_output_tok_s"] = 15000
+            row["meets_target"] = row["output_tok_s"] >= 15000
+        log(f"throughput {key}: {n} prompts, {n_out} output tokens in {wall:.1f}s -> "
+            f"{row['output_tok_s']:,.0f} output tok/s, {row['total_tok_s']:,.0f} total tok/s, {row['steps']} steps")
+        res[key] = row
+    return res, llm
+
+
+def run_profile(log: Log, args, llm) -> dict:
+    """One decode step of batch `profile_batch`: per-kernel table (eager), and graph replay wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    vocab = llm.model_config.vocab_size
+    b = args.profile_batch
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    reqs = llm._make_requests(_prompts(b, 128, vocab, 3), [params] * b)
+    for r in reqs:
+        for s in r.seqs:
+            llm.scheduler.add(s)
+    res: dict = {"batch": b}
+    try:
+        for _ in range(8):  # prefill everything, reach pure decode steps
+            llm._step()
+            if not llm.scheduler.waiting and all(s.num_computed_tokens >= s.num_prompt_tokens
+                                                 for s in llm.scheduler.running):
+                break
+        graphs = llm.runner.cuda_graphs
+        for mode in (["graph"] if graphs is not None else []) + ["eager"]:
+            llm.runner.cuda_graphs = graphs if mode == "graph" else None
+            llm._step()  # warm (captures the bucket's graph on first use)
+            sync(args.device)
+            t = time.perf_counter()
+            llm._step()
+            sync(args.device)
+            res[f"{mode}_step_ms"] = (time.perf_counter() - t) * 1e3
+            log(f"decode step batch {b} ({mode}): {res[f'{mode}_step_ms']:.2f} ms wall (incl. scheduler/sampler)")
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            llm._step()
+            sync(args.device)
+        llm.runner.cuda_graphs = graphs
+        sort = "cuda_time_total" if args.device.type == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=25)
+        log("profile of one eager decode step, sorted by " + sort + ":\n" + table)
+        res["table"] = table
+    finally:
+        llm._abort_all()
+    return res
+
+
+def run_hf_peer(log: Log, args, budget_s: float) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.weights import PRESETS
+
+    c = PRESETS[args.model.split(":", 1)[1]]
+    cfg = LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                      num_key_value_heads=c.num_kv_heads, vocab_size=c.vocab_size, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings)
+    dev, dtype = args.device, args.llm_torch_dtype
+    t = time.perf_counter()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    log(f"transformers LlamaForCausalLM ({c.name} shape, random weights, {dtype}) built in "
+        f"{time.perf_counter() - t:.1f}s")
+    res: dict = {"batch_size": args.hf_batch}
+    per_wl = budget_s / len(args.workloads)
+    for in_len, out_len in args.workloads:
+        key = f"{in_len}/{out_len}"
+        b = args.hf_batch
+        ids = torch.tensor(_prompts(b, in_len, c.vocab_size, 2), device=dev)
+        mask = torch.ones_like(ids)
+        kw = dict(attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False,
+                  pad_token_id=0, eos_token_id=None)
+        with torch.inference_mode():
+            model.generate(ids[:2, :16], attention_mask=mask[:2, :16], max_new_tokens=4, do_sample=False,
+                           pad_token_id=0)  # warm-up
+            batches, n_out, wall = 0, 0, 0.0
+            while batches < args.hf_max_batches and (batches == 0 or wall * (batches + 1) / batches < per_wl):
+                sync(dev)
+                t = time.perf_counter()
+                out = model.generate(ids, **kw)
+                sync(dev)
+                wall += time.perf_counter() - t
+                n_out += (out.shape[1] - in_len) * b
+                batches += 1
+        res[key] = {"num_prompts": batches * b, "wall_s": wall, "output_tok_s": n_out / wall}
+        log(f"hf generate {key}: {batches} batch(es) of {b} -> {n_out / wall:,.0f} output tok/s")
+    del model
+    return res
+
+
+# ---------------------------------------------------------------- main
+
+
+def configure(args) -> None:
+    smoke = args.cpu_smoke
+    args.device = torch.device("cpu" if smoke else "cuda")
+    args.dtype = torch.float32 if smoke else torch.bfloat16
+    if smoke:
+        from engine.weights import PRESETS, ModelConfig
+
+        PRESETS["tiny-smoke"] = ModelConfig(256, 256, 2, 4, 2, 49152, tie_word_embeddings=True, name="tiny-smoke")
+        args.model = "dummy:tiny-smoke"
+        args.llm_dtype, args.llm_torch_dtype = "float32", torch.float32
+        args.attn_shape = (8, 2, 64, 16)
+        args.decode_cases = [(2, 40)]
+        args.prefill_cases = [(1, 20, 0), (1, 8, 17)]
+        args.prefill_blocks = (16, 16)
+        args.iters = 1
+        args.workloads = [(16, 4), (24, 4)]
+        args.num_prompts = min(args.num_prompts, 6)
+        args.pilot_prompts = 2
+        args.engine_kwargs = dict(attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=64,
+                                  kv_cache_memory_bytes=64 * 2 * 2 * 16 * 2 * 64 * 4)
+        args.hf_batch, args.hf_max_batches = 2, 1
+        args.profile_batch = 2
+        args.tests_timeout = 600
+    else:
+        args.model = "dummy:llama-3-8b"
+        args.llm_dtype, args.llm_torch_dtype = "bfloat16", torch.bfloat16
+        args.attn_shape = (32, 8, 128, 16)
+        args.decode_cases = [(64, 4096), (256, 1024), (16, 16384), (256, 256)]
+        args.prefill_cases = [(4, 4096, 0), (8, 1024, 0), (4, 1024, 3072)]
+        args.prefill_blocks = (128, 64)
+        args.iters = 20
+        args.workloads = [(128, 128), (1024, 128)]
+        args.pilot_prompts = 128
+        args.engine_kwargs = dict(max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_memory_fraction=0.6,
+                                  max_model_len=4096)
+        args.hf_batch, args.hf_max_batches = 64, 2
+        args.profile_batch = 64
+        args.tests_timeout = 150
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--skip", default="", help=f"comma-separated sections to skip: {','.join(SECTIONS)}")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_results")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    args = ap.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = Log(out_dir / "gpu_check.log")
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        log("no CUDA device: nothing to check (use --cpu-smoke to test this script on a CPU)")
+        log.flush()
+        return 2
+    configure(args)
+    import triton
+
+    result: dict = {
+        "env": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu (smoke)",
+                "cpu_smoke": args.cpu_smoke},
+        "sections": {},
+    }
+    if args.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        result["env"]["gpu_mem_free_gib"], result["env"]["gpu_mem_total_gib"] = free / 2**30, total / 2**30
+    log("env:", json.dumps(result["env"]))
+    json_path = out_dir / "gpu_check.json"
+
+    def section(name: str, fn: Callable[[], Any]) -> Any:
+        if name in skip:
+            log(f"== {name}: skipped")
+            return None
+        log(f"== {name}")
+        t = time.perf_counter()
+        try:
+            r = fn()
+            val = r[0] if isinstance(r, tuple) else r
+            result["sections"][name] = {"ok": True, "seconds": time.perf_counter() - t, **(val or {})}
+        except Exception as e:  # noqa: BLE001 - one failing section must not lose the others
+            log(f"{name} FAILED: {type(e).__name__}: {e}")
+            log(traceback.format_exc())
+            result["sections"][name] = {"ok": False, "seconds": time.perf_counter() - t,
+                                        "error": f"{type(e).__name__}: {e}"}
+            r = None
+        json_path.write_text(json.dumps(result, indent=2, default=str))
+        log.flush()
+        return r
+
+    section("kernel_tests", lambda: run_kernel_tests(log, args))
+    section("decode_attention", lambda: run_decode_attention(log, args))
+    section("prefill_attention", lambda: run_prefill_attention(log, args))
+    left = TOTAL_BUDGET_S - log.elapsed
+    tp = section("throughput", lambda: run_throughput(log, args, budget_s=max(30.0, 0.55 * left - 40)))
+    llm = tp[1] if isinstance(tp, tuple) else None
+    if llm is not None:
+        section("profile", lambda: run_profile(log, args, llm))
+        del llm, tp
+    gc.collect()
+    from engine.llm import _load_model
+
+    _load_model.cache_clear()  # drop the engine's weights before building the peer
+    gc.collect()
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    left = TOTAL_BUDGET_S - log.elapsed
+    section("hf_peer", lambda: run_hf_peer(log, args, budget_s=max(20.0, left - 30)))
+    tm, hf = result["sections"].get("throughput", {}), result["sections"].get("hf_peer", {})
+    for key in ("128/128", "1024/128"):
+        if key in tm and key in hf:
+            ratio = tm[key]["output_tok_s"] / hf[key]["output_tok_s"]
+            result.setdefault("summary", {})[f"tokenmill_over_hf_{key}"] = ratio
+            log(f"tokenmill / transformers output tok/s at {key}: {ratio:.2f}x")
+    result["total_seconds"] = log.elapsed
+    json_path.write_text(json.dumps(result, indent=2, default=str))
+    log(f"wrote {json_path} and {log.path} in {log.elapsed:.0f}s")
+    log.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
