@@ -318,15 +318,12 @@ class TritonAttentionBackend(AttentionBackend):
         c: dict = {}
         p = len(meta.prefill_query_lens)
         if p > 0:
-            maxb = max(1, max(int(t.shape[0]) for t in meta.prefill_block_tables))
-            bt = torch.zeros((p, maxb), dtype=torch.int32)
-            for i, t in enumerate(meta.prefill_block_tables):
-                bt[i, : t.shape[0]] = t.cpu()
+            # padded on the tables' own device: no per-chunk device-to-host copy
+            c["prefill_bt"] = torch.nn.utils.rnn.pad_sequence(
+                [t.to(dev) for t in meta.prefill_block_tables], batch_first=True).to(torch.int32)
             info = torch.tensor([meta.prefill_query_starts, meta.prefill_query_lens, meta.prefill_seq_lens],
                                 dtype=torch.int32)
-            c["prefill_bt"] = bt.to(dev, non_blocking=True)
-            info = info.to(dev, non_blocking=True)
-            c["prefill_info"] = info
+            c["prefill_info"] = info.to(dev, non_blocking=True)
             c["max_q_len"] = max(meta.prefill_query_lens)
         meta.cache = c
 
