@@ -223,9 +223,11 @@ def run_throughput(log: Log, args, budget_s: float) -> tuple[dict, Any]:
         f"cuda_graphs={llm.runner.cuda_graphs is not None}) in {load_s:.1f}s; "
         f"{llm.num_total_blocks} KV blocks ({llm.num_total_blocks * llm.config.block_size} tokens)")
     vocab = llm.model_config.vocab_size
-    # warm-up: compiles kernels, captures the small decode graphs
-    llm.generate(_prompts(8, 32, vocab, 99), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
+    # warm-up: compiles the kernels, captures the decode graphs of the full batch and the small buckets
+    t = time.perf_counter()
+    llm.generate(_prompts(llm.config.max_num_seqs, 32, vocab, 99),
+                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    log(f"warm-up ({llm.config.max_num_seqs} prompts x 8 tokens) {time.perf_counter() - t:.1f}s")
     res: dict = {"model": args.model, "load_s": load_s, "engine_config": {k: v for k, v in vars(llm.config).items()
                                                                          if isinstance(v, (int, float, str, bool))}}
     workloads = args.workloads

@@ -29,7 +29,7 @@ from engine.kernels import fused_add_rms_norm, fused_add_rms_norm_ref, rope_inpl
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
-TOL = {torch.float32: 2e-3 if CUDA else 1e-4, torch.bfloat16: 3e-2}  # CUDA fp32 dots use TF32
+TOL = {torch.float32: 1e-2 if CUDA else 1e-4, torch.bfloat16: 3e-2}  # CUDA fp32 tl.dot uses TF32
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
