@@ -152,14 +152,20 @@ def run_decode_attention(log: Log, args) -> dict:
         lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
         splits = num_decode_splits(batch, hkv, seq_len, sms)
         out = torch.empty_like(q)
-        sec = bench(lambda: decode_attention(q, kc, vc, bt, lens, d ** -0.5, bs, splits, out=out), dev,
-                    iters=args.iters)
         nbytes = 2 * batch * seq_len * hkv * d * kc.element_size() + 2 * q.numel() * q.element_size()
+        by_block_n = {}
+        for bn in args.decode_block_ns:  # the engine uses 64; the sweep says whether another tile is better
+            sec = bench(lambda: decode_attention(q, kc, vc, bt, lens, d ** -0.5, bs, splits, out=out, block_n=bn),
+                        dev, iters=args.iters)
+            by_block_n[bn] = sec
+        bn, sec = min(by_block_n.items(), key=lambda kv: kv[1])
         tbps = nbytes / sec / 1e12
-        row = {"batch": batch, "seq_len": seq_len, "num_splits": splits, "us": sec * 1e6, "TB_s": tbps,
-               "fraction_of_4.8TB_s": tbps / H200_TBPS}
-        log(f"decode B={batch:4d} L={seq_len:6d} splits={splits:2d}: {sec * 1e6:9.1f} us  {tbps:6.3f} TB/s "
-            f"({100 * tbps / H200_TBPS:5.1f}% of {H200_TBPS})")
+        row = {"batch": batch, "seq_len": seq_len, "num_splits": splits, "best_block_n": bn, "us": sec * 1e6,
+               "TB_s": tbps, "fraction_of_4.8TB_s": tbps / H200_TBPS,
+               "TB_s_by_block_n": {k: nbytes / v / 1e12 for k, v in by_block_n.items()}}
+        log(f"decode B={batch:4d} L={seq_len:6d} splits={splits:2d} block_n={bn:3d}: {sec * 1e6:9.1f} us  "
+            f"{tbps:6.3f} TB/s ({100 * tbps / H200_TBPS:5.1f}% of {H200_TBPS})  by block_n: "
+            + ", ".join(f"{k}: {v:.2f}" for k, v in row["TB_s_by_block_n"].items()))
         rows.append(row)
         del kc, vc
     best = max(r["fraction_of_4.8TB_s"] for r in rows)
@@ -180,13 +186,17 @@ def run_prefill_attention(log: Log, args) -> dict:
         out = torch.empty_like(q)
         info = torch.tensor([[i * qlen for i in range(nseq)], [qlen] * nseq, [slen] * nseq],
                             dtype=torch.int32, device=dev)
-        bm, bn = args.prefill_blocks
-        sec = bench(lambda: prefill_attention(q, kc, vc, out, bt, info[0], info[1], info[2], qlen, d ** -0.5, bs,
-                                              bm, bn), dev, iters=args.iters)
         pairs = nseq * (qlen * prefix + qlen * (qlen + 1) / 2)
+        by_tile = {}
+        for bm, bn in args.prefill_blocks:  # the engine uses (64, 64); the sweep says whether another is better
+            by_tile[f"{bm}x{bn}"] = bench(lambda: prefill_attention(q, kc, vc, out, bt, info[0], info[1], info[2],
+                                                                    qlen, d ** -0.5, bs, bm, bn),
+                                          dev, iters=args.iters)
+        tile, sec = min(by_tile.items(), key=lambda kv: kv[1])
         tflops = 4 * hq * d * pairs / sec / 1e12
-        row = {"num_seqs": nseq, "q_len": qlen, "prefix": prefix, "ms": sec * 1e3, "TFLOP_s": tflops,
-               "fraction_of_790": tflops / H200_BF16_TFLOPS}
+        row = {"num_seqs": nseq, "q_len": qlen, "prefix": prefix, "best_tile": tile, "ms": sec * 1e3,
+               "TFLOP_s": tflops, "fraction_of_790": tflops / H200_BF16_TFLOPS,
+               "TFLOP_s_by_tile": {k: 4 * hq * d * pairs / v / 1e12 for k, v in by_tile.items()}}
         if prefix == 0:  # yardstick: torch SDPA (flash) on the same causal shape, dense K/V
             qs = q.view(nseq, qlen, hq, d).transpose(1, 2)
             ks = torch.randn(nseq, hkv, qlen, d, dtype=dtype, device=dev)
@@ -194,9 +204,10 @@ def run_prefill_attention(log: Log, args) -> dict:
             s2 = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
                                                                                 enable_gqa=True), dev, iters=args.iters)
             row["sdpa_TFLOP_s"] = 4 * hq * d * pairs / s2 / 1e12
-        log(f"prefill {nseq}x{qlen} prefix {prefix}: {sec * 1e3:8.3f} ms  {tflops:6.1f} TFLOP/s "
+        log(f"prefill {nseq}x{qlen} prefix {prefix} tile {tile}: {sec * 1e3:8.3f} ms  {tflops:6.1f} TFLOP/s "
             f"({100 * tflops / H200_BF16_TFLOPS:4.1f}% of ~{H200_BF16_TFLOPS:.0f})"
-            + (f"  [torch SDPA dense: {row['sdpa_TFLOP_s']:.1f}]" if "sdpa_TFLOP_s" in row else ""))
+            + (f"  [torch SDPA dense: {row['sdpa_TFLOP_s']:.1f}]" if "sdpa_TFLOP_s" in row else "")
+            + "  by tile: " + ", ".join(f"{k}: {v:.0f}" for k, v in row["TFLOP_s_by_tile"].items()))
         rows.append(row)
         del kc, vc
     return {"cases": rows}
@@ -374,7 +385,8 @@ def configure(args) -> None:
         args.attn_shape = (8, 2, 64, 16)
         args.decode_cases = [(2, 40)]
         args.prefill_cases = [(1, 20, 0), (1, 8, 17)]
-        args.prefill_blocks = (16, 16)
+        args.prefill_blocks = [(16, 16), (32, 16)]
+        args.decode_block_ns = [16, 32]
         args.iters = 1
         args.workloads = [(16, 4), (24, 4)]
         args.num_prompts = min(args.num_prompts, 6)
@@ -390,7 +402,8 @@ def configure(args) -> None:
         args.attn_shape = (32, 8, 128, 16)
         args.decode_cases = [(64, 4096), (256, 1024), (16, 16384), (256, 256)]
         args.prefill_cases = [(4, 4096, 0), (8, 1024, 0), (4, 1024, 3072)]
-        args.prefill_blocks = (128, 64)
+        args.prefill_blocks = [(64, 64), (128, 64), (128, 32)]
+        args.decode_block_ns = [32, 64, 128]
         args.iters = 20
         args.workloads = [(128, 128), (1024, 128)]
         args.pilot_prompts = 128
