@@ -6,6 +6,7 @@ on the CPU; `models.llama.LlamaModel.load_state_dict` fuses and casts them.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -184,6 +185,15 @@ def _gguf_field(reader, key, default=None):
     return v
 
 
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` over `path`, memory-mapped and cached: parsing the metadata
+    (the tokenizer's vocabulary) costs seconds, and the quantized loader reads the file again."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Llama-architecture GGUF: its config and dequantized fp32 weights.
 
@@ -195,7 +205,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     arch = _gguf_field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "mistral"):
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2, mistral)")
