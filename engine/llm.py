@@ -65,8 +65,14 @@ def _available_memory_bytes() -> int:
 def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantization: Optional[str] = None,
                 group_size: int = 32) -> tuple[LlamaModel, Tokenizer]:
     """Load weights and tokenizer once per process; LLM instances share the read-only weights.
-    `quantization` ("int8" | "int4" | "gguf") swaps the linear layers (`engine.quant`)."""
+    `quantization` ("int8" | "int4" | "gguf") builds a copy of the cached float model whose
+    linear layers are swapped (`engine.quant.quantized_copy`); embedding and norms are shared."""
     source = source_key
+    if quantization is not None:
+        from .quant import quantized_copy
+        base, tokenizer = _load_model(source, dtype, device, seed)
+        gguf_path = source.path if quantization == "gguf" else None
+        return quantized_copy(base, quantization, group_size, gguf_path), tokenizer
     mcfg, state = load_model_weights(source)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)
@@ -80,12 +86,6 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     else:
         model.load_weights(state)
         del state
-    if quantization == "gguf":
-        from .quant import load_gguf_linears
-        load_gguf_linears(model, source.path)
-    elif quantization in ("int8", "int4"):
-        from .quant import quantize_model
-        quantize_model(model, quantization, group_size)
     return model, tokenizer
 
 

@@ -224,6 +224,28 @@ def quantize_model(model, scheme: str, group_size: int = 32) -> None:
         _swap(model, name, new.to(lin.weight.device))
 
 
+def quantized_copy(model, scheme: str, group_size: int = 32, gguf_path: Optional[str] = None):
+    """A new model sharing `model`'s embedding and norm tensors, with quantized linear layers
+    (`model` itself is untouched, so a cached float model can serve other engines).
+
+    Args:
+        scheme: "int8" | "int4" (quantized from the float weights) | "gguf" (blocks read from `gguf_path`).
+    """
+    from .models.llama import DecoderLayer, LlamaModel
+
+    q = LlamaModel(model.cfg, model.dtype, model.device)
+    q.embed, q.final_norm, q.lm_head = model.embed, model.final_norm, model.lm_head
+    q.layers = nn.ModuleList([DecoderLayer(l.attn_norm.data, l.qkv, l.o, l.mlp_norm.data, l.gate_up, l.down)
+                              for l in model.layers])
+    if scheme == "gguf":
+        if gguf_path is None:
+            raise ValueError("scheme 'gguf' needs gguf_path")
+        load_gguf_linears(q, gguf_path)
+    else:
+        quantize_model(q, scheme, group_size)
+    return q
+
+
 def model_weight_bytes(model) -> int:
     """Bytes of all weights as held in memory: the embedding table, norms and every
     linear layer (a quantized LM head is a separate copy of the tied embedding)."""
@@ -348,11 +370,9 @@ def parts_to_layer(p: QuantParts, bias=None, dtype=torch.float32, device="cpu") 
 def read_gguf_parts(path: str) -> tuple[dict[str, QuantParts], dict[str, str]]:
     """QuantParts of every mapped quantized GGUF tensor, under our (Hugging Face) names,
     with Llama q/k rows un-permuted like `weights.load_gguf`; plus each tensor's GGUF type."""
-    import gguf
+    from .weights import _GGUF_LAYER_NAMES, _GGUF_NAMES, _gguf_field, open_gguf, unpermute_rope_rows
 
-    from .weights import _GGUF_LAYER_NAMES, _GGUF_NAMES, _gguf_field, unpermute_rope_rows
-
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     arch = _gguf_field(reader, "general.architecture")
     n_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads))
