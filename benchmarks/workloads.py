@@ -40,7 +40,7 @@ LICENSE_DIR = Path("/usr/share/common-licenses")
 WORKLOADS = ("labelling", "synthetic", "random")
 
 # Spec of each workload: token ranges and defaults (issue 5).
-LABELLING_PREFIX_TOKENS = 400  # "about 400": built to within [360, 420]
+LABELLING_PREFIX_TOKENS = 400  # "about 400": built to within [385, 420]
 LABELLING_ITEM_RANGE = (50, 150)
 LABELLING_OUTPUT = 16
 SYNTHETIC_PROMPT_RANGE = (20, 60)
@@ -165,22 +165,28 @@ def build_labelling(tokenizer: Any, num_prompts: int, seed: int = 0,
     # few-shot examples from the front of the shuffled order, until the prefix is about 400 tokens
     prefix_text = instruction + "\n\nExamples:\n\n"
     closing = "Now label this one.\n\n"
-    used = 0
-    lo, hi = LABELLING_PREFIX_TOKENS - 40, LABELLING_PREFIX_TOKENS + 20
+    shots: list[int] = []
+    lo, hi = LABELLING_PREFIX_TOKENS - 15, LABELLING_PREFIX_TOKENS + 20
     for idx in order:
         title, text, label = items[idx]
         cand = prefix_text + f"Docstring of {title}:\n{text}\nTopic: {label}\n\n"
-        used += 1
         n = len(tokenizer.encode(cand + closing))
-        if n > hi:
+        if n > hi:  # too long to fit: try a shorter example
             continue
         prefix_text = cand
+        shots.append(idx)
         if n >= lo:
             break
     prefix = tokenizer.encode(prefix_text + closing)
-    if len(prefix) > hi:  # never with the shipped data; keep the spec anyway
-        prefix = prefix[:hi]
-    pool = order[used:]
+    if len(prefix) < lo:  # no whole example fits: end with one cut to reach about 400 tokens
+        idx = next(i for i in order if i not in shots)
+        title, text, label = items[idx]
+        head = tokenizer.encode(prefix_text + f"Docstring of {title}:\n")
+        tail = tokenizer.encode(f" ...\nTopic: {label}\n\n{closing}")
+        prefix = head + tokenizer.encode(text)[: max(0, LABELLING_PREFIX_TOKENS - len(head) - len(tail))] + tail
+        shots.append(idx)
+    used = set(shots)
+    pool = [i for i in order if i not in used]
     lo_item, hi_item = LABELLING_ITEM_RANGE
     suffix = tokenizer.encode("\nTopic:")
     item_ids: list[list[int]] = []
@@ -198,7 +204,7 @@ def build_labelling(tokenizer: Any, num_prompts: int, seed: int = 0,
     out = LABELLING_OUTPUT if max_output_tokens is None else min(LABELLING_OUTPUT, max_output_tokens)
     return Workload("labelling", [prefix + ids for ids in item_ids], [out] * num_prompts, 0.0, seed,
                     shared_prefix_tokens=len(prefix),
-                    notes={"prefix_tokens": len(prefix), "few_shot_examples_considered": used})
+                    notes={"prefix_tokens": len(prefix), "few_shot_examples": len(shots)})
 
 
 def build_synthetic(tokenizer: Any, num_prompts: int, seed: int = 0,
