@@ -159,7 +159,9 @@ def run_job_config(name: str, table: list[dict], out_dir: str, llm: Any, **spec_
     m = read_metrics(spec.output).row(-1, named=True)
     df = pl.concat([pl.read_parquet(os.path.join(spec.output, p)) for p in sorted(os.listdir(spec.output))
                     if p.startswith("part-")]).sort("id")
-    return {"name": name, "wall_s": wall, "m": m, "gens": df["generation"].to_list()}
+    st = llm.stats  # cumulative over the engine's life: each config runs on a fresh engine
+    return {"name": name, "wall_s": wall, "m": m, "gens": df["generation"].to_list(), "steps": st.num_steps,
+            "model_s": st.time_model_s}
 
 
 def bench_engine(job_rows: int, configs: str = "abc,d") -> int:
@@ -191,11 +193,12 @@ def bench_engine(job_rows: int, configs: str = "abc,d") -> int:
                 rows.append(run_job_config(f"c2_dfs_mixed_decode#{rep}", var, d, fresh(), plan="prefix", **kw2))
                 rows.append(run_job_config(f"d_decode_heavy_first#{rep}", var, d, fresh(), plan="prefix",
                                            decode_heavy_first=True, **kw2))
-    print(f"{'config':<26}{'wall s':>8}{'out tok/s':>10}{'prompt tok':>11}{'computed':>10}{'hit rate':>9}{'ideal':>7}")
+    print(f"{'config':<26}{'wall s':>8}{'steps':>7}{'out tok/s':>10}{'prompt tok':>11}{'computed':>10}{'hit rate':>9}"
+          f"{'ideal':>7}")
     for r in rows:
         m = r["m"]
         ideal = m["ideal_prefix_hit_rate"]
-        print(f"{r['name']:<26}{r['wall_s']:>8.1f}{m['completion_tokens'] / r['wall_s']:>10.1f}{m['prompt_tokens']:>11,}"
+        print(f"{r['name']:<26}{r['wall_s']:>8.1f}{r['steps']:>7}{m['completion_tokens'] / r['wall_s']:>10.1f}{m['prompt_tokens']:>11,}"
               f"{m['prompt_tokens_computed']:>10,}{m['prefix_cache_hit_rate']:>9.3f}"
               f"{ideal if ideal is not None else float('nan'):>7.3f}")
     same = True
@@ -208,10 +211,72 @@ def bench_engine(job_rows: int, configs: str = "abc,d") -> int:
     if "d" in configs:
         dfs = [r["wall_s"] for r in rows if r["name"].startswith("c2_")]
         dhf = [r["wall_s"] for r in rows if r["name"].startswith("d_")]
-        print(f"decode-heavy first vs depth-first, mixed decode lengths (wall s per repeat): depth-first {dfs}, "
-              f"decode-heavy first {dhf}; ratio of sums {sum(dfs) / sum(dhf):.3f}x")
+        steps = {r["name"][:2]: r["steps"] for r in rows}
+        print(f"decode-heavy first vs depth-first, mixed decode lengths (wall s per repeat): depth-first "
+              f"{[round(x, 1) for x in dfs]}, decode-heavy first {[round(x, 1) for x in dhf]}; ratio of sums "
+              f"{sum(dfs) / sum(dhf):.3f}x; engine steps {steps.get('c2')} vs {steps.get('d_')}")
     print(machine_load())
     return 0 if same else 1
+
+
+def simulate_steps(prompts: list[list[int]], max_tokens: list[int], *, max_num_seqs: int = 16,
+                   budget: int = 2048, num_blocks: int = 240, block_size: int = 16) -> dict[str, Any]:
+    """Replay the engine's own Scheduler and BlockPool (prefix caching on) without the model: every
+    sampled token is a dummy, every row decodes exactly its max_tokens. Returns steps, batched tokens,
+    prompt tokens computed, and a CPU step-time model for SmolLM2-135M here (about 18 ms per step to
+    stream the weights + 2 ms per token of compute; ENVIRONMENT.md's matmul rates)."""
+    from types import SimpleNamespace
+
+    from engine.kv_cache import BlockPool
+    from engine.request import Sequence
+    from engine.scheduler import Scheduler
+
+    sched = Scheduler(BlockPool(num_blocks, True), block_size, max_num_seqs, budget, True)
+    for i, (ids, mt) in enumerate(zip(prompts, max_tokens)):
+        req = SimpleNamespace(prompt_token_ids=list(ids), max_tokens=mt)
+        sched.add(Sequence(seq_id=i, request=req, index=0, token_ids=list(ids)))
+    steps = tokens = computed = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        if out.is_empty:
+            raise RuntimeError("simulation stalled")
+        steps += 1
+        tokens += out.num_tokens
+        computed += sum(c.num_tokens for c in out.prefills)
+        for c in out.chunks:
+            sampled = c.samples
+            c.seq.num_computed_tokens += c.num_tokens
+            sched.register_computed(c.seq)
+            if sampled:
+                c.seq.token_ids.append(7)
+                if c.seq.num_output_tokens >= c.seq.request.max_tokens:
+                    sched.finish(c.seq)
+    return {"steps": steps, "batched_tokens": tokens, "prefill_tokens": computed,
+            "model_s": steps * 0.018 + tokens * 0.002}
+
+
+def bench_decode_heavy(rows: int) -> None:
+    """Depth-first vs decode-heavy-first on the engine's scheduler: two ~400-token instructions, the
+    first asking for 4 output tokens, the second for 48 (the first group comes first in input order)."""
+    from engine.tokenizer import Tokenizer
+    from pipeline.planner import PrefixTree
+
+    tok = Tokenizer.default()
+    table = job_dataset(rows)
+    ids = tok.encode_batch([tok.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in table])
+    for short, long in ((4, 48), (16, 64), (1, 128)):
+        mts = [long if r["task"] == 1 else short for r in table]
+        tree = PrefixTree(16)
+        for x, m in zip(ids, mts):
+            tree.add(x, m)
+        res = {}
+        for name, dhf in (("depth-first", False), ("decode-heavy first", True)):
+            order, _ = tree.order(decode_heavy_first=dhf)
+            res[name] = simulate_steps([ids[r] for r in order], [mts[r] for r in order])
+        a, b = res["depth-first"], res["decode-heavy first"]
+        print(f"  max_tokens {short}/{long}: depth-first {a['steps']} steps, {a['batched_tokens']:,} tokens, "
+              f"model {a['model_s']:.1f} s; decode-heavy first {b['steps']} steps, {b['batched_tokens']:,} tokens, "
+              f"model {b['model_s']:.1f} s; speedup {a['model_s'] / b['model_s']:.3f}x")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -221,12 +286,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--engine", action="store_true", help="also run part 3 on the real model (minutes)")
     ap.add_argument("--job-rows", type=int, default=128, help="rows of part 3's job")
     ap.add_argument("--configs", default="abc,d", help="part 3's configurations: abc (caching/plan), d (decode-heavy)")
+    ap.add_argument("--simulate-rows", type=int, default=256,
+                    help="rows of the decode-heavy-first scheduler replay (0 skips it)")
     args = ap.parse_args(argv)
     print(f"machine: {os.cpu_count()} cores; {machine_load()}")
     if args.rows:
         bench_tokens(args.rows)
     if args.text_rows:
         bench_text(args.text_rows)
+    if args.simulate_rows:
+        print(f"decode-heavy first, replayed on the engine's scheduler ({args.simulate_rows} rows, 16 seqs, "
+              f"budget 2048, 240 blocks):")
+        bench_decode_heavy(args.simulate_rows)
     if args.engine:
         return bench_engine(args.job_rows, args.configs)
     return 0

@@ -322,9 +322,11 @@ class PrefixTree:
         self._ensure()
         return [self._subtree_rows(~x) for x in self._items[0] if x < 0]
 
-    def _subtree_rows(self, node: int) -> list[int]:
+    def _subtree_rows(self, node: int, key: Optional[Any] = None) -> list[int]:
+        """Rows under `node`, depth-first; at every node items are sorted by `key` (stable) when given."""
         out: list[int] = []
-        stack = [iter(self._items[node])]
+        arrange = (lambda xs: sorted(xs, key=key)) if key is not None else (lambda xs: xs)  # noqa: E731
+        stack = [iter(arrange(self._items[node]))]
         while stack:
             x = next(stack[-1], None)
             if x is None:
@@ -332,8 +334,26 @@ class PrefixTree:
             elif x >= 0:
                 out.append(x)
             else:
-                stack.append(iter(self._items[~x]))
+                stack.append(iter(arrange(self._items[~x])))
         return out
+
+    def _decode_ratio_key(self) -> Any:
+        """Sort key of an item: minus (output tokens / prompt tokens) of its rows (max_tokens as output)."""
+        n = len(self._depth)
+        out_sum, in_sum = [0] * n, [0] * n
+        for r, leaf in enumerate(self._leaf):
+            out_sum[leaf] += self._max_tokens[r]
+            in_sum[leaf] += self._lens[r]
+        node_out, node_in = out_sum[:], in_sum[:]
+        for m in range(n - 1, 0, -1):  # children are created after their parents
+            node_out[self._parent[m]] += node_out[m]
+            node_in[self._parent[m]] += node_in[m]
+
+        def key(x: int) -> float:
+            if x >= 0:
+                return -self._max_tokens[x] / max(self._lens[x], 1)
+            return -node_out[~x] / max(node_in[~x], 1)
+        return key
 
     def shared_blocks(self, a: int, b: int) -> int:
         """Full blocks rows `a` and `b` share (the depth of their leaves' common ancestor)."""
@@ -357,25 +377,19 @@ class PrefixTree:
         that shards, which never span files, can hold whole groups.
 
         Args:
-            decode_heavy_first: put top-level items (groups and lone rows) with the highest
-                ratio of output tokens (max_tokens) to prompt tokens first; stable otherwise.
+            decode_heavy_first: at every node, put the items (sub-groups and rows) with the
+                highest ratio of output tokens (max_tokens) to prompt tokens first (stable).
         """
         self._ensure()
-        top = list(self._items[0])
-        if decode_heavy_first:
-            def ratio(x: int) -> float:
-                rows = [x] if x >= 0 else self._subtree_rows(~x)
-                prompt = sum(self._lens[r] for r in rows)
-                return sum(self._max_tokens[r] for r in rows) / max(prompt, 1)
-            keys = {x: ratio(x) for x in top}
-            top.sort(key=lambda x: -keys[x])
+        key = self._decode_ratio_key() if decode_heavy_first else None
+        top = sorted(self._items[0], key=key) if key is not None else list(self._items[0])
         order: list[int] = []
         parts = self._parts
         for x in top:
             if x >= 0:
                 order.append(x)
                 continue
-            rows = self._subtree_rows(~x)
+            rows = self._subtree_rows(~x, key)
             if len(set(parts[r] for r in rows)) > 1:
                 rank: dict[int, int] = {}
                 for r in rows:

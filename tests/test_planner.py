@@ -81,13 +81,14 @@ def test_ideal_hit_rate_by_hand():
     assert t.ideal_hit_rate == pytest.approx(8 / 23)  # = r2 reuses 4, r3 reuses 2, r4 reuses 2
 
 
-def test_decode_heavy_first_moves_groups_not_rows():
+def test_decode_heavy_first_reorders_items_at_every_node():
     t = PrefixTree(2)
     for i, r in enumerate(ROWS):
         t.add(r, max_tokens=100 if i in (1, 4) else 1)  # the (9, 9) group decodes the most
     order, lcp = t.order(decode_heavy_first=True)
-    # ratios: group (9, 9) 200/7, lone row 5 1/1, group (1, 2) 3/15
-    assert order == [1, 4, 5, 0, 2, 3] and lcp == [0, 1, 0, 0, 2, 1]
+    # at every node, items by output/prompt tokens: root: group (9, 9) 200/7, lone row 5 1/1,
+    # group (1, 2) 3/15; in (1, 2): row 3 1/4 before sub-group (3, 4) 2/11; in it: row 0 1/5, row 2 1/6
+    assert order == [1, 4, 5, 3, 0, 2] and lcp == [0, 1, 0, 0, 1, 2]
 
 
 # ---------------------------------------------------------------- shard cuts
