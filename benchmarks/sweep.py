@@ -124,8 +124,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for row in rows:
             w.writerow({k: row.get(k) for k in COLUMNS})
     busiest = max(max(r["other_busy_before"] or 0.0, r["other_busy_during"] or 0.0) for r in rows)
-    title = (f"tokenmill, {wl.name}: {wl.num_requests} requests, {os.cpu_count()} CPUs, "
-             f"{torch.get_num_threads()} threads; other load up to {busiest:.1f} cores")
+    load1 = max(r["loadavg_1m"] for r in rows)
+    title = (f"tokenmill, {wl.name}{' --quick' if args.quick else ''}: {wl.num_requests} requests x "
+             f"<= {max_out} new tokens, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads\n"
+             f"machine load: loadavg up to {load1:.1f}, other processes kept up to {busiest:.1f} cores busy")
     plot(rows, png_path, title)
     print()
     print(f"{'max_num_seqs':>12} {'out tok/s':>9} {'total tok/s':>11} {'p50 lat s':>9} {'p95 lat s':>9} "
