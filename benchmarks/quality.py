@@ -1,0 +1,166 @@
+"""Quality, memory and speed of each quantization scheme: `python -m benchmarks.quality`.
+
+Text: the licence texts Debian's `base-files` package ships in
+/usr/share/common-licenses (GPL-3, GPL-2, Apache-2.0, MPL-2.0, GFDL-1.3, LGPL-2.1),
+concatenated; the first `--tokens` tokens (>= 20,000) are cut into windows of
+`--window` tokens, each scored from its first token (perplexity over every
+predicted token, with `LLM.score`).
+
+Per scheme: perplexity and its change vs fp32; batch independence (windows
+scored one at a time vs 64 together); greedy agreement with fp32 on 50
+prompts (position-wise, and the share of completions identical); weight
+bytes (held, and read per decode step); KV bytes per token and capacity;
+decode tokens/s at batch 1 and 64. The machine's load average is printed
+next to every timing (2 shared cores: timings under load are not comparable).
+
+    python -m benchmarks.quality [--tokens 20000] [--schemes fp32,int8,int4-g32,gguf,kv-int8] [--kernels]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+LICENSES = ["GPL-3", "GPL-2", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-2.1"]
+LICENSE_DIR = Path("/usr/share/common-licenses")
+SCHEMES = {
+    "fp32": dict(),
+    "int8": dict(quantization="int8"),
+    "int4-g32": dict(quantization="int4", quant_group_size=32),
+    "gguf": dict(quantization="gguf"),
+    "kv-int8": dict(kv_cache_dtype="int8"),
+}
+
+
+def corpus_text() -> str:
+    """The licence texts, concatenated (source: Debian base-files, /usr/share/common-licenses)."""
+    return "\n\n".join((LICENSE_DIR / n).read_text() for n in LICENSES)
+
+
+def load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def perplexity(llm, windows: list[list[int]], batch: int) -> tuple[float, list[torch.Tensor]]:
+    lps: list[torch.Tensor] = []
+    for i in range(0, len(windows), batch):
+        lps.extend(llm.score(windows[i : i + batch], chunk_size=2048))
+    allv = torch.cat(lps)
+    return math.exp(-allv.double().mean().item()), lps
+
+
+def greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from engine import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def decode_tps(llm, prompt: list[int], batch: int, n: int) -> float:
+    from engine import SamplingParams
+
+    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate([prompt] * batch, p, use_tqdm=False)  # warm
+    t0 = time.perf_counter()
+    llm.generate([prompt] * batch, p, use_tqdm=False)
+    return batch * n / (time.perf_counter() - t0)
+
+
+def kernels() -> None:
+    """fp32 matmul vs our dequantize-then-matmul vs PyTorch's packed int8 kernel, [M x 576] x [576 x 1536]."""
+    import torch.nn.functional as F
+
+    from engine.quant import kernel_gflops, quantize_int4, quantize_int8
+
+    w = torch.randn(1536, 576) * 0.02
+    q8, q4 = quantize_int8(w), quantize_int4(w, 32)
+    print(f"\nkernels, [M x 576] x [576 x 1536], {torch.get_num_threads()} threads, {load()}")
+    print(f"{'M':>5} {'fp32':>8} {'int8 deq':>9} {'int4 deq':>9} {'aten int8pack':>14}  (GFLOP/s)")
+    for m in (1, 16, 64, 256):
+        x = torch.randn(m, 576)
+        r = [kernel_gflops(m, 1536, 576, lambda: F.linear(x, w)),
+             kernel_gflops(m, 1536, 576, lambda: q8(x)),
+             kernel_gflops(m, 1536, 576, lambda: q4(x))]
+        try:
+            wi8 = q8.weight.contiguous()
+            sc = q8.scale.view(-1).contiguous()
+            r.append(kernel_gflops(m, 1536, 576, lambda: torch.ops.aten._weight_int8pack_mm(x, wi8, sc), reps=2))
+        except Exception:  # noqa: BLE001 - report, never fail the table
+            r.append(float("nan"))
+        print(f"{m:>5} {r[0]:>8.1f} {r[1]:>9.1f} {r[2]:>9.1f} {r[3]:>14.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=20480)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--kernels", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from engine import LLM
+    from engine.quant import decode_weight_bytes, model_weight_bytes
+
+    if args.kernels:
+        kernels()
+    base = LLM("smollm2-135m-instruct")
+    ids = base.tokenizer.encode(corpus_text())
+    if len(ids) < args.tokens:
+        raise SystemExit(f"corpus has {len(ids)} tokens < {args.tokens}")
+    ids = ids[: args.tokens - args.tokens % args.window]
+    windows = [ids[i : i + args.window] for i in range(0, len(ids), args.window)]
+    stride = len(ids) // args.prompts
+    prompts = [ids[i * stride : i * stride + 24] for i in range(args.prompts)]
+    print(f"text: {len(ids)} tokens of {', '.join(LICENSES)} (Debian base-files, {LICENSE_DIR}), "
+          f"{len(windows)} windows of {args.window}; greedy: {args.prompts} prompts x {args.new_tokens} tokens")
+    rows, ref_ppl, ref_tokens = [], None, None
+    for name in args.schemes.split(","):
+        t0 = time.perf_counter()
+        llm = LLM("smollm2-135m-instruct", **SCHEMES[name])
+        t_load = time.perf_counter() - t0
+        l0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        ppl, lps = perplexity(llm, windows, 64)
+        t_ppl = time.perf_counter() - t0
+        solo = [llm.score(w, chunk_size=2048)[0] for w in windows[:4]]
+        batch_dev = max((a - b).abs().max().item() for a, b in zip(solo, lps[:4]))
+        toks = greedy(llm, prompts, args.new_tokens)
+        if ref_tokens is None:
+            ref_ppl, ref_tokens = ppl, toks
+        agree = sum(a == b for r, t in zip(ref_tokens, toks) for a, b in zip(r, t)) / sum(map(len, ref_tokens))
+        same = sum(r == t for r, t in zip(ref_tokens, toks)) / len(toks)
+        tps1 = tps64 = float("nan")
+        l1 = float("nan")
+        if not args.no_speed:
+            l1 = os.getloadavg()[0]
+            tps1 = decode_tps(llm, prompts[0], 1, 32)
+            tps64 = decode_tps(llm, prompts[0], 64, 32)
+        rows.append((name, ppl, 100 * (ppl / ref_ppl - 1), batch_dev, 100 * agree, 100 * same,
+                     model_weight_bytes(llm.model) / 2**20, decode_weight_bytes(llm.model) / 2**20,
+                     llm.kv_bytes_per_token, tps1, tps64, t_ppl, l0, l1))
+        print(f"  {name}: ppl {ppl:.4f} ({t_ppl:.0f} s, load {l0:.1f}, model load {t_load:.0f} s) row {rows[-1]}",
+              flush=True)
+        del llm
+    print(f"\n{'scheme':<9} {'ppl':>8} {'Δppl%':>7} {'b1-b64':>8} {'agree%':>7} {'same%':>6} {'W MiB':>7} "
+          f"{'W/step':>7} {'KV B/tok':>9} {'tok/s b1':>9} {'tok/s b64':>9} {'ppl s':>6} {'load':>5} {'load2':>5}")
+    for r in rows:
+        print(f"{r[0]:<9} {r[1]:>8.4f} {r[2]:>+7.2f} {r[3]:>8.1e} {r[4]:>7.1f} {r[5]:>6.0f} {r[6]:>7.1f} "
+              f"{r[7]:>7.1f} {r[8]:>9d} {r[9]:>9.1f} {r[10]:>9.1f} {r[11]:>6.0f} {r[12]:>5.1f} {r[13]:>5.1f}")
+    print("W MiB: weights held (fp32 embedding for lookups included); W/step: weight bytes read per decode step; "
+          "b1-b64: max |Δ logprob| of a window scored alone vs in a batch of 64; agree: position-wise greedy "
+          "token agreement with fp32; same: completions identical; load: 1-min load average at the measurement "
+          "(2 cores).")
+
+
+if __name__ == "__main__":
+    main()
