@@ -279,3 +279,14 @@ def test_decode_buckets():
     assert decode_buckets(4) == [1, 2, 4]
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_config_attention_backend_and_enforce_eager():
+    from engine.attention import get_backend
+    from engine.config import EngineConfig
+
+    assert EngineConfig().attention_backend == "auto" and EngineConfig().enforce_eager is False
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+    assert isinstance(get_backend("triton"), TritonAttentionBackend)
+    assert TritonAttentionBackend.supports_cuda_graphs
