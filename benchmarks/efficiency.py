@@ -227,6 +227,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"MFU at large batch ({tokens} prompt tokens, {st.mean_batched_tokens:.0f} tokens/step): linear layers "
           f"{mfu['linear_gflops']:.1f} GFLOP/s = {100 * mfu['mfu_linear']:.0f}% of peak; end to end "
           f"{100 * mfu['mfu_end_to_end']:.0f}% (linear FLOPs / whole wall)", flush=True)
+    if mfu["mfu_linear"] > 1.0:
+        print("  (over 100%: the peak was measured while other processes took more of the CPU than during this "
+              "run; compare figures only from a quiet machine)", flush=True)
 
     # 3. MBU of decode at batch 1
     llm1 = make_llm(args.model, max_num_seqs=1, enable_prefix_caching=False)
