@@ -168,12 +168,16 @@ class QuantLinear(nn.Module):
 
 # ---------------------------------------------------------------- our quantizers
 
-def quantize_int8(w: torch.Tensor, bias=None, dtype=torch.float32) -> QuantLinear:
-    """Per-output-channel symmetric int8: s = max|w_row| / 127, q = round(w / s) in -127..127."""
+def quantize_int8(w: torch.Tensor, bias=None, dtype=torch.float32, group_size: Optional[int] = None) -> QuantLinear:
+    """Symmetric int8, per output channel (group_size None) or per group of `group_size` columns:
+    s = max|w| / 127 over the channel (group), q = round(w / s) in -127..127."""
     w = w.float()
-    s = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / s).clamp_(-127, 127).to(torch.int8)
-    return QuantLinear(q, s, None, 8, w.shape[1], bias, dtype)
+    out, n = w.shape
+    gs = n if group_size is None or n % group_size else group_size
+    g = w.view(out, n // gs, gs)
+    s = (g.abs().amax(dim=-1) / 127.0).clamp_min(1e-12)
+    q = torch.round(g / s[..., None]).clamp_(-127, 127).to(torch.int8).view(out, n)
+    return QuantLinear(q, s, None, 8, gs, bias, dtype)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32, bias=None, dtype=torch.float32) -> QuantLinear:
