@@ -98,14 +98,20 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:
-            slots = c["decode_slots"]  # [Bd, L]
-            kd = self.decode(k_cache[:, slots], q.dtype)  # [Hkv, Bd, L, D]
-            vd = self.decode(v_cache[:, slots], q.dtype)
-            qd = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
-            scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
-            scores = scores.float() + c["decode_bias"][None, :, None, :]
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            out[:bd] = torch.matmul(probs, vd).transpose(0, 1).reshape(bd, hq, d)
+            qd_all = q[:bd].view(bd, hkv, g, d)
+            for idx, slots, bias in c["decode_buckets"]:  # length buckets, see TorchAttentionBackend
+                nb = slots.shape[0]
+                kd = self.decode(k_cache[:, slots], q.dtype)  # [Hkv, nb, L, D]
+                vd = self.decode(v_cache[:, slots], q.dtype)
+                qd = (qd_all if idx is None else qd_all[idx]).transpose(0, 1)  # [Hkv, nb, G, D]
+                scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+                scores = scores.float() + bias[None, :, None, :]
+                probs = torch.softmax(scores, dim=-1).to(q.dtype)
+                od = torch.matmul(probs, vd).transpose(0, 1).reshape(nb, hq, d)
+                if idx is None:
+                    out[:bd] = od
+                else:
+                    out[idx] = od
         for start, qlen, slots, mask in c["prefill"]:
             qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
             ks = self.decode(k_cache[:, slots], q.dtype)  # [Hkv, slen, D]
