@@ -99,7 +99,7 @@ def kernels() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=20480)
-    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -126,7 +126,8 @@ def main() -> None:
     rows, ref_ppl, ref_tokens = [], None, None
     for name in args.schemes.split(","):
         t0 = time.perf_counter()
-        llm = LLM("smollm2-135m-instruct", **SCHEMES[name])
+        # room for 64 windows at once (the batch-64 scoring)
+        llm = LLM("smollm2-135m-instruct", kv_cache_memory_bytes=64 * (args.window + 16) * 46080, **SCHEMES[name])
         t_load = time.perf_counter() - t0
         l0 = os.getloadavg()[0]
         t0 = time.perf_counter()
