@@ -176,8 +176,8 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             return f"n must be an integer >= 1, got {self.n!r}"
-        if not is_num(self.temperature) or math.isnan(self.temperature) or self.temperature < 0:
-            return f"temperature must be a number >= 0, got {self.temperature!r}"
+        if not is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            return f"temperature must be a finite number >= 0, got {self.temperature!r}"
         if not is_num(self.top_p) or math.isnan(self.top_p) or not (0.0 < self.top_p <= 1.0):
             return f"top_p must be in (0, 1], got {self.top_p!r}"
         if not is_int(self.top_k) or self.top_k < -1:

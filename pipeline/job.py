@@ -290,6 +290,13 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None) -> JobPlan:
     """
     started_at = datetime.now(timezone.utc)
     so = spec.storage_options
+    # job-level mistakes are refused before anything is written or loaded
+    problem = spec.sampling_params().validate()
+    if problem is not None:
+        raise ValueError(f"invalid default sampling parameters: {problem}")
+    out_fs, out_path = io.filesystem(spec.output, so)
+    if out_fs.isfile(out_path):
+        raise ValueError(f"output {spec.output} is a file; give a folder (or prefix) URL")
     files = io.list_input_files(spec.input, so)
     for f in files:
         try:

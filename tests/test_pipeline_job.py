@@ -181,3 +181,23 @@ def test_s3_to_s3(s3_bucket, tmp_path):
     assert direct.height == 12
     with pytest.raises(JobSpecChanged):
         run_job(spec.model_copy(update={"max_tokens": 4}), FakeLLM())
+
+
+def test_job_level_mistakes_are_refused_before_anything_is_written(tmp_path):
+    """A bad default sampling option or an output that is a file fails at once and leaves no manifest."""
+    import polars as pl
+
+    from pipeline.job import JobSpec, prepare_job
+
+    src = tmp_path / "in.parquet"
+    pl.DataFrame({"id": ["a"], "prompt": ["hello"]}).write_parquet(src)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="max_tokens"):
+        prepare_job(JobSpec(input=str(src), output=str(out), max_tokens=-3))
+    assert not out.exists()
+    with pytest.raises(ValueError, match="temperature"):
+        prepare_job(JobSpec(input=str(src), output=str(out), temperature=float("inf")))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        prepare_job(JobSpec(input=str(src), output=str(afile)))
