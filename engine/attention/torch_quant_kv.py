@@ -74,6 +74,9 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
             codes = codes.view(torch.float8_e4m3fn)
         return (codes.float() * scale).to(dtype)
 
+    def _read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.decode(rows, dtype)
+
     # ------------------------------------------------------------ steps
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
@@ -89,29 +92,13 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
         meta.cache["prefill"] = pre
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        hkv = k_cache.shape[0]
-        hq, d = q.shape[1], q.shape[2]
-        g = hq // hkv
         k_cache.index_copy_(1, meta.slot_mapping, self.encode(k))
         v_cache.index_copy_(1, meta.slot_mapping, self.encode(v))
         out = torch.empty_like(q)
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:
-            qd_all = q[:bd].view(bd, hkv, g, d)
-            for idx, slots, bias in c["decode_buckets"]:  # length buckets, see TorchAttentionBackend
-                nb = slots.shape[0]
-                kd = self.decode(k_cache[:, slots], q.dtype)  # [Hkv, nb, L, D]
-                vd = self.decode(v_cache[:, slots], q.dtype)
-                qd = (qd_all if idx is None else qd_all[idx]).transpose(0, 1)  # [Hkv, nb, G, D]
-                scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
-                scores = scores.float() + bias[None, :, None, :]
-                probs = torch.softmax(scores, dim=-1).to(q.dtype)
-                od = torch.matmul(probs, vd).transpose(0, 1).reshape(nb, hq, d)
-                if idx is None:
-                    out[:bd] = od
-                else:
-                    out[idx] = od
+            self._decode_attention(q, k_cache, v_cache, meta, scale, out)
         for start, qlen, slots, mask in c["prefill"]:
             qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
             ks = self.decode(k_cache[:, slots], q.dtype)  # [Hkv, slen, D]

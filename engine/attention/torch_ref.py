@@ -72,30 +72,37 @@ class TorchAttentionBackend(AttentionBackend):
         cache["prefill"] = pre
         meta.cache = cache
 
+    def _read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cache rows gathered by slot -> values in `dtype` (subclasses decode quantized rows here)."""
+        return rows.to(dtype)
+
+    def _decode_attention(self, q, k_cache, v_cache, meta, scale, out) -> None:
+        """Attention of the first Bd (decode) tokens, one length bucket at a time, written into `out`."""
+        hkv, d = k_cache.shape[0], q.shape[2]
+        bd, hq = meta.num_decode_tokens, q.shape[1]
+        qd_all = q[:bd].view(bd, hkv, hq // hkv, d)
+        for idx, slots, bias in meta.cache["decode_buckets"]:
+            nb = slots.shape[0]
+            kd = self._read(k_cache[:, slots], q.dtype)  # [Hkv, nb, L, D]
+            vd = self._read(v_cache[:, slots], q.dtype)
+            qd = (qd_all if idx is None else qd_all[idx]).transpose(0, 1)  # [Hkv, nb, G, D]
+            scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # [Hkv, nb, G, L]
+            scores = scores.float() + bias[None, :, None, :]
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            od = torch.matmul(probs, vd).transpose(0, 1).reshape(nb, hq, d)  # [nb, Hq, D]
+            if idx is None:
+                out[:bd] = od
+            else:
+                out[idx] = od
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        hkv, _, d = k_cache.shape
-        hq = q.shape[1]
-        g = hq // hkv
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:
-            qd_all = q[:bd].view(bd, hkv, g, d)
-            for idx, slots, bias in c["decode_buckets"]:
-                nb = slots.shape[0]
-                kd = k_cache[:, slots].to(q.dtype)  # [Hkv, nb, L, D]
-                vd = v_cache[:, slots].to(q.dtype)
-                qd = (qd_all if idx is None else qd_all[idx]).transpose(0, 1)  # [Hkv, nb, G, D]
-                scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # [Hkv, nb, G, L]
-                scores = scores.float() + bias[None, :, None, :]
-                probs = torch.softmax(scores, dim=-1).to(q.dtype)
-                od = torch.matmul(probs, vd).transpose(0, 1).reshape(nb, hq, d)  # [nb, Hq, D]
-                if idx is None:
-                    out[:bd] = od
-                else:
-                    out[idx] = od
+            self._decode_attention(q, k_cache, v_cache, meta, scale, out)
         for start, qlen, slots, mask in c["prefill"]:
             qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
             if slots is None:
