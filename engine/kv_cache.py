@@ -33,6 +33,14 @@ class BlockPool:
     a fresh block is needed and no never-cached block is free. (Automatic prefix
     caching as in vLLM; hash-chained block keys as in its design.)
 
+    Eviction is told what is still wanted: the scheduler marks the block keys of
+    every waiting sequence (`want` / `unwant`, counted). Idle cached blocks that
+    no waiting sequence wants are evicted first, least recently used first;
+    wanted ones only when nothing else is left. An offline engine sees its whole
+    queue, so a prefix that later requests of the plan will read is kept over
+    blocks nobody will read again (explicit prefix management instead of LRU
+    alone, after BatchLLM, arXiv 2412.03594).
+
     Raises:
         RuntimeError: on allocating from an exhausted pool or freeing a free
             block (engine bugs, never user errors).
@@ -43,7 +51,9 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))  # idle, not in the cache index
-        self.idle_cached: OrderedDict[int, None] = OrderedDict()  # idle, cached; oldest use first
+        self.idle_cached: OrderedDict[int, None] = OrderedDict()  # idle, cached, unwanted; oldest use first
+        self.idle_wanted: OrderedDict[int, None] = OrderedDict()  # idle, cached, wanted by a waiting sequence
+        self.wanted: dict[BlockKey, int] = {}  # key -> number of waiting sequences that will read it
         self.cached: dict[BlockKey, int] = {}
         self.block_keys: list[Optional[BlockKey]] = [None] * num_blocks
         self.num_evictions = 0
@@ -51,7 +61,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks not owned by any sequence (never-cached free blocks plus idle cached ones)."""
-        return len(self.free_blocks) + len(self.idle_cached)
+        return len(self.free_blocks) + len(self.idle_cached) + len(self.idle_wanted)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -59,7 +69,8 @@ class BlockPool:
         return len(self.cached)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` fresh blocks (ref count 1 each), evicting least recently used idle cached blocks last."""
+        """Take `n` fresh blocks (ref count 1 each): never-cached free blocks first, then
+        idle cached blocks no waiting sequence wants, then wanted ones (each least recently used first)."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"KV block pool exhausted: asked {n}, {self.num_free_blocks} free")
         out = []
@@ -67,7 +78,8 @@ class BlockPool:
             if self.free_blocks:
                 b = self.free_blocks.popleft()
             else:
-                b, _ = self.idle_cached.popitem(last=False)
+                lru = self.idle_cached if self.idle_cached else self.idle_wanted
+                b, _ = lru.popitem(last=False)
                 del self.cached[self.block_keys[b]]
                 self.block_keys[b] = None
                 self.num_evictions += 1
@@ -82,8 +94,35 @@ class BlockPool:
     def acquire(self, block: int) -> None:
         """Take one more reference to a cached block (reviving it if idle)."""
         if self.ref_counts[block] == 0:
-            self.idle_cached.pop(block)
+            self._idle_list(block).pop(block)
         self.ref_counts[block] += 1
+
+    def _idle_list(self, block: int) -> OrderedDict:
+        return self.idle_wanted if self.wanted.get(self.block_keys[block], 0) > 0 else self.idle_cached
+
+    def want(self, keys: Sequence[BlockKey]) -> None:
+        """Count one more waiting sequence that will read the blocks of `keys`."""
+        for key in keys:
+            c = self.wanted.get(key, 0)
+            self.wanted[key] = c + 1
+            if c == 0:
+                b = self.cached.get(key)
+                if b is not None and b in self.idle_cached:
+                    del self.idle_cached[b]
+                    self.idle_wanted[b] = None
+
+    def unwant(self, keys: Sequence[BlockKey]) -> None:
+        """Undo one `want(keys)` (the sequence was admitted or dropped)."""
+        for key in keys:
+            c = self.wanted[key] - 1
+            if c > 0:
+                self.wanted[key] = c
+                continue
+            del self.wanted[key]
+            b = self.cached.get(key)
+            if b is not None and b in self.idle_wanted:
+                del self.idle_wanted[b]
+                self.idle_cached[b] = None
 
     def register(self, block: int, key: BlockKey) -> bool:
         """Index a full, computed block under `key`. Returns False if the key is
@@ -103,7 +142,7 @@ class BlockPool:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 if self.block_keys[b] is not None:
-                    self.idle_cached[b] = None
+                    self._idle_list(b)[b] = None
                 else:
                     self.free_blocks.append(b)
 

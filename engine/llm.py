@@ -368,7 +368,7 @@ class LLM:
     def _abort_all(self) -> None:
         for s in list(self.scheduler.running):
             self.scheduler.finish(s)
-        self.scheduler.waiting.clear()
+        self.scheduler.clear_waiting()
 
     def _make_requests(self, prompts, params_list: list[SamplingParams]) -> list[Request]:
         vocab = self.tokenizer.vocab_size
@@ -439,13 +439,13 @@ class LLM:
         if out.is_empty:
             # Nothing fits even with nothing running: the head sequence can never be served.
             if self.scheduler.waiting and not self.scheduler.running:
-                seq = self.scheduler.waiting.popleft()
+                seq = self.scheduler.pop_waiting()
                 req = seq.request
                 req.error = (f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds "
                              f"{self.num_total_blocks * self.config.block_size}")
                 for s in req.seqs:
                     if s in self.scheduler.waiting:
-                        self.scheduler.waiting.remove(s)
+                        self.scheduler.remove_waiting(s)
                     elif s.status == SequenceStatus.RUNNING:
                         self.scheduler.finish(s)
                     s.status = SequenceStatus.FINISHED

@@ -56,6 +56,7 @@ class Sequence:
     num_registered_blocks: int = 0
     was_admitted: bool = False
     pending_range: tuple[int, int] = (0, 0)
+    num_wanted_blocks: int = 0  # leading block_keys marked wanted in the pool while waiting
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -81,9 +81,39 @@ class Scheduler:
 
     # ------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence at the back of the waiting queue."""
+        """Queue a new sequence at the back of the waiting queue (its full blocks become wanted)."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._want(seq)
+
+    def remove_waiting(self, seq: Sequence) -> None:
+        """Drop a waiting sequence (an aborted or failed request)."""
+        self.waiting.remove(seq)
+        self._unwant(seq)
+
+    def pop_waiting(self) -> Sequence:
+        """Take the head of the waiting queue."""
+        seq = self.waiting.popleft()
+        self._unwant(seq)
+        return seq
+
+    def clear_waiting(self) -> None:
+        """Drop every waiting sequence."""
+        while self.waiting:
+            self.pop_waiting()
+
+    def _want(self, seq: Sequence) -> None:
+        """Tell the pool which cached blocks this waiting sequence will read, so
+        eviction keeps them over blocks nobody waits for."""
+        if self.pool.enable_prefix_caching:
+            self._update_hashes(seq, seq.num_tokens)
+            seq.num_wanted_blocks = len(seq.block_keys)
+            self.pool.want([k for _, k in seq.block_keys])
+
+    def _unwant(self, seq: Sequence) -> None:
+        if seq.num_wanted_blocks:
+            self.pool.unwant([k for _, k in seq.block_keys[:seq.num_wanted_blocks]])
+            seq.num_wanted_blocks = 0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -119,6 +149,7 @@ class Scheduler:
         seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self._want(seq)
         self.num_preemptions += 1
 
     # ------------------------------------------------------------ step
@@ -176,7 +207,7 @@ class Scheduler:
             if not self._grow(seq, n):
                 self._release_prefix(seq, hits)
                 break
-            self.waiting.popleft()
+            self.pop_waiting()
             self._add_pending(seq)
             if not seq.was_admitted:  # prompt tokens served from the cache, counted once
                 seq.was_admitted = True

@@ -47,6 +47,47 @@ def test_acquire_revives_an_idle_cached_block():
         pool.allocate(2)
 
 
+def test_blocks_wanted_by_waiting_sequences_are_evicted_last():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    keys = [block_key(None, [i] * BS) for i in range(3)]
+    for blk, key in zip((a, b, c), keys):
+        pool.register(blk, key)
+    pool.free([a])
+    pool.free([b])
+    pool.free([c])  # LRU order a, b, c
+    pool.want([keys[0]])  # a waiting sequence will read a
+    pool.want([keys[0], keys[1]])  # and another one a and b
+    assert pool.num_free_blocks == 3
+    assert pool.allocate(1) == [c]  # plain LRU would take a
+    pool.unwant([keys[0], keys[1]])  # b no longer wanted; a still by the first sequence
+    assert pool.allocate(1) == [b]
+    assert pool.allocate(1) == [a]  # only wanted blocks left: taken anyway
+    assert pool.num_evictions == 3 and pool.num_cached_blocks == 0
+    pool.unwant([keys[0]])
+    assert pool.wanted == {}
+
+
+def test_scheduler_marks_waiting_prompts_wanted_until_admitted():
+    from engine.outputs import RequestMetrics
+    from engine.request import Request, Sequence
+    from engine.scheduler import Scheduler
+    pool = BlockPool(8)
+    sched = Scheduler(pool, BS, max_num_seqs=1, max_num_batched_tokens=1024)
+    prompt = list(range(2 * BS + 3))  # two full blocks
+    seqs = []
+    for _ in range(2):
+        req = Request(request_id=str(len(seqs)), index=len(seqs), prompt=None, prompt_token_ids=prompt,
+                      params=GREEDY, metrics=RequestMetrics(arrival_time=0.0))
+        seqs.append(Sequence(seq_id=len(seqs), request=req, index=0, token_ids=list(prompt)))
+        sched.add(seqs[-1])
+    assert sorted(pool.wanted.values()) == [2, 2]
+    out = sched.schedule()  # one seat: the first is admitted, the second still waits
+    assert [c.seq for c in out.chunks] == [seqs[0]] and sorted(pool.wanted.values()) == [1, 1]
+    sched.clear_waiting()
+    assert pool.wanted == {} and not sched.waiting
+
+
 # ------------------------------------------------------------------ engine
 
 @pytest.fixture(scope="module")
