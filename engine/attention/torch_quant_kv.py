@@ -83,12 +83,12 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
         bs = meta.block_size
         dev = meta.slot_mapping.device
         pre = []
-        for (start, qlen, slots, mask), bt in zip(meta.cache["prefill"], meta.prefill_block_tables):
-            if slots is None:  # no cached prefix: still read the chunk back from the cache
+        for (start, qlen, blocks, slen, mask), bt in zip(meta.cache["prefill"], meta.prefill_block_tables):
+            if blocks is None:  # no cached prefix: still read the chunk back from the cache
+                blocks = self._block_rows_index(bt[: (qlen + bs - 1) // bs].to(dev).long())
                 pos = torch.arange(qlen, device=dev)
-                slots = bt.to(dev).long()[pos // bs] * bs + pos % bs
                 mask = pos[None, :] <= pos[:, None]
-            pre.append((start, qlen, slots, mask))
+            pre.append((start, qlen, blocks, slen, mask))
         meta.cache["prefill"] = pre
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
@@ -99,10 +99,10 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
         bd = meta.num_decode_tokens
         if bd > 0:
             self._decode_attention(q, k_cache, v_cache, meta, scale, out)
-        for start, qlen, slots, mask in c["prefill"]:
+        for start, qlen, blocks, slen, mask in c["prefill"]:
             qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
-            ks = self.decode(k_cache[:, slots], q.dtype)  # [Hkv, slen, D]
-            vs = self.decode(v_cache[:, slots], q.dtype)
+            ks = self.decode(self._gather_blocks(k_cache, blocks, meta.block_size)[:, :slen], q.dtype)
+            vs = self.decode(self._gather_blocks(v_cache, blocks, meta.block_size)[:, :slen], q.dtype)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start : start + qlen] = o.transpose(0, 1)
         return out

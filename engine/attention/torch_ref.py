@@ -14,10 +14,12 @@ class TorchAttentionBackend(AttentionBackend):
     (head-major), so that gathering slots yields tensors that the batched
     matmuls and SDPA read without another transpose copy.
 
-    Decode: sequences are sorted into up to 4 length buckets; the KV of each
-    bucket is gathered by slot index into [Hkv, nb, Lmax, D] (padded to the
-    bucket's longest sequence, padding masked with -inf), and the query heads
-    of a KV group are folded together (GQA), so one matmul pair serves a bucket. Prefill: for a chunk with no cached prefix
+    Decode: leading blocks shared by every decoding sequence are read once and
+    attended by all queries in one matmul. The rest: sequences are sorted into
+    up to 4 length buckets; the KV of each bucket is gathered by whole blocks
+    into [Hkv, nb, Lmax, D] (padded to the bucket's longest sequence, padding
+    masked with -inf), and the query heads of a KV group are folded together
+    (GQA), so one matmul pair serves a bucket. Prefill: for a chunk with no cached prefix
     the fresh k/v are used directly with a causal mask; otherwise the prefix is
     gathered from the cache and the mask is offset by the prefix length.
     """
@@ -30,12 +32,27 @@ class TorchAttentionBackend(AttentionBackend):
         bd = meta.num_decode_tokens
         bs = meta.block_size
         dev = meta.slot_mapping.device
+        cache["decode_shared"] = None
         if bd > 0:
+            lens = meta.decode_seq_lens.tolist()
+            tables = meta.decode_block_tables
+            # Leading blocks that every decoding sequence holds (a job's shared instruction,
+            # through the prefix cache): attended once for the whole batch as one matmul
+            # instead of once per sequence (shared-prefix attention as in Hydragen,
+            # arXiv 2402.05099). Only blocks below every sequence's last position qualify,
+            # so they are full and each sequence keeps at least one position of its own.
+            shared = 0
+            if bd >= 2:
+                most = (min(lens) - 1) // bs
+                if most > 0:
+                    head = tables[:, :most]
+                    shared = int((head == head[:1]).all(0).long().cumprod(0).sum())
+            if shared:
+                cache["decode_shared"] = self._block_rows_index(tables[0, :shared].long())
             # Length buckets: sort decoding sequences by KV length and pad each
             # bucket only to its own longest sequence (padding waste of one
             # bucket for lengths 96-768 was 41%; 4 buckets ran decode attention
             # 2-3x faster in a microbenchmark).
-            lens = meta.decode_seq_lens.tolist()
             n_buckets = 4 if bd >= 16 else (2 if bd >= 4 else 1)
             order = sorted(range(bd), key=lens.__getitem__) if n_buckets > 1 else list(range(bd))
             buckets = []
@@ -43,18 +60,15 @@ class TorchAttentionBackend(AttentionBackend):
                 members = order[b * bd // n_buckets:(b + 1) * bd // n_buckets]
                 if not members:
                     continue
-                idx = torch.tensor(members, device=dev)
-                seq_lens = meta.decode_seq_lens[idx]
-                lmax = max(lens[i] for i in members)
-                pos = torch.arange(lmax, device=dev)
-                blk = meta.decode_block_tables[idx, : (lmax + bs - 1) // bs].long()
-                slots = blk.gather(1, (pos // bs).expand(len(members), -1)) * bs + (pos % bs)
-                valid = pos[None, :] < seq_lens[:, None]
-                slots = torch.where(valid, slots, torch.zeros_like(slots))
-                bias = torch.zeros(len(members), lmax, device=dev, dtype=torch.float32)
-                bias.masked_fill_(~valid, float("-inf"))
                 whole = n_buckets == 1
-                buckets.append((None if whole else idx, slots, bias))
+                idx = torch.tensor(members, device=dev)
+                seq_lens = meta.decode_seq_lens if whole else meta.decode_seq_lens[idx]
+                nblk = (max(lens[i] for i in members) + bs - 1) // bs - shared
+                blocks = (tables if whole else tables[idx])[:, shared:shared + nblk].long()
+                pos = torch.arange(shared * bs, (shared + nblk) * bs, device=dev)
+                bias = torch.zeros(len(members), nblk * bs, device=dev, dtype=torch.float32)
+                bias.masked_fill_(pos[None, :] >= seq_lens[:, None], float("-inf"))
+                buckets.append((None if whole else idx, blocks.reshape(-1), nblk * bs, bias))
             cache["decode_buckets"] = buckets
         pre = []
         for start, qlen, slen, bt in zip(
@@ -62,13 +76,13 @@ class TorchAttentionBackend(AttentionBackend):
         ):
             prefix = slen - qlen
             if prefix == 0:
-                pre.append((start, qlen, None, None))
+                pre.append((start, qlen, None, slen, None))
                 continue
+            blocks = self._block_rows_index(bt[: (slen + bs - 1) // bs].to(dev).long())
             pos = torch.arange(slen, device=dev)
-            slots = bt.to(dev).long()[pos // bs] * bs + pos % bs
             # query i (absolute position prefix + i) sees keys j <= prefix + i
             mask = pos[None, :] <= (prefix + torch.arange(qlen, device=dev))[:, None]
-            pre.append((start, qlen, slots, mask))
+            pre.append((start, qlen, blocks, slen, mask))
         cache["prefill"] = pre
         meta.cache = cache
 
@@ -76,20 +90,53 @@ class TorchAttentionBackend(AttentionBackend):
         """Cache rows gathered by slot -> values in `dtype` (subclasses decode quantized rows here)."""
         return rows.to(dtype)
 
+    @staticmethod
+    def _block_rows_index(blocks: torch.Tensor):
+        """A run of consecutive block ids as a slice (read as a view, no copy), else the ids."""
+        b0 = int(blocks[0])
+        if bool((blocks == torch.arange(b0, b0 + len(blocks), device=blocks.device)).all()):
+            return slice(b0, b0 + len(blocks))
+        return blocks
+
+    @staticmethod
+    def _gather_blocks(cache: torch.Tensor, blocks, block_size: int) -> torch.Tensor:
+        """Rows of whole blocks: cache [Hkv, slots, C] -> [Hkv, len(blocks) * block_size, C].
+        Copies whole blocks (block_size * C contiguous elements each), not single slots."""
+        hkv, _, c = cache.shape
+        if isinstance(blocks, slice):
+            return cache[:, blocks.start * block_size:blocks.stop * block_size]
+        paged = cache.view(hkv, -1, block_size * c)
+        return paged.index_select(1, blocks).view(hkv, -1, c)
+
     def _decode_attention(self, q, k_cache, v_cache, meta, scale, out) -> None:
-        """Attention of the first Bd (decode) tokens, one length bucket at a time, written into `out`."""
+        """Attention of the first Bd (decode) tokens, written into `out`: the blocks all of them
+        share once for the batch, the rest one length bucket at a time, under one softmax."""
         hkv, d = k_cache.shape[0], q.shape[2]
         bd, hq = meta.num_decode_tokens, q.shape[1]
-        qd_all = q[:bd].view(bd, hkv, hq // hkv, d)
-        for idx, slots, bias in meta.cache["decode_buckets"]:
-            nb = slots.shape[0]
-            kd = self._read(k_cache[:, slots], q.dtype)  # [Hkv, nb, L, D]
-            vd = self._read(v_cache[:, slots], q.dtype)
-            qd = (qd_all if idx is None else qd_all[idx]).transpose(0, 1)  # [Hkv, nb, G, D]
-            scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # [Hkv, nb, G, L]
-            scores = scores.float() + bias[None, :, None, :]
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            od = torch.matmul(probs, vd).transpose(0, 1).reshape(nb, hq, d)  # [nb, Hq, D]
+        g = hq // hkv
+        bs = meta.block_size
+        qh = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
+        shared = meta.cache["decode_shared"]
+        if shared is not None:
+            kp = self._read(self._gather_blocks(k_cache, shared, bs), q.dtype)  # [Hkv, P, D]
+            vp = self._read(self._gather_blocks(v_cache, shared, bs), q.dtype)
+            p_len = kp.shape[1]
+            sp = torch.matmul(qh.reshape(hkv, bd * g, d), kp.transpose(-1, -2)).view(hkv, bd, g, p_len)
+        for idx, blocks, length, bias in meta.cache["decode_buckets"]:
+            nb = bias.shape[0]
+            kd = self._read(self._gather_blocks(k_cache, blocks, bs), q.dtype).view(hkv, nb, length, d)
+            vd = self._read(self._gather_blocks(v_cache, blocks, bs), q.dtype).view(hkv, nb, length, d)
+            qd = qh if idx is None else qh[:, idx]  # [Hkv, nb, G, D]
+            scores = torch.matmul(qd, kd.transpose(-1, -2)).float() + bias[None, :, None, :]  # [Hkv, nb, G, L]
+            if shared is not None:
+                scores = torch.cat((sp if idx is None else sp[:, idx], scores), dim=-1)
+            probs = torch.softmax(scores * scale, dim=-1).to(q.dtype)
+            if shared is not None:
+                od = torch.matmul(probs[..., p_len:], vd)
+                od += torch.matmul(probs[..., :p_len].reshape(hkv, nb * g, p_len), vp).view(hkv, nb, g, d)
+            else:
+                od = torch.matmul(probs, vd)  # [Hkv, nb, G, D]
+            od = od.transpose(0, 1).reshape(nb, hq, d)
             if idx is None:
                 out[:bd] = od
             else:
@@ -103,15 +150,15 @@ class TorchAttentionBackend(AttentionBackend):
         bd = meta.num_decode_tokens
         if bd > 0:
             self._decode_attention(q, k_cache, v_cache, meta, scale, out)
-        for start, qlen, slots, mask in c["prefill"]:
+        for start, qlen, blocks, slen, mask in c["prefill"]:
             qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
-            if slots is None:
+            if blocks is None:
                 ks = k[start : start + qlen].transpose(0, 1)
                 vs = v[start : start + qlen].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ks = k_cache[:, slots].to(q.dtype)  # [Hkv, slen, D]
-                vs = v_cache[:, slots].to(q.dtype)
+                ks = self._read(self._gather_blocks(k_cache, blocks, meta.block_size)[:, :slen], q.dtype)
+                vs = self._read(self._gather_blocks(v_cache, blocks, meta.block_size)[:, :slen], q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start : start + qlen] = o.transpose(0, 1)
         return out
