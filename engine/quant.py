@@ -16,8 +16,8 @@ Schemes (`quantize_model`):
   m = min, q = round((w - m) / s) clamped to 0..15.
 - "gguf": `load_gguf_linears` keeps the file's own blocks (see `GGUF_MAPPING`).
 
-Kernel (CPU and the GPU fallback): dequantize a tile of output rows into an
-fp32 buffer, then one fp32 matmul per tile. PyTorch's packed kernels
+CPU kernel (CUDA inputs go to the Triton kernel `engine.kernels.quant_gemm`):
+dequantize a tile of output rows into an fp32 buffer, then one fp32 matmul per tile. PyTorch's packed kernels
 (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) run at ~2 GFLOP/s on
 this AVX2 CPU (measured: benchmarks/quality.py --kernels), 40-70x below fp32.
 """
@@ -135,6 +135,11 @@ class QuantLinear(nn.Module):
         return self._dequant_rows(0, self.out_features, buf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # Triton dequantize-GEMM; imported here so CPU users never import triton
+            from .kernels.quant_gemm import quant_matmul
+
+            return quant_matmul(x, self.weight, self.scale, self.min, self.bits, self.group_size,
+                                self.in_features, self.bias, self.dtype)
         m = x.shape[0]
         per_tile = self.SMALL_TILE_ELEMS if m <= self.SMALL_M else self.LARGE_TILE_ELEMS
         rows = max(1, min(self.out_features, per_tile // self.padded_in))
