@@ -25,6 +25,10 @@ Sections:
 6. ``profile``: ``torch.profiler`` table of one decode step (batch 64) eager
    (per-kernel times), and the wall time of the same step replayed from its
    CUDA graph.
+7. ``quant_gemm`` (runs after section 3): the Triton dequantize-GEMM
+   (``engine.kernels.quant_matmul``), int8 per-channel and int4 group 32 with
+   min, against torch fp16/bf16 dense matmul on Llama-3-8B shapes (M 1/16/256,
+   N 4096/14336, K 4096): microseconds, weight GB/s, max error vs the reference.
 
 Usage::
 
@@ -59,7 +63,8 @@ import torch  # noqa: E402
 H200_TBPS = 4.8
 H200_BF16_TFLOPS = 790.0
 TOTAL_BUDGET_S = 460.0  # leaves margin under 8 minutes
-SECTIONS = ("kernel_tests", "decode_attention", "prefill_attention", "throughput", "hf_peer", "profile")
+SECTIONS = ("kernel_tests", "decode_attention", "prefill_attention", "quant_gemm", "throughput", "hf_peer",
+            "profile")
 
 
 class Log:
@@ -210,6 +215,37 @@ def run_prefill_attention(log: Log, args) -> dict:
             + "  by tile: " + ", ".join(f"{k}: {v:.0f}" for k, v in row["TFLOP_s_by_tile"].items()))
         rows.append(row)
         del kc, vc
+    return {"cases": rows}
+
+
+def run_quant_gemm(log: Log, args) -> dict:
+    from engine.kernels import quant_matmul, quant_matmul_ref
+    from engine.quant import quantize_int4, quantize_int8
+
+    dev, rows = args.device, []
+    for n, k in args.quant_nk:
+        w = torch.randn(n, k, device=dev) * 0.02
+        layers = {"int8": quantize_int8(w), "int4": quantize_int4(w, 32)}
+        dense = {"fp16": w.half(), "bf16": w.bfloat16()}
+        for m in args.quant_ms:
+            x = torch.randn(m, k, dtype=args.dtype, device=dev)
+            row = {"m": m, "n": n, "k": k}
+            for name, l in layers.items():
+                qa = (l.weight, l.scale, l.min, l.bits, l.group_size, l.in_features)
+                sec = bench(lambda: quant_matmul(x, *qa), dev, iters=args.iters)
+                ref = quant_matmul_ref(x, *qa, out_dtype=torch.float32)
+                err = (quant_matmul(x, *qa, out_dtype=torch.float32) - ref).abs().max() / ref.abs().max()
+                row.update({f"{name}_us": sec * 1e6, f"{name}_weight_GB_s": l.weight_bytes() / sec / 1e9,
+                            f"{name}_max_rel_err": err.item()})
+            for name, wd in dense.items():
+                xd = x.to(wd.dtype)
+                sec = bench(lambda: xd @ wd.t(), dev, iters=args.iters)
+                row.update({f"torch_{name}_us": sec * 1e6, f"torch_{name}_weight_GB_s": 2 * wd.numel() / sec / 1e9})
+            log(f"quant_gemm M={m:4d} N={n:6d} K={k}: " + ", ".join(
+                f"{key[:-3]} {row[key]:8.1f} us" for key in row if key.endswith("_us"))
+                + f"; int8/int4 max rel err {row['int8_max_rel_err']:.1e}/{row['int4_max_rel_err']:.1e}")
+            rows.append(row)
+        del w, layers, dense
     return {"cases": rows}
 
 
@@ -387,6 +423,7 @@ def configure(args) -> None:
         args.prefill_cases = [(1, 20, 0), (1, 8, 17)]
         args.prefill_blocks = [(16, 16), (32, 16)]
         args.decode_block_ns = [16, 32]
+        args.quant_nk, args.quant_ms = [(96, 64)], [1, 20]
         args.iters = 1
         args.workloads = [(16, 4), (24, 4)]
         args.num_prompts = min(args.num_prompts, 6)
@@ -404,6 +441,7 @@ def configure(args) -> None:
         args.prefill_cases = [(4, 4096, 0), (8, 1024, 0), (4, 1024, 3072)]
         args.prefill_blocks = [(64, 64), (128, 64), (128, 32)]
         args.decode_block_ns = [32, 64, 128]
+        args.quant_nk, args.quant_ms = [(4096, 4096), (14336, 4096)], [1, 16, 256]
         args.iters = 20
         args.workloads = [(128, 128), (1024, 128)]
         args.pilot_prompts = 128
@@ -467,6 +505,7 @@ def main(argv=None) -> int:
     section("kernel_tests", lambda: run_kernel_tests(log, args))
     section("decode_attention", lambda: run_decode_attention(log, args))
     section("prefill_attention", lambda: run_prefill_attention(log, args))
+    section("quant_gemm", lambda: run_quant_gemm(log, args))
     left = TOTAL_BUDGET_S - log.elapsed
     tp = section("throughput", lambda: run_throughput(log, args, budget_s=max(30.0, 0.55 * left - 40)))
     llm = tp[1] if isinstance(tp, tuple) else None
