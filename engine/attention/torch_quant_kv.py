@@ -17,10 +17,9 @@ or batched.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .base import AttentionMetadata
-from .torch_ref import TorchAttentionBackend
+from .torch_ref import TorchAttentionBackend, _sdpa
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -103,6 +102,6 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
             qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
             ks = self.decode(self._gather_blocks(k_cache, blocks, meta.block_size)[:, :slen], q.dtype)
             vs = self.decode(self._gather_blocks(v_cache, blocks, meta.block_size)[:, :slen], q.dtype)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = _sdpa(qs, ks, vs, mask, scale)
             out[start : start + qlen] = o.transpose(0, 1)
         return out

@@ -7,6 +7,16 @@ import torch.nn.functional as F
 from .base import AttentionBackend, AttentionMetadata
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """Causal (mask None) or masked GQA attention of one sequence: q [Hq, Lq, D], k/v [Hkv, L, D]
+    -> [Hq, Lq, D]. Called with a batch dimension: PyTorch's fused CPU kernel then serves GQA
+    directly (measured 4.7 ms vs 20 ms for the 3-D call, which falls back to the unfused
+    math path, at Hq 9, Hkv 3, L 400, D 64 on 2 cores)."""
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                       scale=scale, enable_gqa=True)
+    return o[0]
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Decode tokens in one batched, masked matmul; each prefill chunk through SDPA.
 
@@ -155,10 +165,10 @@ class TorchAttentionBackend(AttentionBackend):
             if blocks is None:
                 ks = k[start : start + qlen].transpose(0, 1)
                 vs = v[start : start + qlen].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                o = _sdpa(qs, ks, vs, None, scale)
             else:
                 ks = self._read(self._gather_blocks(k_cache, blocks, meta.block_size)[:, :slen], q.dtype)
                 vs = self._read(self._gather_blocks(v_cache, blocks, meta.block_size)[:, :slen], q.dtype)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+                o = _sdpa(qs, ks, vs, mask, scale)
             out[start : start + qlen] = o.transpose(0, 1)
         return out
