@@ -28,6 +28,7 @@ Usage::
     python -m benchmarks.throughput --workload labelling|synthetic|random|all
         [--engines tokenmill,hf,llamacpp] [--num-prompts N] [--quick] [--seed 0]
         [--max-num-seqs 64] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
+        [--quantization int8|int4|gguf] [--kv-cache-dtype auto|int8]
         [--wait-quiet SECONDS] [--output-json F]
 
 Prints one table per workload: requests/s, input, output and total tokens/s,
@@ -341,6 +342,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--quantization", default=None, help="tokenmill's weights: int8|int4|gguf (default: as loaded)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's KV cache: auto|int8")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
@@ -366,7 +369,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for w in workloads:
         print(w.summary(), flush=True)
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "enable_prefix_caching": not args.no_prefix_caching}
+                     "enable_prefix_caching": not args.no_prefix_caching, "quantization": args.quantization,
+                     "kv_cache_dtype": args.kv_cache_dtype}
     report = run_benchmark(workloads, engines, engine_kwargs, args.hf_batch_size, args.wait_quiet, args.model,
                            log=lambda s: print(s, flush=True))
     print()

@@ -273,6 +273,8 @@ def test_greedy_agreement_no_nan_no_degenerate_repetition(llm, engines):
         if name == "int8":
             forced = teacher_forced_agreement(engines[name], prompts, ref)
             print(f"{name}: teacher-forced greedy agreement with fp32 {forced:.3f}")
+            # MEASURED here 0.963; on benchmarks/quality.py's 50 prompts x 32 tokens it is 0.939
+            # (below the 95%), so this bound guards against regressions, it does not meet the target
             assert forced >= 0.95, forced
         for o in outs:
             t = o.outputs[0].token_ids
