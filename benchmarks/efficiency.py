@@ -38,7 +38,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # 2 spinning OpenMP threads collapse under contention
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,7 +45,7 @@ from typing import Any, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load  # noqa: E402
+from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_busy, write_json_report  # noqa: E402
 from benchmarks.throughput import DEFAULT_MODEL, make_llm, stats_delta  # noqa: E402
 from benchmarks.workloads import build_workload  # noqa: E402
 
@@ -286,13 +285,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     report["machine_load"] = loads
     report["max_other_busy_cores"] = max(busy)
     print(f"machine at end: {_fmt_load(machine_load())}")
-    if max(busy) > 0.3:
-        print(f"WARNING: other processes kept up to {max(busy):.2f} of {os.cpu_count()} cores busy around a "
-              "measurement; peak and engine figures move differently under contention", file=sys.stderr)
-    if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(report, indent=2, default=float))
-        print(f"wrote {args.output_json}")
+    warn_if_busy(max(busy), "peak and engine figures move differently under contention")
+    write_json_report(args.output_json, report)
     return 0
 
 

@@ -47,9 +47,7 @@ import sys
 if "--cpu-smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
 
-import contextlib  # noqa: E402
 import gc  # noqa: E402
-import io  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import subprocess  # noqa: E402

@@ -115,6 +115,22 @@ def _fmt_load(load: dict[str, Any]) -> str:
             f"other processes busy: {busy} of {os.cpu_count()} cores")
 
 
+def warn_if_busy(busiest: float, consequence: str = "these are not the figures of a quiet machine") -> None:
+    """Print a warning to stderr when other processes kept more than 0.3 cores busy around a measurement."""
+    if busiest > 0.3:
+        print(f"WARNING: other processes kept up to {busiest:.2f} of {os.cpu_count()} cores busy around a "
+              f"measurement; {consequence}", file=sys.stderr)
+
+
+def write_json_report(path: Optional[Path], report: dict[str, Any]) -> None:
+    """Write a benchmark's report as JSON (parents created; non-JSON numbers as floats), if a path is given."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=float))
+    print(f"wrote {path}")
+
+
 # ----------------------------------------------------------------- workload
 def load_prompt_texts(num_prompts: int, path: Path = DATA) -> list[str]:
     """The first ``num_prompts`` docstrings of the labelling set (cycled if more are asked for)."""
@@ -267,9 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"torch threads: {torch.get_num_threads()}")
     busiest = max(max(r["machine_load"]["other_busy_cores"] or 0.0, r["other_busy_during"] or 0.0)
                   for r in results.values())
-    if busiest > 0.3:
-        print(f"WARNING: other processes kept up to {busiest:.2f} cores busy around a measurement; "
-              "the numbers are not those of a quiet machine", file=sys.stderr)
+    warn_if_busy(busiest)
 
     if args.output_json:
         report = {
@@ -280,9 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "machine_load_start": load_start, "ratio_output_tok_s": ratio, "agreement": agree,
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in results.items()},
         }
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.output_json}")
+        write_json_report(args.output_json, report)
     return 0
 
 

@@ -28,7 +28,7 @@ from typing import Any, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load  # noqa: E402
+from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_busy  # noqa: E402
 from benchmarks.throughput import DEFAULT_MODEL, make_llm, rates, run_tokenmill  # noqa: E402
 from benchmarks.workloads import build_workload  # noqa: E402
 
@@ -137,9 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{r['latency_p50_s']:>9.1f} {r['latency_p95_s']:>9.1f} {1e3 * r['tpot_mean_s']:>8.0f} "
               f"{r['mean_batched_tokens']:>8.0f} {r['loadavg_1m']:>7.2f} {r['other_busy_during'] or 0:>5.2f}")
     print(f"wrote {csv_path} and {png_path}")
-    if busiest > 0.3:
-        print(f"WARNING: other processes kept up to {busiest:.2f} of {os.cpu_count()} cores busy around a "
-              "point; these are not the figures of a quiet machine", file=sys.stderr)
+    warn_if_busy(busiest)
     return 0
 
 

@@ -43,7 +43,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # 2 spinning OpenMP threads
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -53,7 +52,9 @@ from typing import Any, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load, wait_for_quiet  # noqa: E402
+from benchmarks.hf_compare import (  # noqa: E402
+    BusyMeter, _fmt_load, machine_load, wait_for_quiet, warn_if_busy, write_json_report,
+)
 from benchmarks.workloads import Workload, build_workload, parse_workloads  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -382,17 +383,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     busiest = max([max(r["machine_load"]["other_busy_cores"] or 0.0, r["other_busy_during"] or 0.0)
                    for wr in report["workloads"].values() for r in wr["results"].values()] or [0.0])
     print("(busy before/during: cores of this machine kept busy by other processes; 'load 1m' is os.getloadavg)")
-    if busiest > 0.3:
-        print(f"WARNING: other processes kept up to {busiest:.2f} of {os.cpu_count()} cores busy around a "
-              "measurement; these are not the figures of a quiet machine", file=sys.stderr)
+    warn_if_busy(busiest)
     report.update(machine_load_start=start_load, machine_load_end=machine_load(), max_other_busy_cores=busiest,
                   torch=torch.__version__, torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                   model=args.model, engine_kwargs=engine_kwargs, hf_batch_size=args.hf_batch_size,
                   quick=args.quick, seed=args.seed)
-    if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(report, indent=2, default=float))
-        print(f"wrote {args.output_json}")
+    write_json_report(args.output_json, report)
     return 0
 
 
