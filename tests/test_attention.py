@@ -1,4 +1,4 @@
-"""The PyTorch attention backends on decode batches whose sequences share leading KV blocks
+"""The PyTorch attention backends' decode paths on decode batches whose sequences share leading KV blocks
 (the prefix cache's layout for a job's instruction), against dense attention per sequence."""
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ LENS = {20: [3 * BS + 1 + 7 * i for i in range(20)], 5: [3 * BS + 1, 4 * BS, 4 *
 @pytest.mark.parametrize("consecutive", [True, False])
 @pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TorchQuantKVAttentionBackend])
 def test_decode_with_shared_leading_blocks_matches_dense(n, consecutive, backend_cls):
-    backend = backend_cls()
+    # the PyTorch decode path (the C kernel is tested in test_cpu_kernel.py)
+    backend = backend_cls(cpu_kernel=False) if backend_cls is TorchAttentionBackend else backend_cls()
     out, ref, meta = _decode_batch(backend, LENS[n], shared_blocks=3, consecutive=consecutive, seed=n)
     shared = meta.cache["decode_shared"]
     assert shared is not None  # the path under test was taken
@@ -92,7 +93,7 @@ def test_decode_with_shared_leading_blocks_matches_dense(n, consecutive, backend
 
 
 def test_decode_without_shared_blocks_matches_dense():
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(cpu_kernel=False)
     out, ref, meta = _decode_batch(backend, LENS[20], shared_blocks=0, consecutive=False, seed=7)
     assert meta.cache["decode_shared"] is None
     assert (out.double() - ref).abs().max().item() < 1e-4
@@ -100,7 +101,7 @@ def test_decode_without_shared_blocks_matches_dense():
 
 def test_shared_blocks_stop_before_the_block_of_a_last_position():
     # the shortest sequence's last token sits in the third shared block: only two are attended as shared
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(cpu_kernel=False)
     out, ref, meta = _decode_batch(backend, [3 * BS, 5 * BS], shared_blocks=3, consecutive=True, seed=3)
     shared = meta.cache["decode_shared"]
     assert shared.stop - shared.start == 2

@@ -1,5 +1,6 @@
 """Attention backends over the paged KV cache."""
 from .base import AttentionBackend, AttentionMetadata
+from . import cpu_kernel
 from .torch_ref import TorchAttentionBackend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "get_backend"]

@@ -43,6 +43,7 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
     """
 
     storage_dtype = torch.int8
+    use_cpu_kernel = False  # the C kernel reads float32 caches only
 
     def __init__(self, kv_cache_dtype: str = "int8") -> None:
         if kv_cache_dtype not in _QMAX:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernel
 from .base import AttentionBackend, AttentionMetadata
 
 
@@ -24,7 +25,9 @@ class TorchAttentionBackend(AttentionBackend):
     (head-major), so that gathering slots yields tensors that the batched
     matmuls and SDPA read without another transpose copy.
 
-    Decode: leading blocks shared by every decoding sequence are read once and
+    Decode on the CPU in fp32: the C kernel of `cpu_kernel` reads each sequence's
+    blocks in place (no gather, no padding). Elsewhere, or without a C compiler:
+    leading blocks shared by every decoding sequence are read once and
     attended by all queries in one matmul. The rest: sequences are sorted into
     up to 4 length buckets; the KV of each bucket is gathered by whole blocks
     into [Hkv, nb, Lmax, D] (padded to the bucket's longest sequence, padding
@@ -32,7 +35,16 @@ class TorchAttentionBackend(AttentionBackend):
     (GQA), so one matmul pair serves a bucket. Prefill: for a chunk with no cached prefix
     the fresh k/v are used directly with a causal mask; otherwise the prefix is
     gathered from the cache and the mask is offset by the prefix length.
+
+    Args:
+        cpu_kernel: use the C decode kernel where it serves the tensors (None: yes unless
+            TOKENMILL_CPU_KERNELS=0; False: always the PyTorch path, as the tests' oracle).
     """
+
+    use_cpu_kernel = True
+
+    def __init__(self, cpu_kernel: bool | None = None) -> None:
+        self.use_cpu_kernel = cpu_kernel is not False
 
     def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (num_kv_heads, num_blocks * block_size, head_dim)
@@ -43,43 +55,13 @@ class TorchAttentionBackend(AttentionBackend):
         bs = meta.block_size
         dev = meta.slot_mapping.device
         cache["decode_shared"] = None
-        if bd > 0:
-            lens = meta.decode_seq_lens.tolist()
-            tables = meta.decode_block_tables
-            # Leading blocks that every decoding sequence holds (a job's shared instruction,
-            # through the prefix cache): attended once for the whole batch as one matmul
-            # instead of once per sequence (shared-prefix attention as in Hydragen,
-            # arXiv 2402.05099). Only blocks below every sequence's last position qualify,
-            # so they are full and each sequence keeps at least one position of its own.
-            shared = 0
-            if bd >= 2:
-                most = (min(lens) - 1) // bs
-                if most > 0:
-                    head = tables[:, :most]
-                    shared = int((head == head[:1]).all(0).long().cumprod(0).sum())
-            if shared:
-                cache["decode_shared"] = self._block_rows_index(tables[0, :shared].long())
-            # Length buckets: sort decoding sequences by KV length and pad each
-            # bucket only to its own longest sequence (padding waste of one
-            # bucket for lengths 96-768 was 41%; 4 buckets ran decode attention
-            # 2-3x faster in a microbenchmark).
-            n_buckets = 4 if bd >= 16 else (2 if bd >= 4 else 1)
-            order = sorted(range(bd), key=lens.__getitem__) if n_buckets > 1 else list(range(bd))
-            buckets = []
-            for b in range(n_buckets):
-                members = order[b * bd // n_buckets:(b + 1) * bd // n_buckets]
-                if not members:
-                    continue
-                whole = n_buckets == 1
-                idx = torch.tensor(members, device=dev)
-                seq_lens = meta.decode_seq_lens if whole else meta.decode_seq_lens[idx]
-                nblk = (max(lens[i] for i in members) + bs - 1) // bs - shared
-                blocks = (tables if whole else tables[idx])[:, shared:shared + nblk].long()
-                pos = torch.arange(shared * bs, (shared + nblk) * bs, device=dev)
-                bias = torch.zeros(len(members), nblk * bs, device=dev, dtype=torch.float32)
-                bias.masked_fill_(pos[None, :] >= seq_lens[:, None], float("-inf"))
-                buckets.append((None if whole else idx, blocks.reshape(-1), nblk * bs, bias))
-            cache["decode_buckets"] = buckets
+        cache["decode_kernel"] = None
+        if bd > 0 and self.use_cpu_kernel and dev.type == "cpu" and cpu_kernel.available():
+            # Checked again per layer against the tensors (dtype, shape) in `_decode_attention`.
+            cache["decode_kernel"] = (meta.decode_block_tables.to(torch.int32).contiguous(),
+                                      meta.decode_seq_lens.to(torch.int64).contiguous())
+        if bd > 0 and cache["decode_kernel"] is None:
+            self._prepare_decode_buckets(meta, cache)
         pre = []
         for start, qlen, slen, bt in zip(
             meta.prefill_query_starts, meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_tables
@@ -95,6 +77,48 @@ class TorchAttentionBackend(AttentionBackend):
             pre.append((start, qlen, blocks, slen, mask))
         cache["prefill"] = pre
         meta.cache = cache
+
+    def _prepare_decode_buckets(self, meta: AttentionMetadata, cache: dict) -> None:
+        """The PyTorch decode path's plan: the shared leading blocks and the length buckets."""
+        bd = meta.num_decode_tokens
+        bs = meta.block_size
+        dev = meta.slot_mapping.device
+        lens = meta.decode_seq_lens.tolist()
+        tables = meta.decode_block_tables
+        # Leading blocks that every decoding sequence holds (a job's shared instruction,
+        # through the prefix cache): attended once for the whole batch as one matmul
+        # instead of once per sequence (shared-prefix attention as in Hydragen,
+        # arXiv 2402.05099). Only blocks below every sequence's last position qualify,
+        # so they are full and each sequence keeps at least one position of its own.
+        shared = 0
+        if bd >= 2:
+            most = (min(lens) - 1) // bs
+            if most > 0:
+                head = tables[:, :most]
+                shared = int((head == head[:1]).all(0).long().cumprod(0).sum())
+        if shared:
+            cache["decode_shared"] = self._block_rows_index(tables[0, :shared].long())
+        # Length buckets: sort decoding sequences by KV length and pad each
+        # bucket only to its own longest sequence (padding waste of one
+        # bucket for lengths 96-768 was 41%; 4 buckets ran decode attention
+        # 2-3x faster in a microbenchmark).
+        n_buckets = 4 if bd >= 16 else (2 if bd >= 4 else 1)
+        order = sorted(range(bd), key=lens.__getitem__) if n_buckets > 1 else list(range(bd))
+        buckets = []
+        for b in range(n_buckets):
+            members = order[b * bd // n_buckets:(b + 1) * bd // n_buckets]
+            if not members:
+                continue
+            whole = n_buckets == 1
+            idx = torch.tensor(members, device=dev)
+            seq_lens = meta.decode_seq_lens if whole else meta.decode_seq_lens[idx]
+            nblk = (max(lens[i] for i in members) + bs - 1) // bs - shared
+            blocks = (tables if whole else tables[idx])[:, shared:shared + nblk].long()
+            pos = torch.arange(shared * bs, (shared + nblk) * bs, device=dev)
+            bias = torch.zeros(len(members), nblk * bs, device=dev, dtype=torch.float32)
+            bias.masked_fill_(pos[None, :] >= seq_lens[:, None], float("-inf"))
+            buckets.append((None if whole else idx, blocks.reshape(-1), nblk * bs, bias))
+        cache["decode_buckets"] = buckets
 
     def _read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache rows gathered by slot -> values in `dtype` (subclasses decode quantized rows here)."""
@@ -125,6 +149,12 @@ class TorchAttentionBackend(AttentionBackend):
         bd, hq = meta.num_decode_tokens, q.shape[1]
         g = hq // hkv
         bs = meta.block_size
+        kernel = meta.cache.get("decode_kernel")
+        if kernel is not None and cpu_kernel.supports(q, k_cache, bs):
+            cpu_kernel.paged_decode_attention(q[:bd], k_cache, v_cache, kernel[0], kernel[1], bs, scale, out=out[:bd])
+            return
+        if "decode_buckets" not in meta.cache:
+            self._prepare_decode_buckets(meta, meta.cache)
         qh = q[:bd].view(bd, hkv, g, d).transpose(0, 1)  # [Hkv, Bd, G, D]
         shared = meta.cache["decode_shared"]
         if shared is not None:

@@ -1,0 +1,102 @@
+"""Decode attention on the CPU: the C paged kernel against the PyTorch gather-and-matmul path.
+
+One decode step's attention of one layer, for the default model's shape (9 query
+heads, 3 KV heads, head_dim 64, blocks of 16 tokens), over block tables scattered
+in a pool the size of the engine's. Both paths run in this process on the same
+tensors; the table prints milliseconds per layer call and the ratio.
+
+    python -m benchmarks.attention_bench [--repeats 20] [--output-json F]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernel
+
+from .hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_busy, write_json_report
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def _case(batch: int, lens: list[int], shared: int, num_blocks: int, seed: int):
+    """Metadata and tensors of one decode step: `shared` leading tokens (a multiple of BS) are
+    the same blocks for every sequence, the rest scattered at random in the pool."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    head = [free.pop() for _ in range(shared // BS)]
+    max_blocks = (max(lens) + BS - 1) // BS
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        own = [free.pop() for _ in range((n + BS - 1) // BS - len(head))]
+        tables[b, :len(head) + len(own)] = torch.tensor(head + own, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    last = tables.long().gather(1, ((seq_lens - 1) // BS)[:, None])[:, 0]
+    meta = AttentionMetadata(
+        slot_mapping=last * BS + (seq_lens - 1) % BS, num_decode_tokens=batch, decode_seq_lens=seq_lens,
+        decode_block_tables=tables, prefill_query_starts=[], prefill_query_lens=[], prefill_seq_lens=[],
+        prefill_block_tables=[], block_size=BS)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, HQ, D, generator=g)
+    k = torch.randn(batch, HKV, D, generator=g)
+    v = torch.randn(batch, HKV, D, generator=g)
+    kc = torch.randn(HKV, num_blocks * BS, D, generator=g)
+    vc = torch.randn(HKV, num_blocks * BS, D, generator=g)
+    return meta, q, k, v, kc, vc
+
+
+def _time(backend, meta, q, k, v, kc, vc, repeats: int) -> tuple[float, torch.Tensor]:
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, kc, vc, meta, D ** -0.5)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        backend.prepare(meta)
+        backend.forward(q, k, v, kc, vc, meta, D ** -0.5)
+    return (time.perf_counter() - t0) / repeats, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+    if not cpu_kernel.available():
+        print(f"C kernel unavailable: {cpu_kernel.why_unavailable()}")
+        return 1
+    load = machine_load()
+    print(_fmt_load(load))
+    meter = BusyMeter().start()
+    rng = random.Random(0)
+    cases = [
+        ("batch 1, 512 tokens", [512], 0),
+        ("batch 8, 64-768", [rng.randint(64, 768) for _ in range(8)], 0),
+        ("random: batch 64, 64-768", [rng.randint(64, 768) for _ in range(64)], 0),
+        ("labelling: batch 64, 400 shared + 50-170", [400 + rng.randint(50, 170) for _ in range(64)], 400),
+        ("batch 128, 64-768", [rng.randint(64, 768) for _ in range(128)], 0),
+    ]
+    torch_path, kernel_path = TorchAttentionBackend(cpu_kernel=False), TorchAttentionBackend()
+    rows = []
+    print(f"{'case':42s} {'torch ms':>9s} {'C ms':>7s} {'speedup':>8s} {'max |diff|':>10s}")
+    for i, (name, lens, shared) in enumerate(cases):
+        num_blocks = max(4096, sum((n + BS - 1) // BS for n in lens) + 64)
+        meta, q, k, v, kc, vc = _case(len(lens), lens, shared, num_blocks, seed=i)
+        t_ref, o_ref = _time(torch_path, meta, q, k, v, kc, vc, args.repeats)
+        t_c, o_c = _time(kernel_path, meta, q, k, v, kc, vc, args.repeats)
+        diff = float((o_ref - o_c).abs().max())
+        rows.append({"case": name, "batch": len(lens), "kv_tokens": sum(lens), "torch_ms": t_ref * 1e3,
+                     "c_ms": t_c * 1e3, "speedup": t_ref / t_c, "max_abs_diff": diff})
+        print(f"{name:42s} {t_ref * 1e3:9.3f} {t_c * 1e3:7.3f} {t_ref / t_c:7.2f}x {diff:10.2e}")
+    busiest = meter.stop() or 0.0
+    warn_if_busy(busiest)
+    write_json_report(Path(args.output_json) if args.output_json else None,
+                      {"threads": torch.get_num_threads(), "load": load, "other_busy_cores": busiest, "cases": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

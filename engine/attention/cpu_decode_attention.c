@@ -1,0 +1,169 @@
+/*
+ * Paged decode attention for the CPU, reading KV blocks where they lie.
+ *
+ * One query token per sequence attends over that sequence's KV, found block by
+ * block through its block table, with an online softmax (running max and
+ * running sum, as in FlashAttention, arXiv 2205.14135, and its split form for
+ * decoding). Nothing is gathered or padded: each (sequence, KV head) task reads
+ * its blocks in place and serves the G query heads of its group (GQA) with
+ * one pass over K and V.
+ *
+ * Layout (fp32, contiguous):
+ *   q            [B, Hq, D]
+ *   k/v_cache    [Hkv, S, D]   S = num_blocks * block_size slots (head-major)
+ *   block_tables [B, max_blocks] int32
+ *   seq_lens     [B] int64     KV length of each sequence (its new token included)
+ *   out          [B, Hq, D]
+ *
+ * Threads: the (sequence, KV head) tasks are cut into num_threads contiguous
+ * ranges of about equal KV length; the calling thread runs the last range.
+ * Built by engine/attention/cpu_kernel.py with -O3 -march=native.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TM_MAX_G 16
+#define TM_MAX_D 256
+#define TM_MAX_BS 64
+#define TM_MAX_THREADS 64
+
+/* exp(x) for x <= 0, vectorizable: 2^(x log2 e) = 2^n * 2^f with n = round,
+ * |f| <= 0.5, 2^f from its degree-6 Taylor polynomial in f ln 2 (relative
+ * error below 2e-7 on that interval). Inputs below -87 give 0. */
+static inline float tm_exp_nonpos(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float t = x * 1.44269504088896341f;
+    float n = __builtin_rintf(t);
+    float r = (t - n) * 0.69314718055994531f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.0083333338f + r * 0.0013888889f)))));
+    union { float f; int32_t i; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
+static inline float tm_dot(const float *restrict a, const float *restrict b, int64_t d) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+    return s;
+}
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *block_tables;
+    const int64_t *seq_lens;
+    float *out;
+    int64_t hq, hkv, d, s, max_blocks, block_size;
+    float scale;
+    int64_t task_begin, task_end;
+} tm_job;
+
+static void tm_run_task(const tm_job *j, int64_t task) {
+    const int64_t b = task / j->hkv, h = task % j->hkv;
+    const int64_t g_n = j->hq / j->hkv, d = j->d, bs = j->block_size;
+    const int64_t len = j->seq_lens[b];
+    const float *q = j->q + (b * j->hq + h * g_n) * d;
+    const float *kh = j->k_cache + h * j->s * d;
+    const float *vh = j->v_cache + h * j->s * d;
+    const int32_t *table = j->block_tables + b * j->max_blocks;
+    float acc[TM_MAX_G][TM_MAX_D];
+    float m[TM_MAX_G], l[TM_MAX_G], p[TM_MAX_G][TM_MAX_BS];
+    for (int64_t g = 0; g < g_n; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        memset(acc[g], 0, sizeof(float) * d);
+    }
+    const int64_t nblk = (len + bs - 1) / bs;
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+        const int64_t n = (blk == nblk - 1) ? len - blk * bs : bs;
+        const int64_t slot = (int64_t)table[blk] * bs;
+        const float *kb = kh + slot * d, *vb = vh + slot * d;
+        for (int64_t g = 0; g < g_n; ++g) {
+            const float *qg = q + g * d;
+            float mb = -INFINITY;
+            for (int64_t t = 0; t < n; ++t) {
+                float sc = tm_dot(qg, kb + t * d, d) * j->scale;
+                p[g][t] = sc;
+                mb = sc > mb ? sc : mb;
+            }
+            const float m_new = mb > m[g] ? mb : m[g];
+            const float corr = tm_exp_nonpos(m[g] - m_new); /* 0 on the first block */
+            float sum = 0.0f;
+            for (int64_t t = 0; t < n; ++t) {
+                p[g][t] = tm_exp_nonpos(p[g][t] - m_new);
+                sum += p[g][t];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = m_new;
+            float *restrict a = acc[g];
+            if (corr != 1.0f)
+                for (int64_t i = 0; i < d; ++i) a[i] *= corr;
+            for (int64_t t = 0; t < n; ++t) {
+                const float w = p[g][t];
+                const float *restrict vr = vb + t * d;
+                for (int64_t i = 0; i < d; ++i) a[i] += w * vr[i];
+            }
+        }
+    }
+    for (int64_t g = 0; g < g_n; ++g) {
+        float *o = j->out + (b * j->hq + h * g_n + g) * d;
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[g][i] * inv;
+    }
+}
+
+static void *tm_run_range(void *arg) {
+    const tm_job *j = (const tm_job *)arg;
+    for (int64_t t = j->task_begin; t < j->task_end; ++t) tm_run_task(j, t);
+    return NULL;
+}
+
+/* Returns 0 on success, -1 on a shape this build does not serve (the caller
+ * falls back), -2 if a thread could not be started (work done serially). */
+int tm_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                              const int32_t *block_tables, const int64_t *seq_lens, float *out,
+                              int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t s,
+                              int64_t max_blocks, int64_t block_size, float scale, int64_t num_threads) {
+    if (hkv <= 0 || hq % hkv != 0 || hq / hkv > TM_MAX_G || d > TM_MAX_D || block_size > TM_MAX_BS)
+        return -1;
+    const int64_t tasks = batch * hkv;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > TM_MAX_THREADS) num_threads = TM_MAX_THREADS;
+    if (num_threads > tasks) num_threads = tasks > 0 ? tasks : 1;
+    tm_job jobs[TM_MAX_THREADS];
+    pthread_t threads[TM_MAX_THREADS];
+    int started[TM_MAX_THREADS] = {0};
+    /* Equal shares of total KV length (the work), cut at task boundaries. */
+    int64_t total = 0;
+    for (int64_t b = 0; b < batch; ++b) total += seq_lens[b] * hkv;
+    int64_t task = 0, done = 0;
+    for (int64_t th = 0; th < num_threads; ++th) {
+        tm_job *j = &jobs[th];
+        j->q = q; j->k_cache = k_cache; j->v_cache = v_cache;
+        j->block_tables = block_tables; j->seq_lens = seq_lens; j->out = out;
+        j->hq = hq; j->hkv = hkv; j->d = d; j->s = s; j->max_blocks = max_blocks;
+        j->block_size = block_size; j->scale = scale;
+        j->task_begin = task;
+        const int64_t target = total * (th + 1) / num_threads;
+        while (task < tasks && (th == num_threads - 1 || done + seq_lens[task / hkv] <= target)) {
+            done += seq_lens[task / hkv];
+            ++task;
+        }
+        j->task_end = task;
+    }
+    int rc = 0;
+    for (int64_t th = 0; th + 1 < num_threads; ++th) {
+        if (jobs[th].task_begin == jobs[th].task_end) continue;
+        if (pthread_create(&threads[th], NULL, tm_run_range, &jobs[th]) == 0) {
+            started[th] = 1;
+        } else {
+            tm_run_range(&jobs[th]);
+            rc = -2;
+        }
+    }
+    tm_run_range(&jobs[num_threads - 1]);
+    for (int64_t th = 0; th + 1 < num_threads; ++th)
+        if (started[th]) pthread_join(threads[th], NULL);
+    return rc;
+}
