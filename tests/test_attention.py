@@ -83,7 +83,8 @@ LENS = {20: [3 * BS + 1 + 7 * i for i in range(20)], 5: [3 * BS + 1, 4 * BS, 4 *
 @pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TorchQuantKVAttentionBackend])
 def test_decode_with_shared_leading_blocks_matches_dense(n, consecutive, backend_cls):
     # the PyTorch decode path (the C kernel is tested in test_cpu_kernel.py)
-    backend = backend_cls(cpu_kernel=False) if backend_cls is TorchAttentionBackend else backend_cls()
+    backend = backend_cls()
+    backend.use_cpu_kernel = False
     out, ref, meta = _decode_batch(backend, LENS[n], shared_blocks=3, consecutive=consecutive, seed=n)
     shared = meta.cache["decode_shared"]
     assert shared is not None  # the path under test was taken

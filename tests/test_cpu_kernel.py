@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.attention import TorchAttentionBackend, cpu_kernel
+from engine.attention.torch_quant_kv import TorchQuantKVAttentionBackend
 
 from test_attention import BS, LENS, _decode_batch, _dense
 
@@ -72,9 +73,43 @@ def test_supports_refuses_what_the_build_does_not_serve():
     assert not cpu_kernel.supports(torch.zeros(1, 8, 64, dtype=torch.bfloat16), kc, 16)
     assert not cpu_kernel.supports(torch.zeros(1, 34, 64), kc, 16)  # 17 query heads per KV head
     assert not cpu_kernel.supports(torch.zeros(1, 8, 64), kc, 128)  # block size over 64
-    with pytest.raises(ValueError, match="shape mismatch"):
+    assert cpu_kernel.supports(torch.zeros(1, 8, 64), torch.zeros(2, 64, 68, dtype=torch.int8), 16)
+    assert not cpu_kernel.supports(torch.zeros(1, 8, 64), torch.zeros(2, 64, 64, dtype=torch.int8), 16)
+    with pytest.raises(ValueError, match="head_dim 32"):
         cpu_kernel.paged_decode_attention(torch.zeros(2, 8, 32), kc, kc, torch.zeros(2, 1, dtype=torch.int32),
                                           torch.ones(2, dtype=torch.int64), 16, 1.0)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        cpu_kernel.paged_decode_attention(torch.zeros(3, 8, 64), kc, kc, torch.zeros(2, 1, dtype=torch.int32),
+                                          torch.ones(2, dtype=torch.int64), 16, 1.0)
+
+
+@pytest.mark.parametrize("gqa,d", [(3, 64), (4, 128)])
+def test_kernel_reads_int8_rows_like_their_decoded_values(gqa, d):
+    # the int8 cache's rows (D codes + fp32 scale): the kernel equals dense attention over
+    # what the rows decode to, without expanding the cache
+    codec = TorchQuantKVAttentionBackend("int8")
+    lens = [1, 16, 17, 150]
+    q, kc, vc, tables, seq_lens, _, _ = _paged(lens, 2, gqa, d, 16, seed=d)
+    kq = codec.encode(kc.transpose(0, 1)).contiguous()  # [Hkv, S, D + 4] int8
+    vq = codec.encode(vc.transpose(0, 1)).contiguous()
+    kd, vd = codec.decode(kq, torch.float32), codec.decode(vq, torch.float32)
+    assert (kd - kc).abs().max() > 0  # the codes are lossy: the check below reads the rows, not kc
+    out = cpu_kernel.paged_decode_attention(q, kq, vq, tables, seq_lens, 16, d ** -0.5)
+    ref = cpu_kernel.paged_decode_attention(q, kd, vd, tables, seq_lens, 16, d ** -0.5)
+    for b, n in enumerate(lens):
+        blocks = tables[b, :-(-n // 16)].long()
+        slots = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)[:n]
+        dense = _dense(q[b], kd[:, slots].transpose(0, 1), vd[:, slots].transpose(0, 1), d ** -0.5)
+        assert (out[b].double() - dense).abs().max().item() < 1e-5
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_int8_kv_backend_decodes_through_kernel():
+    backend = TorchQuantKVAttentionBackend("int8")
+    out, ref, meta = _decode_batch(backend, LENS[5], shared_blocks=2, consecutive=False, seed=11)
+    assert meta.cache["decode_kernel"] is not None
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert TorchQuantKVAttentionBackend("fp8_e4m3").use_cpu_kernel is False
 
 
 @pytest.mark.parametrize("n", [20, 5])

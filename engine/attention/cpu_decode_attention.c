@@ -8,9 +8,11 @@
  * its blocks in place and serves the G query heads of its group (GQA) with
  * one pass over K and V.
  *
- * Layout (fp32, contiguous):
- *   q            [B, Hq, D]
- *   k/v_cache    [Hkv, S, D]   S = num_blocks * block_size slots (head-major)
+ * Layout (contiguous):
+ *   q            [B, Hq, D] fp32
+ *   k/v_cache    [Hkv, S, D] fp32, S = num_blocks * block_size slots (head-major);
+ *                or, for the int8 cache, [Hkv, S, D + 4] bytes: D int8 codes and the
+ *                row's fp32 scale (value = code * scale; the layout of torch_quant_kv.py)
  *   block_tables [B, max_blocks] int32
  *   seq_lens     [B] int64     KV length of each sequence (its new token included)
  *   out          [B, Hq, D]
@@ -49,8 +51,22 @@ static inline float tm_dot(const float *restrict a, const float *restrict b, int
     return s;
 }
 
+static inline float tm_dot_i8(const float *restrict a, const int8_t *restrict b, int64_t d) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < d; ++i) s += a[i] * (float)b[i];
+    return s;
+}
+
+static inline float tm_row_scale(const int8_t *row, int64_t d) {
+    float sc;
+    memcpy(&sc, row + d, sizeof sc);
+    return sc;
+}
+
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;
+    int is_int8;
     const int32_t *block_tables;
     const int64_t *seq_lens;
     float *out;
@@ -64,8 +80,9 @@ static void tm_run_task(const tm_job *j, int64_t task) {
     const int64_t g_n = j->hq / j->hkv, d = j->d, bs = j->block_size;
     const int64_t len = j->seq_lens[b];
     const float *q = j->q + (b * j->hq + h * g_n) * d;
-    const float *kh = j->k_cache + h * j->s * d;
-    const float *vh = j->v_cache + h * j->s * d;
+    const int64_t row = j->is_int8 ? d + 4 : d * 4; /* bytes per (head, slot) row */
+    const char *kh = (const char *)j->k_cache + h * j->s * row;
+    const char *vh = (const char *)j->v_cache + h * j->s * row;
     const int32_t *table = j->block_tables + b * j->max_blocks;
     float acc[TM_MAX_G][TM_MAX_D];
     float m[TM_MAX_G], l[TM_MAX_G], p[TM_MAX_G][TM_MAX_BS];
@@ -78,12 +95,17 @@ static void tm_run_task(const tm_job *j, int64_t task) {
     for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t n = (blk == nblk - 1) ? len - blk * bs : bs;
         const int64_t slot = (int64_t)table[blk] * bs;
-        const float *kb = kh + slot * d, *vb = vh + slot * d;
+        const char *kb = kh + slot * row, *vb = vh + slot * row;
         for (int64_t g = 0; g < g_n; ++g) {
             const float *qg = q + g * d;
             float mb = -INFINITY;
             for (int64_t t = 0; t < n; ++t) {
-                float sc = tm_dot(qg, kb + t * d, d) * j->scale;
+                const char *kr = kb + t * row;
+                float sc;
+                if (j->is_int8)
+                    sc = tm_dot_i8(qg, (const int8_t *)kr, d) * tm_row_scale((const int8_t *)kr, d) * j->scale;
+                else
+                    sc = tm_dot(qg, (const float *)kr, d) * j->scale;
                 p[g][t] = sc;
                 mb = sc > mb ? sc : mb;
             }
@@ -100,9 +122,16 @@ static void tm_run_task(const tm_job *j, int64_t task) {
             if (corr != 1.0f)
                 for (int64_t i = 0; i < d; ++i) a[i] *= corr;
             for (int64_t t = 0; t < n; ++t) {
-                const float w = p[g][t];
-                const float *restrict vr = vb + t * d;
-                for (int64_t i = 0; i < d; ++i) a[i] += w * vr[i];
+                const char *vrow = vb + t * row;
+                if (j->is_int8) {
+                    const int8_t *restrict vr = (const int8_t *)vrow;
+                    const float w = p[g][t] * tm_row_scale(vr, d);
+                    for (int64_t i = 0; i < d; ++i) a[i] += w * (float)vr[i];
+                } else {
+                    const float *restrict vr = (const float *)vrow;
+                    const float w = p[g][t];
+                    for (int64_t i = 0; i < d; ++i) a[i] += w * vr[i];
+                }
             }
         }
     }
@@ -121,7 +150,7 @@ static void *tm_run_range(void *arg) {
 
 /* Returns 0 on success, -1 on a shape this build does not serve (the caller
  * falls back), -2 if a thread could not be started (work done serially). */
-int tm_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+int tm_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_int8,
                               const int32_t *block_tables, const int64_t *seq_lens, float *out,
                               int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t s,
                               int64_t max_blocks, int64_t block_size, float scale, int64_t num_threads) {
@@ -140,7 +169,7 @@ int tm_paged_decode_attention(const float *q, const float *k_cache, const float 
     int64_t task = 0, done = 0;
     for (int64_t th = 0; th < num_threads; ++th) {
         tm_job *j = &jobs[th];
-        j->q = q; j->k_cache = k_cache; j->v_cache = v_cache;
+        j->q = q; j->k_cache = k_cache; j->v_cache = v_cache; j->is_int8 = is_int8;
         j->block_tables = block_tables; j->seq_lens = seq_lens; j->out = out;
         j->hq = hq; j->hkv = hkv; j->d = d; j->s = s; j->max_blocks = max_blocks;
         j->block_size = block_size; j->scale = scale;

@@ -101,7 +101,8 @@ def _load() -> Optional[ctypes.CDLL]:
         else:
             fn = lib.tm_paged_decode_attention
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+            fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7
+                           + [ctypes.c_float, ctypes.c_int64])
             _lib = lib
             return _lib
         log.warning("%s; decode attention uses the PyTorch path", _why_not)
@@ -118,12 +119,28 @@ def why_unavailable() -> str:
     return _why_not
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor, block_size: int) -> bool:
-    """Whether the kernel serves these tensors: CPU, fp32, head_dim <= 256, at most 16 query
-    heads per KV head, block_size <= 64, and the kernel built."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+def _int8_rows(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """True for an int8 cache of rows [D codes, 4 scale bytes], False for fp32; ValueError otherwise."""
+    if k_cache.dtype == torch.float32 and k_cache.shape[-1] == q.shape[-1]:
         return False
-    hkv, d = k_cache.shape[0], k_cache.shape[-1]
+    if k_cache.dtype == torch.int8 and k_cache.shape[-1] == q.shape[-1] + 4:
+        return True
+    raise ValueError(f"the C decode-attention kernel reads fp32 caches [Hkv, S, D] or int8 rows [Hkv, S, D + 4]; "
+                     f"got {k_cache.dtype} {tuple(k_cache.shape)} for head_dim {q.shape[-1]}")
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, block_size: int) -> bool:
+    """Whether the kernel serves these tensors: CPU, fp32 queries, an fp32 cache or an int8
+    cache of rows [D codes, fp32 scale] (torch_quant_kv's layout; not fp8 codes, which share
+    the int8 storage: the caller decides), head_dim <= 256, at most 16 query heads per KV
+    head, block_size <= 64, and the kernel built."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.device.type != "cpu":
+        return False
+    try:
+        _int8_rows(q, k_cache)
+    except ValueError:
+        return False
+    hkv, d = k_cache.shape[0], q.shape[-1]
     if d > _MAX_D or block_size > _MAX_BLOCK_SIZE or q.shape[1] % hkv or q.shape[1] // hkv > _MAX_G:
         return False
     return available()
@@ -135,13 +152,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_threads: Optional[int] = None) -> torch.Tensor:
     """Decode attention over a paged KV cache, reading each sequence's blocks in place.
 
+    For an int8 cache each row holds D codes and its fp32 scale (value = code * scale), read
+    without expanding the cache.
+
     out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, where K_b/V_b are the first seq_lens[b]
     slots reached through block_tables[b], for KV head h // (Hq // Hkv) (GQA).
 
     Args:
         q: [B, Hq, D] float32 (one query token per sequence); made contiguous if it is not.
-        k_cache, v_cache: [Hkv, num_blocks * block_size, D] float32, contiguous (the torch
-            backend's head-major layout).
+        k_cache, v_cache: [Hkv, num_blocks * block_size, D] float32, or int8
+            [Hkv, num_blocks * block_size, D + 4]; contiguous (the torch backends' head-major layouts).
         block_tables: [B, max_blocks] int32 block ids (entries past a sequence's length ignored).
         seq_lens: [B] int64 KV lengths (>= 1; the new token included).
         block_size: tokens per block (<= 64).
@@ -159,14 +179,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise RuntimeError(_why_not or "the C decode-attention kernel is unavailable")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or q.dtype != torch.float32:
-        raise ValueError("the C decode-attention kernel reads float32 only")
+    if q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the C decode-attention kernel needs float32 queries and K/V caches of one dtype, got "
+                         f"q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    is_int8 = _int8_rows(q, k_cache)
     q = q.contiguous()
     bt = block_tables.to(torch.int32).contiguous()
     sl = seq_lens.to(torch.int64).contiguous()
     b, hq, d = q.shape
-    hkv, slots, dk = k_cache.shape
-    if dk != d or bt.shape[0] != b or sl.shape[0] != b:
+    hkv, slots, _ = k_cache.shape
+    if bt.shape[0] != b or sl.shape[0] != b:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"block_tables {tuple(bt.shape)}, seq_lens {tuple(sl.shape)}")
     if out is None:
@@ -174,7 +196,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     elif not out.is_contiguous() or out.shape != q.shape:
         raise ValueError("out must be a contiguous tensor shaped like q")
     rc = lib.tm_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), sl.data_ptr(), out.data_ptr(),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(is_int8), bt.data_ptr(), sl.data_ptr(), out.data_ptr(),
         b, hq, hkv, d, slots, bt.shape[1], block_size, float(scale),
         num_threads or torch.get_num_threads())
     if rc == -1:

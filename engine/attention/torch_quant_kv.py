@@ -43,13 +43,14 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
     """
 
     storage_dtype = torch.int8
-    use_cpu_kernel = False  # the C kernel reads float32 caches only
 
     def __init__(self, kv_cache_dtype: str = "int8") -> None:
         if kv_cache_dtype not in _QMAX:
             raise ValueError(f"quantized KV cache dtype must be int8 or fp8_e4m3, got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
         self.qmax = _QMAX[kv_cache_dtype]
+        # the C decode kernel reads int8 rows in place; fp8 codes only through PyTorch (GPU)
+        self.use_cpu_kernel = kv_cache_dtype == "int8"
 
     def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (num_kv_heads, num_blocks * block_size, head_dim + _SCALE_BYTES)
