@@ -12,6 +12,10 @@ timed apart in a mixed (chunked-prefill) step:
     input_cost    = cost_usd x input_weight / (input_weight + output_weight)
     output_cost   = cost_usd - input_cost
 
+A run that computed no token (every row an error row, or every shard already
+done) has nothing to split the cost over: both parts are 0 and `cost_usd`
+alone holds what the run cost (reading, validating, loading).
+
 `output_token_weight` (default 4) says how many uncomputed prompt tokens one
 decode token costs: a decode token runs in a small, bandwidth-bound batch
 while prompt tokens run in large, compute-bound ones. USD per 1M input tokens
@@ -91,11 +95,12 @@ def _per_1m(cost: float, tokens: int) -> Optional[float]:
 
 
 def split_cost(cost_usd: float, counts: TokenCounts, output_token_weight: float) -> tuple[float, float]:
-    """(input_cost, output_cost) of a total; see the module docstring."""
+    """(input_cost, output_cost) of a total; see the module docstring. (0, 0) when no token was
+    computed: the cost of a run that generated nothing is not booked as output (or input) tokens."""
     w_in = max(counts.prompt_tokens - counts.cached_tokens, 0)
     w_out = output_token_weight * counts.completion_tokens
     if w_in + w_out <= 0:
-        return 0.0, cost_usd
+        return 0.0, 0.0
     input_cost = cost_usd * w_in / (w_in + w_out)
     return input_cost, cost_usd - input_cost
 

@@ -113,6 +113,7 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
 
     Raises:
         FileNotFoundError: when nothing is found.
+        ValueError: a file that is not Parquet (the message names it).
     """
     fs, path = filesystem(url, storage_options)
     path = path.rstrip("/")
@@ -129,10 +130,14 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
         raise FileNotFoundError(f"no Parquet files at {url}")
     files = []
     for info in infos:
+        full = _full_url(fs, info["name"])
         with fs.open(info["name"], "rb") as f:
-            pf = pq.ParquetFile(f)
+            try:
+                pf = pq.ParquetFile(f)
+            except pa.ArrowInvalid as exc:  # e.g. "Parquet magic bytes not found", without the file's name
+                raise ValueError(f"{full} is not a Parquet file ({exc})") from None
             num_rows, columns = pf.metadata.num_rows, tuple(pf.schema_arrow.names)
-        files.append(InputFile(path=_full_url(fs, info["name"]), size=int(info["size"]), etag=_etag(info),
+        files.append(InputFile(path=full, size=int(info["size"]), etag=_etag(info),
                                num_rows=num_rows, columns=columns))
     return files
 

@@ -199,11 +199,16 @@ def cache_llm(spec: JobSpec, llm: Any) -> None:
         _ENGINES[_engine_key(spec)] = llm
 
 
+def _loaded_llm(spec: JobSpec) -> Any:
+    """The engine `get_llm` already loaded (or `cache_llm` registered) for this spec, or None."""
+    with _ENGINES_LOCK:
+        return _ENGINES.get(_engine_key(spec))
+
+
 def job_tokenizer(spec: JobSpec) -> Any:
     """The tokenizer of the spec's model: the loaded engine's when there is one, else the tokenizer alone
     (no model weights), for planning in a process that does not run the engine (the flow)."""
-    with _ENGINES_LOCK:
-        llm = _ENGINES.get(_engine_key(spec))
+    llm = _loaded_llm(spec)
     if llm is not None:
         return llm.tokenizer
     from engine.tokenizer import Tokenizer
@@ -252,7 +257,8 @@ def done_shards(spec: JobSpec) -> dict[int, ShardResult]:
     return manifest.done_shards(spec.output, spec.storage_options)
 
 
-def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None) -> tuple[list[Shard], PlanStats]:
+def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
+             max_model_len: Optional[int] = None) -> tuple[list[Shard], PlanStats]:
     """The shard plan of a job: prefix groups in depth-first order (`spec.plan == "prefix"`) or input order.
 
     The plan is a deterministic function of the input files and the spec (and the
@@ -260,29 +266,37 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None) ->
 
     Args:
         tokenizer: the model's tokenizer (default: `job_tokenizer(spec)`); only prefix plans tokenise.
+        max_model_len: the engine's context length (default: the loaded engine's, else
+            `spec.max_model_len`); longer prompts will be error rows, so the plan's
+            statistics leave them out like every other bad row.
     """
     if spec.plan == "input":
         shards = plan_input_order(files, spec.shard_size, spec.limit)
         return shards, PlanStats(order="input", rows=sum(s.length for s in shards))
     if tokenizer is None:
         tokenizer = job_tokenizer(spec)
+    if max_model_len is None:
+        loaded = _loaded_llm(spec)
+        max_model_len = getattr(loaded, "max_model_len", None) if loaded is not None else spec.max_model_len
     block_size = int(spec.engine_kwargs().get("block_size", EngineConfig.block_size))
     rows = TokenizedRows(files, tokenizer, spec.sampling_params(), id_column=spec.id_column,
                          system_prompt=spec.system_prompt, use_chat_template=use_chat_template(spec, tokenizer),
-                         limit=spec.limit, storage_options=spec.storage_options)
+                         limit=spec.limit, storage_options=spec.storage_options, max_model_len=max_model_len)
     return plan_prefix(rows, files, spec.shard_size, spec.limit, block_size=block_size,
                        decode_heavy_first=spec.decode_heavy_first)
 
 
-def prepare_job(spec: JobSpec, tokenizer: Any = None) -> JobPlan:
+def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[int] = None) -> JobPlan:
     """List inputs, check the manifest (refuse a changed job unless `overwrite`), plan shards.
 
     A new job (or `overwrite`) is planned (`plan_job`) and its plan written to the
     manifest; a resumed job reads its plan from the manifest, so the shards are
-    exactly those of the first run.
+    exactly those of the first run. Planning also warns about null and repeated
+    ids (`check_ids`).
 
     Args:
         tokenizer: for planning (default: `job_tokenizer(spec)`, loaded only when planning).
+        max_model_len: the engine's context length, for planning (see `plan_job`).
 
     Raises:
         FileNotFoundError: no input files.
@@ -322,7 +336,9 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None) -> JobPlan:
             f"or choose another output."
         )
     if spec.overwrite or previous is None:
-        shards, stats = plan_job(spec, files, tokenizer)
+        for message in check_ids(files, spec.id_column, spec.limit, so):
+            warnings.warn(f"{spec.input}: {message}", stacklevel=2)
+        shards, stats = plan_job(spec, files, tokenizer, max_model_len)
         manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, "plan": stats.to_json(),
                                               "shards": [s.to_json() for s in shards],
                                               "created_at": started_at.isoformat()}, so)
@@ -334,6 +350,50 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None) -> JobPlan:
     pending = [s for s in shards if s.index not in done]
     return JobPlan(spec=spec, job_id=digest[:16], run_id=uuid.uuid4().hex[:12], shards=shards,
                    pending=pending, started_at=started_at, stats=stats)
+
+
+ID_EXAMPLES = 5  # offending rows a warning names
+
+
+def check_ids(files: list[io.InputFile], id_column: str, limit: Optional[int] = None,
+              storage_options: Optional[dict[str, Any]] = None) -> list[str]:
+    """Problems with the dataset's ids, as warning texts (empty when there are none).
+
+    Reads only the id column of the first `limit` rows. Rows are numbered across
+    the input files in order, from 0 (the numbering ids take when there is no id
+    column). A null id makes its row an error row (`schema.build_request`); a
+    repeated id is only reported: those rows are processed, so the output holds
+    the id more than once.
+    """
+    pieces, start = [], 0
+    for f in files:
+        n = f.num_rows if limit is None else max(0, min(f.num_rows, limit - start))
+        if n and id_column in f.columns:
+            col = pl.concat([b.get_column(id_column) for b in io.iter_batches(f.path, [id_column],
+                                                                               storage_options=storage_options)])
+            pieces.append(pl.DataFrame({"row": pl.int_range(start, start + n, eager=True),
+                                        "id": col.head(n)}))
+        start += n
+    if not pieces:
+        return []
+    try:
+        ids = pl.concat(pieces, how="vertical_relaxed")
+    except (pl.exceptions.SchemaError, pl.exceptions.ComputeError):  # files with unlike id types
+        ids = pl.concat([p.with_columns(pl.col("id").cast(pl.Utf8)) for p in pieces])
+    problems = []
+    null = ids.filter(pl.col("id").is_null())
+    if null.height:
+        rows = ", ".join(str(r) for r in null["row"].head(ID_EXAMPLES))
+        problems.append(f"{null.height} row(s) with a null {id_column!r} (rows {rows}"
+                        f"{', ...' if null.height > ID_EXAMPLES else ''}); each becomes an error row")
+    valued = ids.filter(pl.col("id").is_not_null())
+    repeat = valued.filter(~pl.col("id").is_first_distinct())
+    if repeat.height:
+        shown = ", ".join(f"row {r} ({v!r})" for r, v in repeat.head(ID_EXAMPLES).iter_rows())
+        problems.append(f"{repeat.height} row(s) repeat an earlier row's {id_column!r} "
+                        f"({repeat['id'].n_unique()} distinct ids; {shown}{', ...' if repeat.height > ID_EXAMPLES else ''}); "
+                        f"they are processed, so the output holds those ids more than once")
+    return problems
 
 
 # ---------------------------------------------------------------- running shards
@@ -464,7 +524,7 @@ def run_shards(
         seeds = shard.dataset_rows()
         layout = InputLayout.from_schema(df.columns, spec.id_column)
         state = _ShardState(shard, df, layout, [None] * df.height, 0, t0)
-        row_cols = [c for c in ("prompt", "messages", *layout.overrides) if c in df.columns]
+        row_cols = [c for c in (spec.id_column, "prompt", "messages", *layout.overrides) if c in df.columns]
         for i, row in enumerate(df.select(row_cols).iter_rows(named=True)):
             req = build_request(row, layout, tokenizer, defaults, system_prompt=spec.system_prompt,
                                 use_chat_template=use_chat, max_model_len=max_model_len, vocab_size=vocab_size)
@@ -566,7 +626,8 @@ def run_job(
     Returns:
         This run's CostReport (also appended to `OUTPUT/_job/metrics.parquet`).
     """
-    plan = prepare_job(spec, tokenizer=llm.tokenizer if llm is not None else None)
+    plan = prepare_job(spec, tokenizer=llm.tokenizer if llm is not None else None,
+                       max_model_len=getattr(llm, "max_model_len", None) if llm is not None else None)
     if llm is None and plan.pending:
         llm = get_llm(spec)
     results: list[ShardResult] = []

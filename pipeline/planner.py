@@ -520,18 +520,20 @@ class TokenizedRows:
 
     Reads only the prompt columns (prompt, messages, overrides), a batch of rows at
     a time; applies the row rules of `schema.build_request` (chat template, system
-    prompt, overrides); encodes each batch with one `encode_batch` call. A row that
-    `build_request` rejects yields None (it becomes an error row when it runs).
-    `seconds` holds the wall time spent once iterated.
+    prompt, overrides, null id); encodes each batch with one `encode_batch` call. A row that
+    `build_request` rejects, or whose prompt has `max_model_len` tokens or more, yields None:
+    it becomes an error row when it runs, so its prompt counts in no statistic
+    (`ideal_hit_rate`). `seconds` holds the wall time spent once iterated.
     """
 
     def __init__(self, files: list[InputFile], tokenizer: Any, defaults: Any, *, id_column: str = "id",
                  system_prompt: Optional[str] = None, use_chat_template: bool = True,
                  limit: Optional[int] = None, storage_options: Optional[dict] = None,
-                 batch_rows: int = 4096) -> None:
+                 batch_rows: int = 4096, max_model_len: Optional[int] = None) -> None:
         self.files, self.tokenizer, self.defaults = files, tokenizer, defaults
         self.id_column, self.system_prompt, self.use_chat_template = id_column, system_prompt, use_chat_template
         self.limit, self.storage_options, self.batch_rows = limit, storage_options, batch_rows
+        self.max_model_len = max_model_len
         self.seconds = 0.0
 
     def __iter__(self) -> Iterator[tuple[Optional[list[int]], int]]:
@@ -541,11 +543,13 @@ class TokenizedRows:
         left = self.limit
         rec = _TextRecorder(self.tokenizer)
         encode_batch = getattr(self.tokenizer, "encode_batch", None)
+        vocab_size, max_len = getattr(self.tokenizer, "vocab_size", None), self.max_model_len
         for f in self.files:
             if left is not None and left <= 0:
                 return
             layout = InputLayout.from_schema(f.columns, self.id_column)
-            cols = [c for c in (PROMPT_COLUMN, MESSAGES_COLUMN, *OVERRIDE_COLUMNS) if c in f.columns]
+            cols = [c for c in (self.id_column, PROMPT_COLUMN, MESSAGES_COLUMN, *OVERRIDE_COLUMNS)
+                    if c in f.columns]
             for df in io.iter_batches(f.path, cols, self.batch_rows, self.storage_options):
                 t0 = time.perf_counter()
                 if left is not None:
@@ -556,7 +560,7 @@ class TokenizedRows:
                 for row in df.iter_rows(named=True):
                     rec.text = None
                     req = build_request(row, layout, rec, self.defaults, system_prompt=self.system_prompt,
-                                        use_chat_template=self.use_chat_template)
+                                        use_chat_template=self.use_chat_template, vocab_size=vocab_size)
                     texts.append(rec.text if req.error is None else None)
                     max_tokens.append(req.params.max_tokens if req.params is not None else 0)
                 good = [t for t in texts if t is not None]
@@ -565,6 +569,8 @@ class TokenizedRows:
                 else:
                     enc = iter([self.tokenizer.encode(t) for t in good])
                 out = [(list(next(enc)) if t is not None else None, m) for t, m in zip(texts, max_tokens)]
+                if max_len is not None:  # build_request's length rule, on the real token counts
+                    out = [(ids if ids is None or len(ids) < max_len else None, m) for ids, m in out]
                 self.seconds += time.perf_counter() - t0
                 yield from out
                 if left is not None and left <= 0:

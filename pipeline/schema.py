@@ -10,7 +10,9 @@ Input (one Parquet file or a folder of them):
     - every other column passes through to the output unchanged.
 
 A bad row never fails the job: `build_request` returns a `RowRequest` whose
-``error`` names the problem, and the job writes it as an error row.
+``error`` names the problem, and the job writes it as an error row. A null id
+makes a bad row (its output could not be told apart); repeated ids do not (the
+job warns, and each row is processed).
 """
 from __future__ import annotations
 
@@ -179,7 +181,7 @@ def build_request(
     """Validate one input row and build its prompt token ids and SamplingParams.
 
     Args:
-        row: the row as a dict (column -> Python value).
+        row: the row as a dict (column -> Python value); when it holds the id column, a null id is an error.
         layout: the input's column roles.
         tokenizer: has `encode(str) -> list[int]` and
             `apply_chat_template(messages, add_generation_prompt=True) -> str`.
@@ -200,6 +202,8 @@ def build_request(
 
 
 def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template, max_model_len, vocab_size):
+    if layout.id_in_input and layout.id_column in row and row[layout.id_column] is None:
+        raise ValueError(f"{layout.id_column} is null")
     overrides: dict[str, Any] = {}
     for name in layout.overrides:
         value = row.get(name)

@@ -30,7 +30,8 @@ def test_cost_and_split():
 
 
 def test_split_edge_cases():
-    assert split_cost(1.0, TokenCounts(), 4.0) == (0.0, 1.0)
+    assert split_cost(1.0, TokenCounts(), 4.0) == (0.0, 0.0)  # no token computed: booked as neither
+    assert split_cost(1.0, TokenCounts(prompt_tokens=10, cached_tokens=10), 4.0) == (0.0, 0.0)
     assert split_cost(1.0, TokenCounts(prompt_tokens=10), 4.0) == (1.0, 0.0)
     r = cost_report(job_id="j", run_id="r", model="m", quantization="q", device="d", device_count=1,
                     started_at=datetime.now(timezone.utc), finished_at=datetime.now(timezone.utc),

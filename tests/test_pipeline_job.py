@@ -201,3 +201,62 @@ def test_job_level_mistakes_are_refused_before_anything_is_written(tmp_path):
     afile.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         prepare_job(JobSpec(input=str(src), output=str(afile)))
+
+
+def test_null_and_repeated_ids_warn_and_null_ids_become_error_rows(tmp_path):
+    """Rows are numbered across the files in order: a.parquet holds rows 0-2, b.parquet rows 3-7."""
+    from pipeline.job import check_ids
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pl.DataFrame({"id": ["a", "b", None], "prompt": ["p0", "p1", "p2"]}).write_parquet(inp / "a.parquet")
+    pl.DataFrame({"id": ["a", "c", "b", None, "a"], "prompt": [f"p{i}" for i in range(3, 8)]}).write_parquet(
+        inp / "b.parquet")
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning) as caught:
+        report = run_job(spec_for(inp, out), FakeLLM())
+    texts = [str(w.message) for w in caught]
+    assert texts == [
+        f"{inp}: 2 row(s) with a null 'id' (rows 2, 6); each becomes an error row",
+        f"{inp}: 3 row(s) repeat an earlier row's 'id' (2 distinct ids; row 3 ('a'), row 5 ('b'), row 7 ('a')); "
+        "they are processed, so the output holds those ids more than once",
+    ]
+    df = read_output(out).sort("generation", nulls_last=True)
+    assert df["id"].to_list() == ["a", "b", "a", "c", "b", "a", None, None]  # p0 p1 p3 p4 p5 p7, then nulls
+    assert df["error"].to_list() == [None] * 6 + ["id is null"] * 2
+    assert (report.rows_ok, report.rows_error) == (6, 2)
+    # only the first `limit` rows are checked; at most ID_EXAMPLES rows are named
+    files = io.list_input_files(str(inp))
+    assert check_ids(files, "id", limit=3) == ["1 row(s) with a null 'id' (rows 2); each becomes an error row"]
+    many = tmp_path / "many.parquet"
+    pl.DataFrame({"id": [1] * 8, "prompt": ["x"] * 8}).write_parquet(many)
+    assert check_ids(io.list_input_files(str(many)), "id") == [
+        "7 row(s) repeat an earlier row's 'id' (1 distinct ids; row 1 (1), row 2 (1), row 3 (1), row 4 (1), "
+        "row 5 (1), ...); they are processed, so the output holds those ids more than once"]
+
+
+def test_all_error_job_books_no_token_cost(tmp_path):
+    """No token computed: the run's cost is neither input nor output cost."""
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3], "prompt": [None, "  ", None]}).write_parquet(inp)
+    report = run_job(spec_for(inp, tmp_path / "out", price_per_hour=3600.0), FakeLLM())
+    assert (report.rows_ok, report.rows_error) == (0, 3)
+    assert (report.prompt_tokens, report.completion_tokens) == (0, 0)
+    assert report.cost_usd == pytest.approx(report.wall_s) and report.cost_usd > 0
+    assert (report.input_cost_usd, report.output_cost_usd) == (0.0, 0.0)
+    assert (report.usd_per_1m_input_tokens, report.usd_per_1m_output_tokens, report.usd_per_1m_tokens) == (
+        None, None, None)
+    m = read_metrics(str(tmp_path / "out")).row(0, named=True)
+    assert (m["input_cost_usd"], m["output_cost_usd"]) == (0.0, 0.0)
+
+
+def test_input_that_is_not_parquet_is_named(tmp_path):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    dataset(2).write_parquet(inp / "a.parquet")
+    (inp / "b.parquet").write_text("id,prompt\n1,hello\n")
+    with pytest.raises(ValueError) as exc:
+        run_job(spec_for(inp, tmp_path / "out"), FakeLLM())
+    assert str(exc.value) == (f"file://{inp}/b.parquet is not a Parquet file (Parquet magic bytes not found in "
+                              "footer. Either the file is corrupted or this is not a parquet file.)")
+    assert not (tmp_path / "out").exists()

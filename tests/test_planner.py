@@ -310,3 +310,27 @@ def test_planned_order_beats_input_order_on_the_real_model(llm, tmp_path):
     assert r_in.prefix_cache_hit_rate < 0.9 * r_pl.ideal_prefix_hit_rate
     assert df_pl["generation"].to_list() == df_in["generation"].to_list()  # greedy: same text per id
     assert df_pl["error"].null_count() == 10
+
+
+def test_ideal_hit_rate_leaves_out_error_rows(tmp_path):
+    """Rows that will be error rows (too long for the engine, null prompt, null id) add no prompt tokens.
+
+    FakeTokenizer: one token per byte, and the template adds 22 ("<|user|>" ... "\\n<|assistant|>").
+    Good rows: "Q" * 26 + digit = 49 tokens: blocks 0-1 (32 tokens) shared by all four, block 2
+    (tokens 32-47) and the last token their own: distinct 2 * 16 + 4 * 16 + 4 = 100 of 4 * 49 = 196.
+    """
+    inp = tmp_path / "in.parquet"
+    good = ["Q" * 26 + str(i) for i in range(4)]
+    too_long = ["Q" * 26 + "x" * 40 + str(i) for i in range(2)]  # 89 tokens >= max_model_len 64
+    pl.DataFrame({
+        "id": ["g0", "g1", "long0", "g2", "null-prompt", None, "long1", "g3"],
+        "prompt": [good[0], good[1], too_long[0], good[2], None, "Q" * 26 + "9", too_long[1], good[3]],
+    }).write_parquet(inp)
+    with pytest.warns(UserWarning, match="null 'id'"):
+        report = run_job(JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, progress=False),
+                         FakeLLM(max_model_len=64))
+    assert (report.rows_ok, report.rows_error) == (4, 4)
+    assert report.prompt_tokens == 4 * 49
+    assert report.ideal_prefix_hit_rate == pytest.approx(96 / 196)
+    m = io.read_json(str(tmp_path / "out" / "_job" / "manifest.json"))["plan"]
+    assert (m["prompt_tokens"], m["distinct_tokens"], m["rows"]) == (196, 100, 8)
