@@ -70,7 +70,8 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     source = source_key
     if quantization is not None:
         from .quant import quantized_copy
-        base, tokenizer = _load_model(source, dtype, device, seed)
+        # the same argument tuple as LLM.__init__'s float load, so both hit one cache entry
+        base, tokenizer = _load_model(source, dtype, device, seed, None, 32)
         gguf_path = source.path if quantization == "gguf" else None
         return quantized_copy(base, quantization, group_size, gguf_path), tokenizer
     mcfg, state = load_model_weights(source)
