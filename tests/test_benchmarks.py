@@ -109,3 +109,25 @@ def test_llamacpp_missing_is_a_skip_not_an_error():
     assert parse_engines("tokenmill,hf") == ["tokenmill", "hf"]
     with pytest.raises(ValueError):
         parse_engines("vllm")
+
+
+def test_int8_diagnosis_hidden_states_reproduce_the_engines_scores(llm):
+    """benchmarks.int8_diagnosis scores heads on captured final hidden states: the fp32 head on them
+    gives LLM.score's log-probabilities, and the quantizers match engine.quant."""
+    import torch
+
+    from benchmarks.int8_diagnosis import final_hidden, int8_absmax, int8_mse_clip
+    from engine.quant import quantize_int8
+
+    seqs = [llm.tokenizer.encode("The licence grants you the right to copy"), [1, 2, 3, 4, 5, 6, 7]]
+    hs = final_hidden(llm, seqs, chunk_size=8)  # chunked like a long prefill
+    w = llm.model.lm_head.weight.data
+    for s, h, ref in zip(seqs, hs, llm.score(seqs)):
+        assert h.shape == (len(s), w.shape[1])
+        lp = torch.log_softmax(h[:-1] @ w.T, -1).gather(1, torch.tensor(s[1:])[:, None]).squeeze(1)
+        torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-4)  # chunks of 8 vs one prefill: float noise
+    x = w[:64]
+    torch.testing.assert_close(int8_absmax(x), quantize_int8(x).dequantize(), rtol=0, atol=0)
+    d, r = int8_mse_clip(x)
+    assert ((d - x).pow(2).sum(1) <= (int8_absmax(x) - x).pow(2).sum(1) + 1e-12).all()  # never worse per row
+    assert ((r >= 0.70) & (r <= 1.0)).all()
