@@ -171,7 +171,8 @@ def main() -> None:
     for r in rows:
         print(f"{r[0]:<9} {r[1]:>8.4f} {r[2]:>+7.2f} {r[3]:>8.1e} {r[4]:>7.1f} {r[5]:>7.1f} {r[6]:>6.0f} {r[7]:>7.1f} "
               f"{r[8]:>7.1f} {r[9]:>9d} {r[10]:>9.1f} {r[11]:>9.1f} {r[12]:>6.0f} {r[13]:>5.1f} {r[14]:>5.1f}")
-    print("W MiB: weights held (fp32 embedding for lookups included); W/step: weight bytes read per decode step; "
+    print("W MiB: weights held (fp32 embedding for lookups included; int8 keeps the tied LM head as that fp32 "
+          "table, so it is counted once there and read whole every step); W/step: weight bytes read per decode step; "
           "b1-b64: max |Δ logprob| of a window scored alone vs in a batch of 64; tf agr: greedy token "
           "agreement with fp32, each position predicted from fp32's own greedy tokens before it (teacher forced); "
           "fr agr: position-wise agreement of free-running greedy completions; same: completions identical; load: 1-min load average at the measurement "

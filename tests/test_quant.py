@@ -5,7 +5,8 @@
 - Our int8 / int4 quantizers stay within half a step of every weight; the
   tiled dequantize-then-matmul equals a matmul with the dequantized weight.
 - Whole engines: gguf logits equal fp32 (same weights); int8 / int4 / int8-KV
-  logprobs close to fp32 with stated bounds; int8 greedy agreement >= 95% (teacher forced);
+  logprobs close to fp32 with stated bounds; int8 keeps the LM head in float and counts its
+  bytes; int8 greedy agreement >= 95% (teacher forced);
   scoring is batch independent; no NaN and no degenerate repetition.
 Heavy measurements (20k-token perplexity, 50 prompts, speed) live in
 benchmarks/quality.py.
@@ -211,12 +212,35 @@ def test_engines_really_hold_quantized_layers(llm, engines):
     assert all(type(l) is Linear for _, l in llm.model.linear_layers())  # the shared fp32 model is untouched
     for name in ("gguf", "int8", "int4"):
         layers = engines[name].model.linear_layers()
-        assert all(isinstance(l, QuantLinear) for _, l in layers), name
-    bits = {name: {l.bits for _, l in engines[name].model.linear_layers()} for name in ("gguf", "int8", "int4")}
+        assert all(isinstance(l, QuantLinear) for n, l in layers if n != "lm_head"), name
+        assert isinstance(engines[name].model.lm_head, QuantLinear) == (name != "int8"), name
+    bits = {name: {l.bits for _, l in engines[name].model.linear_layers() if isinstance(l, QuantLinear)}
+            for name in ("gguf", "int8", "int4")}
     assert bits == {"gguf": {4, 8}, "int8": {8}, "int4": {4}}  # gguf: Q4_1 layers, Q8_0 head
     assert engines["kv-int8"].kv_bytes_per_token == 2 * 30 * 3 * (64 + 4)  # vs 2*30*3*64*4 in fp32
     assert llm.kv_bytes_per_token == 46080
     assert engines["kv-int8"].kv_capacity_tokens > 3.3 * (KV_BYTES // 46080 // 16 * 16)
+
+
+def test_int8_keeps_the_tied_lm_head_in_float_and_counts_its_bytes(llm, engines):
+    """int8 quantizes the 120 decoder linears and keeps the LM head as the float embedding table
+    (an int8 copy of it alone cost 2.6 points of greedy agreement: benchmarks/results/int8_diagnosis.txt).
+    Its bytes count once when held and in full when read per decode step."""
+    from engine.quant import decode_weight_bytes, model_weight_bytes
+
+    m = engines["int8"].model
+    assert m.lm_head is llm.model.lm_head and m.lm_head.weight.data_ptr() == m.embed.data_ptr()
+    assert sum(isinstance(l, QuantLinear) for _, l in m.linear_layers()) == 120
+    vocab, d, inter, kv = 49152, 576, 1536, 192
+    # int8 codes + one fp32 scale per output row: qkv, o, gate_up, down of 30 layers
+    body = 30 * ((d + 2 * kv) * (d + 4) + d * (d + 4) + 2 * inter * (d + 4) + d * (inter + 4))
+    table, norms = vocab * d * 4, (1 + 2 * 30) * d * 4
+    assert body == 106_790_400 and table == 113_246_208
+    assert model_weight_bytes(m) == table + norms + body == 220_177_152  # 210.0 MiB held
+    assert decode_weight_bytes(m) == table + norms + body  # the fp32 head read whole every step
+    # the int4 engine still quantizes the head: a separate group-32 copy of the table
+    head4 = engines["int4"].model.lm_head
+    assert head4.bits == 4 and head4.weight_bytes() == vocab * (d // 2 + d // 32 * 8)
 
 
 def test_gguf_logprobs_equal_fp32_dequantized(engines, windows, ref_scores):
@@ -273,8 +297,9 @@ def test_greedy_agreement_no_nan_no_degenerate_repetition(llm, engines):
         if name == "int8":
             forced = teacher_forced_agreement(engines[name], prompts, ref)
             print(f"{name}: teacher-forced greedy agreement with fp32 {forced:.3f}")
-            # MEASURED here 0.963; on benchmarks/quality.py's 50 prompts x 32 tokens it is 0.939
-            # (below the issue's 95%), so this bound guards against regressions, it does not meet the target
+            # MEASURED here 0.965 (0.963 with an int8 LM head); on benchmarks/quality.py's 50 prompts x 32
+            # tokens 0.956 (0.939 with an int8 LM head: benchmarks/results/int8_diagnosis.txt). Every miss
+            # is a near tie (fp32's top-2 logit margin < 1), so the bound has little room.
             assert forced >= 0.95, forced
         for o in outs:
             t = o.outputs[0].token_ids
