@@ -390,8 +390,9 @@ def check_ids(files: list[io.InputFile], id_column: str, limit: Optional[int] = 
     repeat = valued.filter(~pl.col("id").is_first_distinct())
     if repeat.height:
         shown = ", ".join(f"row {r} ({v!r})" for r, v in repeat.head(ID_EXAMPLES).iter_rows())
+        more = ", ..." if repeat.height > ID_EXAMPLES else ""
         problems.append(f"{repeat.height} row(s) repeat an earlier row's {id_column!r} "
-                        f"({repeat['id'].n_unique()} distinct ids; {shown}{', ...' if repeat.height > ID_EXAMPLES else ''}); "
+                        f"({repeat['id'].n_unique()} distinct ids; {shown}{more}); "
                         f"they are processed, so the output holds those ids more than once")
     return problems
 
