@@ -33,14 +33,22 @@ def _paged(lens, hkv, gqa, d, block_size, seed, scattered=True):
     return q, kc, vc, tables, torch.tensor(lens), keys, vals
 
 
-@pytest.mark.parametrize("hkv,gqa,d", [(3, 3, 64), (1, 1, 64), (2, 4, 128), (1, 8, 32), (2, 16, 64)])
+@pytest.fixture(scope="module")
+def generic():
+    return cpu_kernel.generic_build()
+
+
+@pytest.mark.parametrize("hkv,gqa,d", [(3, 3, 64), (1, 1, 64), (2, 4, 128), (1, 8, 32), (2, 16, 64), (1, 2, 20)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_kernel_matches_dense(hkv, gqa, d, block_size):
+@pytest.mark.parametrize("build", ["default", "generic"])
+def test_kernel_matches_dense(hkv, gqa, d, block_size, build, generic):
+    # "default" is the AVX2 path on a CPU that has it (head_dim 20 takes the plain-C path there)
     # lengths at and around block ends, a single token, and a long sequence
     lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size, 201]
     q, kc, vc, tables, seq_lens, keys, vals = _paged(lens, hkv, gqa, d, block_size, seed=hkv * gqa + d)
     scale = d ** -0.5
-    out = cpu_kernel.paged_decode_attention(q, kc, vc, tables, seq_lens, block_size, scale)
+    out = cpu_kernel.paged_decode_attention(q, kc, vc, tables, seq_lens, block_size, scale,
+                                            lib=generic if build == "generic" else None)
     ref = torch.stack([_dense(q[i], keys[i], vals[i], scale) for i in range(len(lens))])
     assert out.shape == q.shape and out.dtype == torch.float32
     assert (out.double() - ref).abs().max().item() < 1e-5
@@ -83,8 +91,9 @@ def test_supports_refuses_what_the_build_does_not_serve():
                                           torch.ones(2, dtype=torch.int64), 16, 1.0)
 
 
-@pytest.mark.parametrize("gqa,d", [(3, 64), (4, 128)])
-def test_kernel_reads_int8_rows_like_their_decoded_values(gqa, d):
+@pytest.mark.parametrize("gqa,d", [(3, 64), (4, 128), (2, 20)])
+@pytest.mark.parametrize("build", ["default", "generic"])
+def test_kernel_reads_int8_rows_like_their_decoded_values(gqa, d, build, generic):
     # the int8 cache's rows (D codes + fp32 scale): the kernel equals dense attention over
     # what the rows decode to, without expanding the cache
     codec = TorchQuantKVAttentionBackend("int8")
@@ -94,8 +103,9 @@ def test_kernel_reads_int8_rows_like_their_decoded_values(gqa, d):
     vq = codec.encode(vc.transpose(0, 1)).contiguous()
     kd, vd = codec.decode(kq, torch.float32), codec.decode(vq, torch.float32)
     assert (kd - kc).abs().max() > 0  # the codes are lossy: the check below reads the rows, not kc
-    out = cpu_kernel.paged_decode_attention(q, kq, vq, tables, seq_lens, 16, d ** -0.5)
-    ref = cpu_kernel.paged_decode_attention(q, kd, vd, tables, seq_lens, 16, d ** -0.5)
+    lib = generic if build == "generic" else None
+    out = cpu_kernel.paged_decode_attention(q, kq, vq, tables, seq_lens, 16, d ** -0.5, lib=lib)
+    ref = cpu_kernel.paged_decode_attention(q, kd, vd, tables, seq_lens, 16, d ** -0.5, lib=lib)
     for b, n in enumerate(lens):
         blocks = tables[b, :-(-n // 16)].long()
         slots = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)[:n]

@@ -20,7 +20,7 @@
  * With AVX2 and FMA (and head_dim a multiple of 8) the task runs an explicit-SIMD
  * version: scores of 8 tokens summed across lanes together, output accumulators
  * kept in registers over a block's tokens, the next block prefetched; otherwise a
- * plain-C version the compiler vectorizes.
+ * plain-C version the compiler vectorizes (also built with -DTM_GENERIC, for the tests).
  *
  * Threads: the (sequence, KV head) tasks are cut into num_threads contiguous
  * ranges of about equal KV length; the calling thread runs the last range.
@@ -147,7 +147,7 @@ static void tm_run_task(const tm_job *j, int64_t task) {
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TM_GENERIC)
 #include <immintrin.h>
 #define TM_HAVE_AVX2 1
 

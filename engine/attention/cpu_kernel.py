@@ -57,7 +57,7 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build() -> Path:
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the kernel into the cache (atomically: temp file, then rename) and return its path.
 
     The file name carries a hash of the source, the flags, the compiler and the CPU, so a
@@ -67,7 +67,8 @@ def _build() -> Path:
     if not cc:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS, platform.machine(), _cpu_id()]).encode()).hexdigest()[:16]
+    flags = [*_FLAGS, *extra_flags]
+    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_id()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"tm_decode_attention_{key}.so"
     if out.exists():
         return out
@@ -75,12 +76,27 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    fn = lib.tm_paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7
+                   + [ctypes.c_float, ctypes.c_int64])
+    return lib
+
+
+def generic_build() -> ctypes.CDLL:
+    """The kernel built without its AVX2 path (-DTM_GENERIC), for tests of the plain-C path;
+    pass it as `lib` to `paged_decode_attention`. Raises as `_build` does."""
+    return _open(_build(("-DTM_GENERIC",)))
 
 
 def _load() -> Optional[ctypes.CDLL]:
@@ -93,18 +109,12 @@ def _load() -> Optional[ctypes.CDLL]:
             _why_not = "disabled by TOKENMILL_CPU_KERNELS=0"
             return None
         try:
-            lib = ctypes.CDLL(str(_build()))
+            _lib = _open(_build())
+            return _lib
         except subprocess.CalledProcessError as e:
             _why_not = f"building the C decode-attention kernel failed: {e.stderr.strip()[:500]}"
         except (OSError, RuntimeError) as e:
             _why_not = f"the C decode-attention kernel is unavailable: {e}"
-        else:
-            fn = lib.tm_paged_decode_attention
-            fn.restype = ctypes.c_int
-            fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7
-                           + [ctypes.c_float, ctypes.c_int64])
-            _lib = lib
-            return _lib
         log.warning("%s; decode attention uses the PyTorch path", _why_not)
         return None
 
@@ -149,7 +159,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, block_size: int) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            scale: float, out: Optional[torch.Tensor] = None,
-                           num_threads: Optional[int] = None) -> torch.Tensor:
+                           num_threads: Optional[int] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """Decode attention over a paged KV cache, reading each sequence's blocks in place.
 
     For an int8 cache each row holds D codes and its fp32 scale (value = code * scale), read
@@ -168,13 +178,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale: softmax scale, usually head_dim ** -0.5.
         out: optional [B, Hq, D] float32 contiguous destination.
         num_threads: worker threads (default torch.get_num_threads()).
+        lib: a specific build (tests: `generic_build()`); default the one `available()` loads.
     Returns:
         out, [B, Hq, D] float32.
     Raises:
         RuntimeError: if the kernel is unavailable or refuses the shape (check `supports` first).
         ValueError: on a dtype, device or layout it cannot read.
     """
-    lib = _load()
+    lib = lib or _load()
     if lib is None:
         raise RuntimeError(_why_not or "the C decode-attention kernel is unavailable")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
