@@ -27,7 +27,7 @@ Usage::
 
     python -m benchmarks.throughput --workload labelling|synthetic|random|all
         [--engines tokenmill,hf,llamacpp] [--num-prompts N] [--quick] [--seed 0]
-        [--max-num-seqs 64] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
+        [--max-num-seqs 128] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
         [--quantization int8|int4|gguf] [--kv-cache-dtype auto|int8]
         [--wait-quiet SECONDS] [--output-json F]
 
@@ -340,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help="few prompts, outputs capped at 32 tokens (smoke run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--quantization", default=None, help="tokenmill's weights: int8|int4|gguf (default: as loaded)")
