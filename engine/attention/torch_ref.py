@@ -25,7 +25,7 @@ class TorchAttentionBackend(AttentionBackend):
     (head-major), so that gathering slots yields tensors that the batched
     matmuls and SDPA read without another transpose copy.
 
-    Decode on the CPU in fp32: the C kernel of `cpu_kernel` reads each sequence's
+    Decode on the CPU (fp32 queries; fp32 or int8 KV): the C kernel of `cpu_kernel` reads each sequence's
     blocks in place (no gather, no padding). Elsewhere, or without a C compiler:
     leading blocks shared by every decoding sequence are read once and
     attended by all queries in one matmul. The rest: sequences are sorted into
