@@ -286,6 +286,35 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
                        decode_heavy_first=spec.decode_heavy_first)
 
 
+def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> None:
+    """Refuse, before anything is written, an output that cannot hold a job: a local path under a
+    file, or a folder that is (or lies inside, or contains) the input folder, whose part files the
+    next run (a resume) would read as input.
+
+    Raises:
+        ValueError: naming the output and the file or input in the way.
+    """
+    protocols = out_fs.protocol if isinstance(out_fs.protocol, tuple) else (out_fs.protocol,)
+    if "file" in protocols or "local" in protocols:
+        parent = out_path.rstrip("/")
+        while True:
+            up = parent.rsplit("/", 1)[0] if "/" in parent else ""
+            if not up or up == parent:
+                break
+            parent = up
+            if out_fs.isfile(parent):
+                raise ValueError(f"output {spec.output} lies under {parent}, which is a file; give a folder URL")
+    if any(ch in str(spec.input) for ch in "*?["):
+        return
+    in_fs, in_path = io.filesystem(spec.input, spec.storage_options)
+    if in_fs.protocol != out_fs.protocol or in_fs.isfile(in_path):
+        return
+    a, b = in_path.rstrip("/"), out_path.rstrip("/")
+    if a == b or b.startswith(a + "/") or a.startswith(b + "/"):
+        raise ValueError(f"output {spec.output} overlaps the input folder {spec.input}: the part files written "
+                         f"there would be read as input by the next run (a resume); choose an output outside it")
+
+
 def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[int] = None) -> JobPlan:
     """List inputs, check the manifest (refuse a changed job unless `overwrite`), plan shards.
 
@@ -311,6 +340,7 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
     out_fs, out_path = io.filesystem(spec.output, so)
     if out_fs.isfile(out_path):
         raise ValueError(f"output {spec.output} is a file; give a folder (or prefix) URL")
+    _refuse_output_overlapping_input(spec, out_fs, out_path)
     files = io.list_input_files(spec.input, so)
     for f in files:
         try:

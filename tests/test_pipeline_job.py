@@ -201,6 +201,19 @@ def test_job_level_mistakes_are_refused_before_anything_is_written(tmp_path):
     afile.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         prepare_job(JobSpec(input=str(src), output=str(afile)))
+    with pytest.raises(ValueError, match=f"lies under {afile}, which is a file"):
+        prepare_job(JobSpec(input=str(src), output=str(afile / "sub")))
+    # an output that is, or lies in, or contains the input folder: the next run would read its parts
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pl.DataFrame({"id": ["a"], "prompt": ["hello"]}).write_parquet(folder / "x.parquet")
+    for output in (folder, folder / "out", tmp_path):
+        with pytest.raises(ValueError, match="overlaps the input folder"):
+            prepare_job(JobSpec(input=str(folder), output=str(output), overwrite=True))
+    assert sorted(p.name for p in folder.iterdir()) == ["x.parquet"]
+    # a single input file may sit beside (or above) the output
+    prepare_job(JobSpec(input=str(folder / "x.parquet"), output=str(folder / "out")))
+    assert (folder / "out" / "_job" / "manifest.json").exists()
 
 
 def test_null_and_repeated_ids_warn_and_null_ids_become_error_rows(tmp_path):
