@@ -68,6 +68,24 @@ static inline float tm_row_scale(const int8_t *row, int64_t d) {
     return sc;
 }
 
+/* One block's online-softmax step for one query head: p[0..n) holds scaled scores and becomes
+ * exp(score - new max); m and l (running max and sum) are updated; returns the factor that
+ * rescales the accumulator, exp(old max - new max) (0 on the first block). */
+static inline float tm_softmax_block(float *p, int64_t n, float *m, float *l) {
+    float mb = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mb = p[t] > mb ? p[t] : mb;
+    const float m_new = mb > *m ? mb : *m;
+    const float corr = tm_exp_nonpos(*m - m_new);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+        p[t] = tm_exp_nonpos(p[t] - m_new);
+        sum += p[t];
+    }
+    *l = *l * corr + sum;
+    *m = m_new;
+    return corr;
+}
+
 typedef struct {
     const float *q;
     const void *k_cache, *v_cache;
@@ -103,26 +121,14 @@ static void tm_run_task(const tm_job *j, int64_t task) {
         const char *kb = kh + slot * row, *vb = vh + slot * row;
         for (int64_t g = 0; g < g_n; ++g) {
             const float *qg = q + g * d;
-            float mb = -INFINITY;
             for (int64_t t = 0; t < n; ++t) {
                 const char *kr = kb + t * row;
-                float sc;
                 if (j->is_int8)
-                    sc = tm_dot_i8(qg, (const int8_t *)kr, d) * tm_row_scale((const int8_t *)kr, d) * j->scale;
+                    p[g][t] = tm_dot_i8(qg, (const int8_t *)kr, d) * tm_row_scale((const int8_t *)kr, d) * j->scale;
                 else
-                    sc = tm_dot(qg, (const float *)kr, d) * j->scale;
-                p[g][t] = sc;
-                mb = sc > mb ? sc : mb;
+                    p[g][t] = tm_dot(qg, (const float *)kr, d) * j->scale;
             }
-            const float m_new = mb > m[g] ? mb : m[g];
-            const float corr = tm_exp_nonpos(m[g] - m_new); /* 0 on the first block */
-            float sum = 0.0f;
-            for (int64_t t = 0; t < n; ++t) {
-                p[g][t] = tm_exp_nonpos(p[g][t] - m_new);
-                sum += p[g][t];
-            }
-            l[g] = l[g] * corr + sum;
-            m[g] = m_new;
+            const float corr = tm_softmax_block(p[g], n, &m[g], &l[g]);
             float *restrict a = acc[g];
             if (corr != 1.0f)
                 for (int64_t i = 0; i < d; ++i) a[i] *= corr;
@@ -223,20 +229,8 @@ static inline __attribute__((always_inline)) void tm_run_task_avx2_impl(const tm
                 }
                 _mm256_storeu_ps(pg + t0, tm_reduce8(part));
             }
-            float mb = -INFINITY;
-            for (int64_t t = 0; t < n; ++t) {
-                pg[t] *= ks[t];
-                mb = pg[t] > mb ? pg[t] : mb;
-            }
-            const float m_new = mb > m[g] ? mb : m[g];
-            const float corr = tm_exp_nonpos(m[g] - m_new);
-            float sum = 0.0f;
-            for (int64_t t = 0; t < n; ++t) {
-                pg[t] = tm_exp_nonpos(pg[t] - m_new);
-                sum += pg[t];
-            }
-            l[g] = l[g] * corr + sum;
-            m[g] = m_new;
+            for (int64_t t = 0; t < n; ++t) pg[t] *= ks[t];
+            const float corr = tm_softmax_block(pg, n, &m[g], &l[g]);
             for (int64_t t = 0; t < n; ++t) pg[t] *= vs[t];
             /* acc = acc * corr + sum_t p[t] v[t], 32 values at a time in registers */
             const __m256 c8 = _mm256_set1_ps(corr);
