@@ -1,6 +1,6 @@
 """Benchmark workloads built from real text, deterministic from a seed.
 
-Three workloads (issue 5), all as token ids so that every engine measured gets
+Workloads (issues 5 and 12), all as token ids so that every engine measured gets
 exactly the same prompts, and with fixed output lengths (``ignore_eos``) so
 that every engine does the same work:
 
@@ -17,6 +17,15 @@ that every engine does the same work:
   text is a window of the right length at a random offset of a stream of real
   text (all docstrings of ``data/`` and the licence texts in
   ``/usr/share/common-licenses`` when present), not random token ids.
+
+Two fixed shapes (issue 12), the work the llama.cpp comparison was first
+measured on, from the same text stream as ``random`` (raw text, no chat
+template, greedy, EOS ignored):
+
+- ``in99-out64``: 64 prompts of 90-108 tokens (about 99 on average), 64 new
+  tokens each: prefill and decode both matter.
+- ``in45-out256``: 32 prompts of 40-50 tokens (about 45), 256 new tokens each:
+  decode-heavy, 32 sequences decoding together for most of the run.
 
 Text sources: CPython 3.11 standard-library docstrings (PSF licence; see
 ``data/README.md``) and the licence texts shipped with the OS. Lengths are
@@ -37,7 +46,7 @@ from typing import Any, Optional, Sequence
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 LICENSE_DIR = Path("/usr/share/common-licenses")
-WORKLOADS = ("labelling", "synthetic", "random")
+WORKLOADS = ("labelling", "synthetic", "random", "in99-out64", "in45-out256")
 
 # Spec of each workload: token ranges and defaults (issue 5).
 LABELLING_PREFIX_TOKENS = 400  # "about 400": built to within [385, 420]
@@ -48,8 +57,10 @@ SYNTHETIC_OUTPUT = 256
 SYNTHETIC_TEMPERATURE = 0.8
 RANDOM_INPUT_RANGE = (64, 512)
 RANDOM_OUTPUT_RANGE = (32, 256)
-DEFAULT_NUM_PROMPTS = {"labelling": 128, "synthetic": 32, "random": 64}
-QUICK_NUM_PROMPTS = {"labelling": 16, "synthetic": 4, "random": 8}
+# Fixed shapes (issue 12): name -> (prompts, prompt token range, new tokens per prompt)
+FIXED_SHAPES = {"in99-out64": (64, (90, 108), 64), "in45-out256": (32, (40, 50), 256)}
+DEFAULT_NUM_PROMPTS = {"labelling": 128, "synthetic": 32, "random": 64, **{n: s[0] for n, s in FIXED_SHAPES.items()}}
+QUICK_NUM_PROMPTS = {"labelling": 16, "synthetic": 4, "random": 8, "in99-out64": 8, "in45-out256": 4}
 QUICK_MAX_OUTPUT = 32  # --quick caps every output length at this
 
 
@@ -58,7 +69,7 @@ class Workload:
     """A list of requests as token ids with their output lengths and sampling settings.
 
     Attributes:
-        name: "labelling" | "synthetic" | "random".
+        name: one of WORKLOADS.
         prompt_token_ids: one list of token ids per request.
         output_lens: new tokens per request (generated exactly: ignore_eos).
         temperature: 0.0 is greedy; otherwise sampled with top_p = 1, no top_k.
@@ -227,28 +238,59 @@ def build_synthetic(tokenizer: Any, num_prompts: int, seed: int = 0,
     return Workload("synthetic", prompts, [out] * num_prompts, SYNTHETIC_TEMPERATURE, seed)
 
 
+def _text_stream(tokenizer: Any) -> list[int]:
+    """All of `real_text_documents` tokenised and concatenated, in order."""
+    stream: list[int] = []
+    for ids in tokenizer.encode_batch(real_text_documents()):
+        stream += ids
+    return stream
+
+
+def _windows(stream: list[int], rng: random.Random, num: int, length_range: tuple[int, int]) -> list[list[int]]:
+    """`num` windows of `stream`, each of a length uniform in `length_range` at a uniform offset."""
+    lo, hi = length_range
+    if len(stream) < hi:
+        raise RuntimeError(f"only {len(stream)} tokens of text found; need {hi}")
+    out = []
+    for _ in range(num):
+        n = rng.randint(lo, hi)
+        start = rng.randrange(len(stream) - n + 1)
+        out.append(stream[start:start + n])
+    return out
+
+
 def build_random(tokenizer: Any, num_prompts: int, seed: int = 0,
                  max_output_tokens: Optional[int] = None) -> Workload:
     """Windows of real text, input uniform in [64, 512] tokens, output uniform in [32, 256], greedy."""
     rng = random.Random(seed)
-    stream: list[int] = []
-    for ids in tokenizer.encode_batch(real_text_documents()):
-        stream += ids
-    lo, hi = RANDOM_INPUT_RANGE
+    stream = _text_stream(tokenizer)
     olo, ohi = RANDOM_OUTPUT_RANGE
-    if len(stream) < hi:
-        raise RuntimeError(f"only {len(stream)} tokens of text found; need {hi}")
     prompts, outs = [], []
-    for _ in range(num_prompts):
-        n = rng.randint(lo, hi)
-        start = rng.randrange(len(stream) - n + 1)
-        prompts.append(stream[start:start + n])
+    for _ in range(num_prompts):  # one prompt, then its output length: the order seeds have always drawn in
+        prompts += _windows(stream, rng, 1, RANDOM_INPUT_RANGE)
         o = rng.randint(olo, ohi)
         outs.append(o if max_output_tokens is None else min(o, max_output_tokens))
     return Workload("random", prompts, outs, 0.0, seed, notes={"text_stream_tokens": len(stream)})
 
 
-_BUILDERS = {"labelling": build_labelling, "synthetic": build_synthetic, "random": build_random}
+def _fixed_shape_builder(name: str) -> Any:
+    """The builder of one FIXED_SHAPES workload: windows of real text, a fixed output length, greedy."""
+    _, length_range, output = FIXED_SHAPES[name]
+
+    def build(tokenizer: Any, num_prompts: int, seed: int = 0, max_output_tokens: Optional[int] = None) -> Workload:
+        rng = random.Random(f"{name}/{seed}")  # its own draws: no window shared with `random` or the other shape
+        stream = _text_stream(tokenizer)
+        out = output if max_output_tokens is None else min(output, max_output_tokens)
+        return Workload(name, _windows(stream, rng, num_prompts, length_range), [out] * num_prompts, 0.0, seed,
+                        notes={"text_stream_tokens": len(stream), "prompt_range": list(length_range)})
+
+    build.__doc__ = (f"{FIXED_SHAPES[name][0]} (default) windows of real text of {length_range[0]}-{length_range[1]} "
+                     f"tokens, {output} new tokens each, greedy.")
+    return build
+
+
+_BUILDERS = {"labelling": build_labelling, "synthetic": build_synthetic, "random": build_random,
+             **{name: _fixed_shape_builder(name) for name in FIXED_SHAPES}}
 
 
 def build_workload(name: str, tokenizer: Any, num_prompts: Optional[int] = None, seed: int = 0,
