@@ -1,0 +1,139 @@
+"""An F16 copy of a GGUF file, for peers that run best on 16-bit weights (llama.cpp's F16 path).
+
+The bundled SmolLM2 file is Q4_1 (token embedding Q8_0). llama.cpp multiplies
+Q4_1 weights with 8-bit-quantized activations; on a CPU with fast fp16/fp32
+matmuls its F16 path is faster at batch sizes above a few. To measure the
+peer in its best configuration the benchmark writes an F16 file from the same
+weights with the `gguf` library:
+
+- every metadata field is copied in order, except ``general.file_type``, which
+  becomes 1 (``MOSTLY_F16``), and the fields the writer itself owns
+  (``general.architecture``, ``GGUF.*``; ``general.alignment`` is kept as the
+  writer's alignment);
+- every tensor is expanded with ``gguf.quants.dequantize`` and stored as F16,
+  except 1-D tensors (the RMSNorm weights), which stay F32 as llama.cpp's own
+  converter keeps them;
+- tensor names, order and shapes are unchanged, so the GGUF-specific q/k row
+  permutation of the source stays as it is.
+
+The values are those of the source after dequantization, rounded once to
+fp16 (a Q4_1 value ``d * q + m`` is usually not exactly representable in
+fp16: relative error at most 2^-11).
+
+The file is cached under `bench_cache_dir()` and keyed by the source's
+SHA-256, so it is written once per source file (about 270 MB for SmolLM2-135M,
+a few seconds). Never written into the repository.
+
+Usage::
+
+    from benchmarks.gguf_f16 import f16_gguf_path
+    path = f16_gguf_path(default_gguf_path())   # converts on first use
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+MOSTLY_F16 = 1  # llama_ftype LLAMA_FTYPE_MOSTLY_F16
+_FORMAT = "f16-v1"  # bump when the conversion changes, so old cache entries are not reused
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def bench_cache_dir() -> Path:
+    """Folder for files the benchmarks derive (converted GGUFs).
+
+    ``$TOKENMILL_CACHE_DIR/bench`` if set, else ``$XDG_CACHE_HOME/tokenmill/bench``
+    (default ``~/.cache/tokenmill/bench``), the same root the engine's caches use.
+    """
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill")
+    return Path(root) / "bench"
+
+
+def file_sha256(path: PathLike, chunk_bytes: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file's bytes (read in 4 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
+
+
+def convert_to_f16(src: PathLike, dst: PathLike) -> Path:
+    """Write `dst`, an F16 GGUF of `src` (see the module docstring for what is kept and what changes).
+
+    Writes to ``dst + ".tmp"`` and renames, so a crash never leaves a partial
+    file under the final name.
+    Returns:
+        the path written.
+    Raises:
+        NotImplementedError: a tensor type `gguf.quants` cannot dequantize.
+    """
+    import gguf
+
+    src, dst = Path(src), Path(dst)
+    reader = gguf.GGUFReader(src)
+    arch_field = reader.fields[gguf.Keys.General.ARCHITECTURE]
+    tmp = dst.with_name(dst.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, arch=arch_field.contents())
+    for field in reader.fields.values():
+        name = field.name
+        if name == gguf.Keys.General.ARCHITECTURE or name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        if name == gguf.Keys.General.ALIGNMENT:
+            writer.add_custom_alignment(int(field.contents()))
+            continue
+        vtype = field.types[0]
+        if name == gguf.Keys.General.FILE_TYPE:
+            writer.add_key_value(name, MOSTLY_F16, vtype)
+            continue
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
+    if gguf.Keys.General.FILE_TYPE not in reader.fields:
+        writer.add_file_type(MOSTLY_F16)
+
+    def out_dtype(t: "gguf.ReaderTensor") -> type:
+        return np.float32 if len(t.shape) == 1 else np.float16
+
+    for t in reader.tensors:
+        np_shape = [int(n) for n in reversed(t.shape)]  # t.shape is in ggml order (innermost first)
+        dt = np.dtype(out_dtype(t))
+        writer.add_tensor_info(t.name, np_shape, dt, int(np.prod(np_shape)) * dt.itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        writer.write_tensor_data(np.ascontiguousarray(values, dtype=out_dtype(t)))
+    writer.close()
+    os.replace(tmp, dst)
+    return dst
+
+
+def f16_gguf_path(src: PathLike, cache_dir: Optional[PathLike] = None, log=None) -> Path:
+    """The cached F16 copy of `src`, converting it first when it is not cached yet.
+
+    Args:
+        src: a GGUF file (any tensor types `gguf.quants` can dequantize).
+        cache_dir: where to keep it (default `bench_cache_dir()`).
+        log: optional callable(str) told when a conversion runs and how long it took.
+    Returns:
+        ``<cache_dir>/<src stem>.<sha256[:16]>.<format>.F16.gguf``.
+    """
+    import time
+
+    src = Path(src)
+    folder = Path(cache_dir) if cache_dir is not None else bench_cache_dir()
+    dst = folder / f"{src.stem}.{file_sha256(src)[:16]}.{_FORMAT}.F16.gguf"
+    if not dst.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        convert_to_f16(src, dst)
+        if log is not None:
+            log(f"wrote {dst} ({dst.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s")
+    return dst
