@@ -1,8 +1,8 @@
 """Offline throughput of tokenmill against transformers and llama.cpp, one run, same model and prompts.
 
-For each workload (see `benchmarks.workloads`: labelling, synthetic, random)
-every engine gets the same prompt token ids and generates exactly the same
-number of tokens per request (EOS ignored):
+For each workload (see `benchmarks.workloads`: labelling, synthetic, random,
+in99-out64, in45-out256) every engine gets the same prompt token ids and
+generates exactly the same number of tokens per request (EOS ignored):
 
 - ``tokenmill``: ``LLM(model, **engine kwargs).generate(token ids, per-request
   SamplingParams)``, continuous batching over all requests, prefix caching on
@@ -13,9 +13,15 @@ number of tokens per request (EOS ignored):
   ``min_new_tokens = max_new_tokens`` = the longest output of the batch (static
   batching generates that many for every row; only the requested tokens are
   counted as output).
-- ``llamacpp``: ``llama-cpp-python`` on the same GGUF (Q4_1), one request after
-  another, when it is installed (``pip install '.[bench]'``); skipped with a
-  message otherwise.
+- ``llamacpp``: llama.cpp through ``llama-cpp-python``'s low-level batch API
+  (`benchmarks.llamacpp_peer`), in every configuration asked for, one row
+  each: the bundled Q4_1 GGUF and an F16 GGUF written from it
+  (`benchmarks.gguf_f16`, cached on disk), each one request at a time
+  (``llamacpp-q4_1-serial``) and batched with P parallel sequences, continuous
+  refill and greedy sampling in C (``llamacpp-f16-p32``, ...). ``llamacpp``
+  alone means every (``--llamacpp-weights``) x (``--llamacpp-parallel``) pair;
+  a row name picks one. Skipped with a message when llama-cpp-python is not
+  installed (``pip install '.[bench]'``).
 
 Only generation is timed (after a short warm-up); model loading is reported
 apart. Before and during each measurement the machine load is recorded (the
@@ -25,14 +31,20 @@ engine a lot, so trust a figure only when those are near 0.
 
 Usage::
 
-    python -m benchmarks.throughput --workload labelling|synthetic|random|all
-        [--engines tokenmill,hf,llamacpp] [--num-prompts N] [--quick] [--seed 0]
-        [--max-num-seqs 128] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
+    python -m benchmarks.throughput --workload labelling|synthetic|random|in99-out64|in45-out256|all
+        [--engines tokenmill,hf,llamacpp | tokenmill,llamacpp-f16-p32,...] [--num-prompts N] [--quick]
+        [--seed 0] [--max-num-seqs 128] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
         [--quantization int8|int4|gguf] [--kv-cache-dtype auto|int8]
+        [--llamacpp-weights q4_1,f16] [--llamacpp-parallel 1,8,32] [--llamacpp-n-batch 2048]
+        [--llamacpp-n-ubatch 512] [--llamacpp-kv-unified] [--llamacpp-no-shared-prefix] [--threads N]
         [--wait-quiet SECONDS] [--output-json F]
 
 Prints one table per workload: requests/s, input, output and total tokens/s,
-and the ratio of tokenmill to each peer (output tokens/s).
+greedy agreement with tokenmill (requests whose first 8 tokens are
+tokenmill's), the load around each measurement, the ratio of tokenmill to
+each peer configuration and, on its own line, to the best peer configuration
+of the run (the highest output tokens/s). The JSON report records the same
+(``ratio_output_tok_s``, ``best_peer``, ``best_llamacpp``, ``agreement``).
 """
 from __future__ import annotations
 
@@ -48,17 +60,19 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Optional  # noqa: E402
+from typing import Any, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
 from benchmarks.hf_compare import (  # noqa: E402
     BusyMeter, _fmt_load, machine_load, wait_for_quiet, warn_if_busy, write_json_report,
 )
-from benchmarks.workloads import Workload, build_workload, parse_workloads  # noqa: E402
+from benchmarks import llamacpp_peer  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, build_workload, parse_workloads  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-ENGINES = ("tokenmill", "hf", "llamacpp")
+ENGINES = ("tokenmill", "hf", "llamacpp")  # "llamacpp" stands for its configurations (llamacpp-<weights>-<mode>)
+AGREE_FIRST = 8  # greedy agreement: a request agrees when its first this-many tokens are tokenmill's
 
 
 # ----------------------------------------------------------------- result helpers
@@ -94,8 +108,8 @@ def make_llm(model: str = DEFAULT_MODEL, **engine_kwargs: Any) -> Any:
 def run_tokenmill(llm: Any, wl: Workload, warmup: bool = True) -> dict[str, Any]:
     """Time `llm.generate` over the workload; counts, rates, latencies and the engine's step breakdown.
 
-    Returns a dict with wall_s, output_tokens, cached_tokens, per-request
-    latency / TTFT / TPOT percentiles, and `stats` (steps, preemptions, KV
+    Returns a dict with wall_s, output_tokens, token_ids (per request, input
+    order), cached_tokens, per-request latency / TTFT / TPOT percentiles, and `stats` (steps, preemptions, KV
     utilisation, phase seconds) of this run only.
     Raises:
         RuntimeError: an output came back as an error.
@@ -128,6 +142,7 @@ def run_tokenmill(llm: Any, wl: Workload, warmup: bool = True) -> dict[str, Any]
     st = stats_delta(before, llm.stats)
     return {
         "wall_s": wall, "output_tokens": out_tokens, "requests": len(outs),
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
         "cached_tokens": sum(o.num_cached_tokens for o in outs),
         "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
         "ttft_p50_s": _pct(ttft, 0.5), "tpot_mean_s": statistics.fmean(tpot) if tpot else float("nan"),
@@ -155,12 +170,12 @@ def run_hf(model: Any, wl: Workload, batch_size: int = 32, warmup: bool = True) 
 
     Each batch generates max(output_lens of the batch) tokens for every row
     (min_new_tokens = max_new_tokens); `output_tokens` counts the requested
-    ones, `generated_tokens` all of them.
+    ones, `generated_tokens` all of them; `token_ids` holds the requested ones per request.
     """
     pad_id = model.generation_config.pad_token_id
     pad_id = 0 if pad_id is None else pad_id
 
-    def batch_generate(batch: list[list[int]], n: int, seed: int) -> int:
+    def batch_generate(batch: list[list[int]], n: int, seed: int) -> torch.Tensor:
         width = max(map(len, batch))
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -174,168 +189,274 @@ def run_hf(model: Any, wl: Workload, batch_size: int = 32, warmup: bool = True) 
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                  pad_token_id=pad_id, **kw)
-        return int(out[:, width:].numel())
+        return out[:, width:]
 
     if warmup:
         batch_generate([wl.prompt_token_ids[0][:32]], 4, 0)
     t0 = time.perf_counter()
     generated = 0
+    token_ids: list[list[int]] = []
     for i in range(0, wl.num_requests, batch_size):
         outs = wl.output_lens[i:i + batch_size]
-        generated += batch_generate(wl.prompt_token_ids[i:i + batch_size], max(outs), wl.request_seed(i))
+        new = batch_generate(wl.prompt_token_ids[i:i + batch_size], max(outs), wl.request_seed(i))
+        generated += int(new.numel())
+        token_ids += [row[:n].tolist() for row, n in zip(new, outs)]
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "output_tokens": wl.num_output_tokens, "generated_tokens": generated,
-            "requests": wl.num_requests}
+            "requests": wl.num_requests, "token_ids": token_ids}
 
 
 # ----------------------------------------------------------------- llama.cpp
 def llamacpp_available() -> Optional[str]:
     """None if llama-cpp-python imports, else the reason it does not."""
-    try:
-        import llama_cpp  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means "skip"
-        return f"{type(e).__name__}: {e}"
-    return None
+    return llamacpp_peer.available()
 
 
-def load_llamacpp(n_ctx: int, threads: int) -> Any:
-    from llama_cpp import Llama
-
+def llamacpp_gguf(weights: str, log: Any = print) -> Path:
+    """The GGUF file of a llama.cpp weights name: the bundled Q4_1 file, or its cached F16 copy."""
+    from benchmarks.gguf_f16 import f16_gguf_path
     from engine.weights import default_gguf_path
 
-    return Llama(model_path=default_gguf_path(), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
+    src = Path(default_gguf_path())
+    return src if weights == "q4_1" else f16_gguf_path(src, log=log)
 
 
-def run_llamacpp(llm: Any, wl: Workload) -> dict[str, Any]:
-    """One request after another through llama.cpp's token generator (EOS ignored: we stop on count).
+def run_llamacpp(model: Any, wl: Workload, cfg: "llamacpp_peer.LlamaCppConfig", threads: int) -> dict[str, Any]:
+    """One llama.cpp configuration on the workload (`llamacpp_peer.generate_batched`; EOS ignored)."""
+    seeds = [wl.request_seed(i) for i in range(wl.num_requests)] if wl.temperature > 0 else None
+    return llamacpp_peer.generate_batched(model, wl.prompt_token_ids, wl.output_lens, cfg, threads,
+                                          temperature=wl.temperature, seeds=seeds,
+                                          shared_prefix_tokens=wl.shared_prefix_tokens)
 
-    llama-cpp-python keeps the previous request's KV for a common prefix, so
-    the labelling workload's shared instruction is reused as a prefix cache.
+
+# ----------------------------------------------------------------- comparison
+def greedy_agreement(reference: list[list[int]], other: list[list[int]], first: int = AGREE_FIRST) -> dict[str, Any]:
+    """How closely another engine's greedy tokens follow tokenmill's, request by request.
+
+    Returns:
+        requests, first (the prefix length checked), agree (requests whose first
+        `first` tokens equal the reference's), mean_common_prefix (tokens, averaged over requests).
     """
-    def one(prompt: list[int], n: int, seed: int) -> int:
-        if wl.temperature > 0:
-            llm.set_seed(seed)
-        got = 0
-        for _tok in llm.generate(prompt, temp=wl.temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                 reset=True):
-            got += 1
-            if got >= n:
+    def common(a: list[int], b: list[int]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
                 break
-        return got
+            n += 1
+        return n
 
-    one(wl.prompt_token_ids[0][:32], 4, 0)  # warm-up
-    t0 = time.perf_counter()
-    out = sum(one(p, n, wl.request_seed(i)) for i, (p, n) in enumerate(zip(wl.prompt_token_ids, wl.output_lens)))
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": out, "requests": wl.num_requests}
+    prefixes = [common(a, b) for a, b in zip(reference, other)]
+    agree = sum(1 for a, b in zip(reference, other) if a[:first] == b[:first])
+    return {"requests": len(prefixes), "first": first, "agree": agree,
+            "mean_common_prefix": statistics.fmean(prefixes) if prefixes else float("nan")}
+
+
+def compare_to_peers(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """tokenmill's ratio to every peer configuration and to the best of them, from one workload's results.
+
+    Args:
+        results: engine row name -> a result with ``output_tok_s`` and ``total_tok_s``.
+    Returns:
+        ``ratio_output_tok_s`` and ``ratio_total_tok_s`` (peer -> tokenmill / peer),
+        ``best_peer`` (the peer with the highest output tok/s: engine, output_tok_s,
+        ratio_output_tok_s, ratio_total_tok_s) and ``best_llamacpp`` (the same over the
+        llama.cpp rows); a best is None when there is no such peer, every ratio is
+        empty when tokenmill did not run. A peer that produced no tokens gets no ratio.
+    """
+    tm = results.get("tokenmill")
+    peers = {k: r for k, r in results.items() if k != "tokenmill" and r.get("output_tok_s", 0) > 0}
+    out: dict[str, Any] = {"ratio_output_tok_s": {}, "ratio_total_tok_s": {}, "best_peer": None, "best_llamacpp": None}
+    if tm is None or not peers:
+        return out
+    for k, r in peers.items():
+        out["ratio_output_tok_s"][k] = tm["output_tok_s"] / r["output_tok_s"]
+        out["ratio_total_tok_s"][k] = tm["total_tok_s"] / r["total_tok_s"]
+
+    def best(names: list[str]) -> Optional[dict[str, Any]]:
+        if not names:
+            return None
+        k = max(names, key=lambda n: peers[n]["output_tok_s"])
+        return {"engine": k, "output_tok_s": peers[k]["output_tok_s"],
+                "ratio_output_tok_s": out["ratio_output_tok_s"][k], "ratio_total_tok_s": out["ratio_total_tok_s"][k]}
+
+    out["best_peer"] = best(list(peers))
+    out["best_llamacpp"] = best([k for k in peers if k.startswith("llamacpp")])
+    return out
 
 
 # ----------------------------------------------------------------- table
-def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]]) -> str:
-    """The per-workload table: rates, load around each measurement, and ratios of tokenmill to each peer."""
+def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
+                 agreement: Optional[dict[str, dict[str, Any]]] = None) -> str:
+    """The per-workload table: rates, greedy agreement and load per engine, then tokenmill's ratios.
+
+    The ratio lines give tokenmill / each peer configuration, then a line of
+    its own for the best peer configuration (highest output tok/s), and for the
+    best llama.cpp one when that is another row.
+    """
     def cores(x: Optional[float]) -> str:
         return "n/a" if x is None else f"{x:.2f}"
 
+    def agree(eng: str) -> str:
+        if eng == "tokenmill" and agreement:
+            return "ref"
+        a = (agreement or {}).get(eng)
+        return f"{a['agree']}/{a['requests']}" if a else "n/a"
+
+    w = max([22] + [len(k) for k in results])
     lines = [f"== {name}: {wl.summary()}",
-             f"{'engine':<10} {'wall s':>8} {'req/s':>7} {'in tok/s':>9} {'out tok/s':>9} {'total tok/s':>11} "
-             f"{'load 1m':>7} {'busy before':>11} {'busy during':>11}"]
+             f"{'engine':<{w}} {'wall s':>8} {'req/s':>7} {'in tok/s':>9} {'out tok/s':>9} {'total tok/s':>11} "
+             f"{f'agree@{AGREE_FIRST}':>8} {'load 1m':>7} {'busy before':>11} {'busy during':>11}"]
     for eng, r in results.items():
-        lines.append(f"{eng:<10} {r['wall_s']:>8.1f} {r['requests_per_s']:>7.2f} {r['input_tok_s']:>9.1f} "
-                     f"{r['output_tok_s']:>9.1f} {r['total_tok_s']:>11.1f} {r['machine_load']['loadavg_1m']:>7.2f} "
+        lines.append(f"{eng:<{w}} {r['wall_s']:>8.1f} {r['requests_per_s']:>7.2f} {r['input_tok_s']:>9.1f} "
+                     f"{r['output_tok_s']:>9.1f} {r['total_tok_s']:>11.1f} {agree(eng):>8} "
+                     f"{r['machine_load']['loadavg_1m']:>7.2f} "
                      f"{cores(r['machine_load']['other_busy_cores']):>11} {cores(r['other_busy_during']):>11}")
+    cmp = compare_to_peers(results)
+    for eng, ratio in cmp["ratio_output_tok_s"].items():
+        lines.append(f"ratio tokenmill / {eng}: output tok/s {ratio:.2f}x, "
+                     f"total tok/s {cmp['ratio_total_tok_s'][eng]:.2f}x")
+    for label, key in (("BEST PEER", "best_peer"), ("best llama.cpp", "best_llamacpp")):
+        b = cmp[key]
+        if b is None or (key == "best_llamacpp" and b["engine"] == cmp["best_peer"]["engine"]):
+            continue
+        lines.append(f">>> tokenmill / {label} ({b['engine']}, {b['output_tok_s']:.1f} output tok/s): "
+                     f"{b['ratio_output_tok_s']:.2f}x output tok/s, {b['ratio_total_tok_s']:.2f}x total tok/s")
+    for eng, r in results.items():
+        if eng.startswith("llamacpp") and "steps" in r:
+            wall = max(r["wall_s"], 1e-9)
+            lines.append(f"{eng}: {r['steps']} llama_decode calls, {r['mean_batch_tokens']:.0f} tokens each; "
+                         f"time in llama_decode {100 * r['decode_s'] / wall:.0f}%, sampling "
+                         f"{100 * r['sample_s'] / wall:.0f}%, Python/batch building {100 * r['other_s'] / wall:.0f}%; "
+                         f"decode-only steps {r['decode_only_tok_s']:.1f} tok/s; shared prefix computed once: "
+                         f"{r['prefix_tokens_shared']} tokens")
     tm = results.get("tokenmill")
-    if tm:
-        for eng, r in results.items():
-            if eng != "tokenmill":
-                lines.append(f"ratio tokenmill / {eng}: output tok/s {tm['output_tok_s'] / r['output_tok_s']:.2f}x, "
-                             f"total tok/s {tm['total_tok_s'] / r['total_tok_s']:.2f}x")
-        st = tm.get("stats")
-        if st:
-            t = st["time_s"]
-            loop = max(st["loop_s"], 1e-9)
-            split = ", ".join(f"{k} {100 * v / loop:.0f}%" for k, v in t.items())
-            lines.append(f"tokenmill: {st['steps']} steps, {st['mean_batched_tokens']:.0f} tokens/step, "
-                         f"{tm['cached_tokens']} cached prompt tokens, {st['preemptions']} preemptions, KV utilisation "
-                         f"{100 * st['kv_utilization']:.1f}%; step time: {split}")
+    st = tm.get("stats") if tm else None
+    if st:
+        t = st["time_s"]
+        loop = max(st["loop_s"], 1e-9)
+        split = ", ".join(f"{k} {100 * v / loop:.0f}%" for k, v in t.items())
+        lines.append(f"tokenmill: {st['steps']} steps, {st['mean_batched_tokens']:.0f} tokens/step, "
+                     f"{tm['cached_tokens']} cached prompt tokens, {st['preemptions']} preemptions, KV utilisation "
+                     f"{100 * st['kv_utilization']:.1f}%; step time: {split}")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------- main
-def parse_engines(spec: str) -> list[str]:
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    bad = [n for n in names if n not in ENGINES]
+def parse_engines(spec: str, llamacpp_weights: Sequence[str] = llamacpp_peer.WEIGHTS,
+                  llamacpp_parallel: Sequence[int] = llamacpp_peer.DEFAULT_PARALLEL) -> list[str]:
+    """Engine row names from a comma list, in order, without repeats.
+
+    ``tokenmill`` and ``hf`` stand for themselves; ``llamacpp`` expands to every
+    ``llamacpp-<weights>-<serial|pN>`` of `llamacpp_weights` x `llamacpp_parallel`;
+    a row name such as ``llamacpp-f16-p32`` picks that one configuration.
+    Raises:
+        ValueError: an unknown name, or an empty list.
+    """
+    names: list[str] = []
+    bad = []
+    for n in (x.strip() for x in spec.split(",") if x.strip()):
+        if n == "llamacpp":
+            names += [c.name for c in llamacpp_peer.all_configs(llamacpp_weights, llamacpp_parallel)]
+        elif n in ENGINES:
+            names.append(n)
+        elif n.startswith("llamacpp-"):
+            try:
+                names.append(llamacpp_peer.parse_config_name(n).name)
+            except ValueError:
+                bad.append(n)
+        else:
+            bad.append(n)
     if bad or not names:
-        raise ValueError(f"unknown engine(s) {bad}; choose from {list(ENGINES)}")
-    return names
+        raise ValueError(f"unknown engine(s) {bad}; choose from {list(ENGINES)} or llamacpp-<q4_1|f16>-<serial|pN>")
+    return list(dict.fromkeys(names))
 
 
 def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: dict[str, Any],
                   hf_batch_size: int = 32, wait_quiet_s: float = 0.0, model: str = DEFAULT_MODEL,
-                  log: Any = print) -> dict[str, Any]:
-    """Run every engine on every workload; returns {"workloads": {name: {...}}, "skipped": {...}}.
+                  log: Any = print, llamacpp_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Run every engine row on every workload; returns {"workloads": {name: {...}}, "skipped": {...}, ...}.
 
+    Args:
+        engines: row names from `parse_engines`.
+        llamacpp_options: `LlamaCppConfig` fields besides weights and parallel (n_batch, n_ubatch,
+            kv_unified, share_prefix) for every llama.cpp row.
     Each engine result has wall_s, output_tokens, requests, the four rates, the
     machine load before (`machine_load`) and the cores other processes kept
-    busy during (`other_busy_during`).
+    busy during (`other_busy_during`). Each workload entry also has
+    `compare_to_peers`' ratios and bests, and `agreement` (peer -> `greedy_agreement`
+    with tokenmill) on greedy workloads. Token ids are not kept in the report.
     """
     skipped: dict[str, str] = {}
     peers: dict[str, Any] = {}
     load_s: dict[str, float] = {}
+    threads = torch.get_num_threads()
+    configs = {n: llamacpp_peer.parse_config_name(n, **(llamacpp_options or {}))
+               for n in engines if n.startswith("llamacpp-")}
     if "hf" in engines:
         t0 = time.perf_counter()
         peers["hf"] = load_hf_model()
         load_s["hf"] = time.perf_counter() - t0
-    if "llamacpp" in engines:
+    if configs:
         why = llamacpp_available()
         if why is not None:
-            skipped["llamacpp"] = f"llama-cpp-python is not installed ({why}); pip install '.[bench]' to compare"
-            log(f"skipping llamacpp: {skipped['llamacpp']}")
+            for n in configs:
+                skipped[n] = f"llama-cpp-python is not installed ({why}); pip install '.[bench]' to compare"
+            log(f"skipping {', '.join(configs)}: llama-cpp-python is not installed ({why})")
         else:
-            t0 = time.perf_counter()
-            ctx = max(len(p) + n for p, n in ((p, n) for w in workloads
-                                               for p, n in zip(w.prompt_token_ids, w.output_lens)))
-            peers["llamacpp"] = load_llamacpp(ctx + 16, torch.get_num_threads())
-            load_s["llamacpp"] = time.perf_counter() - t0
-    report: dict[str, Any] = {"workloads": {}, "skipped": skipped, "model_load_s": load_s}
-    for wl in workloads:
-        results: dict[str, dict[str, Any]] = {}
-        for eng in engines:
-            if eng in skipped:
-                continue
-            load = wait_for_quiet(wait_quiet_s)
-            log(f"[{wl.name}] {eng}: {_fmt_load(load)}")
-            meter = BusyMeter().start()
-            if eng == "tokenmill":
+            for w in dict.fromkeys(c.weights for c in configs.values()):
                 t0 = time.perf_counter()
-                llm = make_llm(model, **engine_kwargs)
-                load_s.setdefault("tokenmill", time.perf_counter() - t0)
-                r = run_tokenmill(llm, wl)
-                del llm
-            elif eng == "hf":
-                r = run_hf(peers["hf"], wl, hf_batch_size)
-            else:
-                r = run_llamacpp(peers["llamacpp"], wl)
-            r["other_busy_during"] = meter.stop()
-            r["machine_load"] = load
-            r.update(rates(wl, r["wall_s"], r["output_tokens"]))
-            log(f"[{wl.name}] {eng}: {r['wall_s']:.1f} s, {r['output_tok_s']:.1f} output tok/s")
-            results[eng] = r
-        ratios = {}
-        if "tokenmill" in results:
-            for eng, r in results.items():
-                if eng != "tokenmill":
-                    ratios[eng] = results["tokenmill"]["output_tok_s"] / r["output_tok_s"]
-        report["workloads"][wl.name] = {
-            "summary": wl.summary(), "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens,
-            "output_tokens": wl.num_output_tokens, "shared_prefix_tokens": wl.shared_prefix_tokens,
-            "results": results, "ratio_output_tok_s": ratios}
+                path = llamacpp_gguf(w, log=log)
+                peers[f"llamacpp-{w}"] = llamacpp_peer.LlamaCppModel(str(path))
+                load_s[f"llamacpp-{w}"] = time.perf_counter() - t0
+                log(f"llama.cpp {w}: {path}")
+    report: dict[str, Any] = {"workloads": {}, "skipped": skipped, "model_load_s": load_s,
+                              "llamacpp_configs": {n: c.describe() for n, c in configs.items()},
+                              "llamacpp_threads": threads}
+    try:
+        for wl in workloads:
+            results: dict[str, dict[str, Any]] = {}
+            for eng in engines:
+                if eng in skipped:
+                    continue
+                load = wait_for_quiet(wait_quiet_s)
+                log(f"[{wl.name}] {eng}: {_fmt_load(load)}")
+                meter = BusyMeter().start()
+                if eng == "tokenmill":
+                    t0 = time.perf_counter()
+                    llm = make_llm(model, **engine_kwargs)
+                    load_s.setdefault("tokenmill", time.perf_counter() - t0)
+                    r = run_tokenmill(llm, wl)
+                    del llm
+                elif eng == "hf":
+                    r = run_hf(peers["hf"], wl, hf_batch_size)
+                else:
+                    cfg = configs[eng]
+                    r = run_llamacpp(peers[f"llamacpp-{cfg.weights}"], wl, cfg, threads)
+                r["other_busy_during"] = meter.stop()
+                r["machine_load"] = load
+                r.update(rates(wl, r["wall_s"], r["output_tokens"]))
+                log(f"[{wl.name}] {eng}: {r['wall_s']:.1f} s, {r['output_tok_s']:.1f} output tok/s")
+                results[eng] = r
+            tokens = {k: r.pop("token_ids") for k, r in results.items() if "token_ids" in r}
+            agreement = {}
+            if wl.temperature == 0.0 and "tokenmill" in tokens:
+                agreement = {k: greedy_agreement(tokens["tokenmill"], t) for k, t in tokens.items() if k != "tokenmill"}
+            report["workloads"][wl.name] = {
+                "summary": wl.summary(), "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens,
+                "output_tokens": wl.num_output_tokens, "shared_prefix_tokens": wl.shared_prefix_tokens,
+                "results": results, "agreement": agreement, **compare_to_peers(results)}
+    finally:
+        for k, m in peers.items():
+            if k.startswith("llamacpp"):
+                m.close()
     return report
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="all", help="labelling|synthetic|random|all, or a comma list")
-    p.add_argument("--engines", default="tokenmill,hf,llamacpp", help="comma list of tokenmill,hf,llamacpp")
+    p.add_argument("--workload", default="all", help="|".join(WORKLOADS) + "|all, or a comma list")
+    p.add_argument("--engines", default="tokenmill,hf,llamacpp",
+                   help="comma list: tokenmill, hf, llamacpp (all its configurations), llamacpp-<q4_1|f16>-<serial|pN>")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default per workload)")
     p.add_argument("--quick", action="store_true", help="few prompts, outputs capped at 32 tokens (smoke run)")
     p.add_argument("--seed", type=int, default=0)
@@ -346,14 +467,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quantization", default=None, help="tokenmill's weights: int8|int4|gguf (default: as loaded)")
     p.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's KV cache: auto|int8")
     p.add_argument("--hf-batch-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--llamacpp-weights", default=",".join(llamacpp_peer.WEIGHTS),
+                   help="weights 'llamacpp' expands to: q4_1 (bundled GGUF), f16 (an F16 copy, cached)")
+    p.add_argument("--llamacpp-parallel", default=",".join(map(str, llamacpp_peer.DEFAULT_PARALLEL)),
+                   help="parallel sequences 'llamacpp' expands to (1 = one request at a time)")
+    p.add_argument("--llamacpp-n-batch", type=int, default=2048, help="llama.cpp tokens per llama_decode call")
+    p.add_argument("--llamacpp-n-ubatch", type=int, default=512, help="llama.cpp tokens per compute graph")
+    p.add_argument("--llamacpp-kv-unified", action="store_true",
+                   help="one KV buffer for all sequences (default: a stream per sequence)")
+    p.add_argument("--llamacpp-no-shared-prefix", action="store_true",
+                   help="recompute a shared prompt prefix for every request")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch and llama.cpp threads (default: torch's own, the cores)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="before each measurement wait up to this long for other processes to go quiet")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
     try:
         names = parse_workloads(args.workload)
-        engines = parse_engines(args.engines)
+        engines = parse_engines(args.engines, [w.strip() for w in args.llamacpp_weights.split(",") if w.strip()],
+                                [int(x) for x in args.llamacpp_parallel.split(",") if x.strip()])
     except ValueError as e:
         p.error(str(e))
     if args.threads:
@@ -363,6 +496,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"tokenmill throughput: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs", flush=True)
+    print(f"engines: {', '.join(engines)}", flush=True)
     start_load = machine_load()
     print(f"machine at start: {_fmt_load(start_load)}", flush=True)
     tok = Tokenizer.from_model(args.model)
@@ -372,22 +506,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                      "enable_prefix_caching": not args.no_prefix_caching, "quantization": args.quantization,
                      "kv_cache_dtype": args.kv_cache_dtype}
+    llamacpp_options = {"n_batch": args.llamacpp_n_batch, "n_ubatch": args.llamacpp_n_ubatch,
+                        "kv_unified": args.llamacpp_kv_unified, "share_prefix": not args.llamacpp_no_shared_prefix}
     report = run_benchmark(workloads, engines, engine_kwargs, args.hf_batch_size, args.wait_quiet, args.model,
-                           log=lambda s: print(s, flush=True))
+                           log=lambda s: print(s, flush=True), llamacpp_options=llamacpp_options)
     print()
     for w in workloads:
-        print(format_table(w.name, w, report["workloads"][w.name]["results"]))
+        wr = report["workloads"][w.name]
+        print(format_table(w.name, w, wr["results"], wr["agreement"]))
         print()
     for eng, why in report["skipped"].items():
         print(f"{eng}: skipped ({why})")
     busiest = max([max(r["machine_load"]["other_busy_cores"] or 0.0, r["other_busy_during"] or 0.0)
                    for wr in report["workloads"].values() for r in wr["results"].values()] or [0.0])
-    print("(busy before/during: cores of this machine kept busy by other processes; 'load 1m' is os.getloadavg)")
+    print("(busy before/during: cores of this machine kept busy by other processes; 'load 1m' is os.getloadavg; "
+          f"agree@{AGREE_FIRST}: greedy requests whose first {AGREE_FIRST} tokens are tokenmill's)")
     warn_if_busy(busiest)
     report.update(machine_load_start=start_load, machine_load_end=machine_load(), max_other_busy_cores=busiest,
                   torch=torch.__version__, torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
-                  model=args.model, engine_kwargs=engine_kwargs, hf_batch_size=args.hf_batch_size,
-                  quick=args.quick, seed=args.seed)
+                  cpu=platform.processor() or platform.machine(), model=args.model, engine_kwargs=engine_kwargs,
+                  hf_batch_size=args.hf_batch_size, quick=args.quick, seed=args.seed)
     write_json_report(args.output_json, report)
     return 0
 

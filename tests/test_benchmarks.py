@@ -1,12 +1,19 @@
-"""Benchmark harness: workloads are deterministic and within spec; the runners count consistently.
+"""Benchmark harness: workloads are deterministic and within spec; the runners count consistently;
+the F16 GGUF is the source's values; tables compare tokenmill with every peer and with the best one.
 
-No timing assertions: the machine is shared, only counts and shapes are checked.
+No timing assertions: the machine is shared, only counts, shapes and values are checked. Tests
+that run llama.cpp skip when llama-cpp-python (the optional `bench` extra) is not installed.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from benchmarks import workloads as W
+from benchmarks.llamacpp_peer import available as llamacpp_missing
+
+needs_llamacpp = pytest.mark.skipif(llamacpp_missing() is not None,
+                                    reason=f"llama-cpp-python not installed ({llamacpp_missing()})")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +69,23 @@ def test_random_lengths_are_uniform_ranges_of_real_text(tok):
     assert sum(ch.isalpha() for ch in text) > len(text) / 2  # real text, not random ids
 
 
+@pytest.mark.parametrize("name,count,lo,hi,out", [("in99-out64", 64, 90, 108, 64), ("in45-out256", 32, 40, 50, 256)])
+def test_fixed_shape_workloads(tok, name, count, lo, hi, out):
+    wl = W.build_workload(name, tok)
+    lens = [len(p) for p in wl.prompt_token_ids]
+    assert wl.num_requests == count and wl.output_lens == [out] * count
+    assert lo <= min(lens) and max(lens) <= hi and abs(sum(lens) / count - (lo + hi) / 2) < 3  # "about" 99 / 45
+    assert wl.temperature == 0.0 and wl.shared_prefix_tokens == 0
+    assert all(sp.ignore_eos and sp.max_tokens == out and sp.temperature == 0.0 for sp in wl.sampling_params())
+    text = tok.decode(wl.prompt_token_ids[0])
+    assert sum(ch.isalpha() for ch in text) > len(text) / 2  # raw real text, no chat template
+    assert "<|im_start|>" not in text
+    rnd = W.build_workload("random", tok, num_prompts=count)
+    assert not {tuple(p[:32]) for p in wl.prompt_token_ids} & {tuple(p[:32]) for p in rnd.prompt_token_ids}
+    quick = W.build_workload(name, tok, quick=True)
+    assert quick.num_requests == W.QUICK_NUM_PROMPTS[name] and max(quick.output_lens) <= W.QUICK_MAX_OUTPUT
+
+
 def test_quick_caps_prompts_and_outputs(tok):
     wl = W.build_workload("random", tok, quick=True)
     assert wl.num_requests == W.QUICK_NUM_PROMPTS["random"]
@@ -70,6 +94,7 @@ def test_quick_caps_prompts_and_outputs(tok):
 
 def test_parse_workloads_and_errors(tok):
     assert W.parse_workloads("all") == list(W.WORKLOADS)
+    assert {"random", "in99-out64", "in45-out256"} <= set(W.parse_workloads("all"))
     assert W.parse_workloads("random, labelling") == ["random", "labelling"]
     with pytest.raises(ValueError):
         W.parse_workloads("nope")
@@ -80,10 +105,11 @@ def test_parse_workloads_and_errors(tok):
 def test_tokenmill_runner_counts_match_the_workload(llm, tok):
     from benchmarks.throughput import rates, run_tokenmill
 
-    wl = W.build_workload("labelling", tok, num_prompts=3, seed=0, max_output_tokens=3)
+    wl = W.build_workload("labelling", tok, num_prompts=2, seed=0, max_output_tokens=3)
     steps_before = llm.stats.num_steps
     r = run_tokenmill(llm, wl, warmup=False)
     assert r["requests"] == 3 and r["output_tokens"] == wl.num_output_tokens == 9
+    assert [len(t) for t in r["token_ids"]] == [3, 3, 3]
     assert r["stats"]["steps"] == llm.stats.num_steps - steps_before > 0
     assert r["stats"]["prompt_tokens_computed"] + r["cached_tokens"] == wl.num_input_tokens
     assert 0.0 < r["stats"]["kv_utilization"] <= 1.0
@@ -100,15 +126,215 @@ def test_hf_runner_counts_requested_tokens(hf_model, tok):
     wl.output_lens = [2, 4, 3]
     r = run_hf(hf_model, wl, batch_size=2, warmup=False)
     assert r["output_tokens"] == 9 and r["generated_tokens"] == 2 * 4 + 3  # static batches pad to the longest
+    assert [len(t) for t in r["token_ids"]] == [2, 4, 3]  # only the requested tokens are kept
 
 
-def test_llamacpp_missing_is_a_skip_not_an_error():
-    from benchmarks.throughput import llamacpp_available, parse_engines
+def test_parse_engines_expands_llamacpp_to_every_configuration():
+    from benchmarks.llamacpp_peer import parse_config_name
+    from benchmarks.throughput import parse_engines
 
-    assert llamacpp_available() is None or isinstance(llamacpp_available(), str)
     assert parse_engines("tokenmill,hf") == ["tokenmill", "hf"]
+    assert parse_engines("tokenmill,llamacpp", ["f16", "q4_1"], [1, 32]) == [
+        "tokenmill", "llamacpp-f16-serial", "llamacpp-f16-p32", "llamacpp-q4_1-serial", "llamacpp-q4_1-p32"]
+    picked = parse_engines("llamacpp-f16-p32, llamacpp-q4_1-p8,llamacpp-f16-p32")
+    assert picked == ["llamacpp-f16-p32", "llamacpp-q4_1-p8"]  # in order, once each
+    cfg = parse_config_name("llamacpp-q4_1-p8", n_batch=256)
+    assert (cfg.weights, cfg.parallel, cfg.n_batch, cfg.name) == ("q4_1", 8, 256, "llamacpp-q4_1-p8")
+    assert parse_config_name("llamacpp-f16-serial").parallel == 1
+    for bad in ("vllm", "llamacpp-bf16-p8", "llamacpp-f16-p0", "llamacpp-f16", ""):
+        with pytest.raises(ValueError):
+            parse_engines(bad)
     with pytest.raises(ValueError):
-        parse_engines("vllm")
+        parse_engines("llamacpp", ["q8_0"], [8])
+
+
+def _fake(out_tok_s: float, total_tok_s: float) -> dict:
+    return {"wall_s": 1.0, "requests_per_s": 1.0, "input_tok_s": total_tok_s - out_tok_s, "output_tok_s": out_tok_s,
+            "total_tok_s": total_tok_s, "machine_load": {"loadavg_1m": 0.0, "other_busy_cores": 0.0},
+            "other_busy_during": 0.0}
+
+
+def test_ratios_name_every_peer_and_the_best_one_not_the_weakest(tok):
+    from benchmarks.throughput import compare_to_peers, format_table
+
+    results = {"tokenmill": _fake(200.0, 500.0), "hf": _fake(50.0, 100.0), "llamacpp-q4_1-serial": _fake(40.0, 80.0),
+               "llamacpp-f16-p8": _fake(250.0, 400.0), "llamacpp-f16-p32": _fake(320.0, 1000.0),
+               "llamacpp-q4_1-p32": _fake(0.0, 0.0)}
+    cmp = compare_to_peers(results)
+    assert cmp["ratio_output_tok_s"] == pytest.approx({"hf": 4.0, "llamacpp-q4_1-serial": 5.0,
+                                                        "llamacpp-f16-p8": 0.8, "llamacpp-f16-p32": 0.625})
+    assert cmp["ratio_total_tok_s"]["llamacpp-f16-p32"] == pytest.approx(0.5)
+    assert cmp["best_peer"]["engine"] == "llamacpp-f16-p32"  # highest output tok/s, not highest total
+    assert cmp["best_peer"]["ratio_output_tok_s"] == pytest.approx(0.625)
+    assert cmp["best_llamacpp"] == cmp["best_peer"]
+    wl = W.build_workload("in99-out64", tok, num_prompts=2, max_output_tokens=2)
+    table = format_table("in99-out64", wl, results, {"hf": {"agree": 1, "requests": 2}})
+    best = [ln for ln in table.splitlines() if "BEST PEER" in ln]
+    assert len(best) == 1 and "llamacpp-f16-p32" in best[0] and "0.62x output tok/s" in best[0]
+    assert "ratio tokenmill / llamacpp-f16-p8: output tok/s 0.80x" in table
+    assert "1/2" in table and "ref" in table
+
+    hf_best = compare_to_peers({"tokenmill": _fake(10.0, 20.0), "hf": _fake(30.0, 40.0),
+                                "llamacpp-f16-p8": _fake(20.0, 25.0)})
+    assert hf_best["best_peer"]["engine"] == "hf" and hf_best["best_llamacpp"]["engine"] == "llamacpp-f16-p8"
+    table = format_table("x", wl, {"tokenmill": _fake(10.0, 20.0), "hf": _fake(30.0, 40.0),
+                                   "llamacpp-f16-p8": _fake(20.0, 25.0)})
+    assert ">>> tokenmill / BEST PEER (hf" in table and ">>> tokenmill / best llama.cpp (llamacpp-f16-p8" in table
+    empty = compare_to_peers({"hf": _fake(30.0, 40.0)})
+    assert empty["best_peer"] is None and empty["ratio_output_tok_s"] == {}
+
+
+def test_greedy_agreement_counts_common_prefixes():
+    from benchmarks.throughput import greedy_agreement
+
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    other = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9, 9, 9]]
+    a = greedy_agreement(ref, other, first=2)
+    assert (a["requests"], a["agree"], a["first"]) == (3, 2, 2)
+    assert a["mean_common_prefix"] == pytest.approx((4 + 2 + 0) / 3)
+
+
+def test_missing_llamacpp_skips_its_rows_with_the_reason(tok, monkeypatch):
+    from benchmarks import throughput as T
+
+    monkeypatch.setattr(T, "llamacpp_available", lambda: "ImportError: no module named llama_cpp")
+    wl = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=2)
+    logs: list[str] = []
+    report = T.run_benchmark([wl], ["llamacpp-f16-p32", "llamacpp-q4_1-serial"], {}, log=logs.append)
+    assert set(report["skipped"]) == {"llamacpp-f16-p32", "llamacpp-q4_1-serial"}
+    assert all("ImportError: no module named llama_cpp" in why for why in report["skipped"].values())
+    entry = report["workloads"]["in45-out256"]
+    assert entry["results"] == {} and entry["best_peer"] is None
+    assert any("skipping" in line for line in logs)
+
+
+# ----------------------------------------------------------------- the F16 GGUF
+def _tiny_gguf(path, rng):
+    """A small GGUF with the metadata kinds and tensor types of the bundled file (Q4_1, Q8_0, F32 1-D)."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_uint32("llama.block_count", 1)
+    w.add_float32("llama.rope.freq_base", 100000.0)
+    w.add_string("general.name", "tiny")
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_array("tokenizer.ggml.tokens", ["a", "b", "<|im_end|>"])
+    w.add_array("tokenizer.ggml.token_type", [1, 1, 3])
+    w.add_file_type(3)  # MOSTLY_Q4_1
+    tensors = {
+        "token_embd.weight": (gguf.GGMLQuantizationType.Q8_0, rng.standard_normal((6, 64)).astype(np.float32)),
+        "blk.0.attn_q.weight": (gguf.GGMLQuantizationType.Q4_1, rng.standard_normal((4, 96)).astype(np.float32)),
+        "blk.0.attn_norm.weight": (gguf.GGMLQuantizationType.F32, rng.standard_normal(64).astype(np.float32)),
+    }
+    for name, (qtype, x) in tensors.items():
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_f16_conversion_keeps_every_field_and_the_dequantized_values(tmp_path):
+    import gguf
+
+    from benchmarks.gguf_f16 import convert_to_f16
+
+    src, dst = tmp_path / "tiny.gguf", tmp_path / "tiny.F16.gguf"
+    _tiny_gguf(src, np.random.default_rng(0))
+    convert_to_f16(src, dst)
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    assert b.fields["general.file_type"].contents() == 1
+    fa = {k: (f.types, f.contents()) for k, f in a.fields.items() if not k.startswith("GGUF.")}
+    fb = {k: (f.types, f.contents()) for k, f in b.fields.items() if not k.startswith("GGUF.")}
+    assert fa.pop("general.file_type")[1] == 3
+    fb.pop("general.file_type")
+    assert fa == fb and list(fa) == list(fb)  # every other field, its type and its order
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert list(ta.shape) == list(tb.shape)
+        ref = gguf.quants.dequantize(ta.data, ta.tensor_type)
+        got = gguf.quants.dequantize(tb.data, tb.tensor_type)
+        if len(ta.shape) == 1:  # norm weights stay F32, bit for bit
+            assert tb.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(got, ref)
+        else:
+            assert tb.tensor_type == gguf.GGMLQuantizationType.F16
+            np.testing.assert_array_equal(got, ref.astype(np.float16).astype(np.float32))  # one rounding to fp16
+            np.testing.assert_allclose(got, ref, rtol=2 ** -10, atol=1e-7)
+    assert not (tmp_path / "tiny.F16.gguf.tmp").exists()
+
+
+def test_f16_copy_is_cached_by_the_source_hash(tmp_path):
+    from benchmarks.gguf_f16 import f16_gguf_path
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src, np.random.default_rng(0))
+    logs: list[str] = []
+    first = f16_gguf_path(src, cache_dir=tmp_path / "cache", log=logs.append)
+    mtime = first.stat().st_mtime_ns
+    assert f16_gguf_path(src, cache_dir=tmp_path / "cache", log=logs.append) == first
+    assert first.stat().st_mtime_ns == mtime and len(logs) == 1  # converted once
+    _tiny_gguf(src, np.random.default_rng(1))  # same name, other weights: another entry
+    second = f16_gguf_path(src, cache_dir=tmp_path / "cache", log=logs.append)
+    assert second != first and second.is_file() and len(logs) == 2
+
+
+# ----------------------------------------------------------------- llama.cpp (optional)
+@pytest.fixture(scope="module")
+def q4_model():
+    from benchmarks.llamacpp_peer import LlamaCppModel
+    from engine.weights import default_gguf_path
+
+    m = LlamaCppModel(default_gguf_path())
+    yield m
+    m.close()
+
+
+@needs_llamacpp
+def test_llamacpp_batched_refill_gives_the_serial_tokens(tok, q4_model):
+    from benchmarks.llamacpp_peer import LlamaCppConfig, generate_batched
+
+    wl = W.build_workload("random", tok, num_prompts=5, seed=2)
+    prompts = [p[:24 + 7 * i] for i, p in enumerate(wl.prompt_token_ids)]
+    outs = [3, 7, 2, 5, 4]
+    serial = generate_batched(q4_model, prompts, outs, LlamaCppConfig("q4_1", 1), threads=2)
+    # 2 slots, and a batch too small for the first two prompts at once: refill and split prefill both happen
+    batched = generate_batched(q4_model, prompts, outs, LlamaCppConfig("q4_1", 2, n_batch=40, n_ubatch=40), threads=2)
+    assert [len(t) for t in batched["token_ids"]] == outs and batched["output_tokens"] == sum(outs)
+    assert batched["token_ids"] == serial["token_ids"]
+    assert batched["steps"] < serial["steps"]
+    assert serial["steps"] == len(prompts) + sum(outs) - len(prompts)  # one prefill + (n - 1) decodes each
+
+
+@needs_llamacpp
+def test_llamacpp_shared_prefix_is_computed_once_with_the_same_tokens(tok, q4_model):
+    from benchmarks.llamacpp_peer import LlamaCppConfig, generate_batched
+
+    wl = W.build_workload("labelling", tok, num_prompts=2, seed=0, max_output_tokens=3)
+    args = (q4_model, wl.prompt_token_ids, wl.output_lens)
+    shared = generate_batched(*args, LlamaCppConfig("q4_1", 2), threads=2, shared_prefix_tokens=wl.shared_prefix_tokens)
+    plain = generate_batched(*args, LlamaCppConfig("q4_1", 2, share_prefix=False), threads=2,
+                             shared_prefix_tokens=wl.shared_prefix_tokens)
+    assert shared["prefix_tokens_shared"] == wl.shared_prefix_tokens and plain["prefix_tokens_shared"] == 0
+    assert shared["token_ids"] == plain["token_ids"]
+
+
+@needs_llamacpp
+def test_llamacpp_loads_the_f16_copy_and_follows_the_q4_1_model(tok, q4_model, tmp_path_factory):
+    from benchmarks.gguf_f16 import f16_gguf_path
+    from benchmarks.llamacpp_peer import LlamaCppConfig, LlamaCppModel, generate_batched
+    from engine.weights import default_gguf_path
+
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):\n    \"\"\"Return")]
+    path = f16_gguf_path(default_gguf_path(), cache_dir=tmp_path_factory.mktemp("bench"))
+    with LlamaCppModel(path) as f16:
+        a = generate_batched(f16, prompts, [6, 6], LlamaCppConfig("f16", 2), threads=2)["token_ids"]
+    b = generate_batched(q4_model, prompts, [6, 6], LlamaCppConfig("q4_1", 2), threads=2)["token_ids"]
+    assert tok.decode(a[0]).strip().startswith("Paris")
+    assert [x[:3] for x in a] == [x[:3] for x in b]  # same weights up to fp16 rounding and q8 activations
 
 
 def test_int8_diagnosis_hidden_states_reproduce_the_engines_scores(llm):

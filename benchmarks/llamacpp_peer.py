@@ -1,0 +1,382 @@
+"""llama.cpp as a throughput peer: its batched mode through llama-cpp-python's low-level API.
+
+A throughput user of llama.cpp does not run one request after another: they
+decode many sequences in one batch, as llama.cpp's ``parallel`` and
+``batched`` examples and its server do. This module runs llama.cpp that way,
+on exactly the work tokenmill gets (the same prompt token ids, the same
+number of new tokens per request, EOS ignored), so that a ratio against it is
+a ratio against the peer at its best:
+
+- **P parallel sequences** (`LlamaCppConfig.parallel`; 1 is one request at a
+  time). Slot ``s`` owns sequence id ``s`` of the KV cache.
+- **Continuous refill.** When a sequence reaches its output length its slot is
+  cleared (``llama_memory_seq_rm``) and the next waiting request takes it in
+  the same step: the new prompt's prefill goes into the same ``llama_batch`` as
+  the other sequences' decode tokens. Each step takes every decoding
+  sequence's next token first, then prompt tokens up to ``n_batch`` (a prompt
+  longer than what is left is split over steps, like a chunked prefill).
+- **Sampling in C.** Each slot has a ``llama_sampler`` chain (greedy, or
+  temperature + seeded ``dist`` for a sampled workload) and every token comes
+  from ``llama_sampler_sample`` on the logits of its batch row; Python never
+  touches the logits.
+- **Split KV streams** (``kv_unified=False``, llama.cpp's default and its
+  high-throughput mode): each sequence attends only to its own cache, so
+  attention cost does not grow with the other sequences. ``kv_unified=True``
+  is kept as an option for measuring.
+- **Shared prefix once.** When every prompt starts with the same tokens
+  (`Workload.shared_prefix_tokens`, the labelling workload) the prefix is
+  computed once into an extra sequence and copied into each slot with
+  ``llama_memory_seq_cp``, as the ``parallel`` example does with its system
+  prompt; tokenmill's prefix cache gets the same saving.
+- ``n_threads`` = ``n_threads_batch`` = the cores given (the benchmark passes
+  torch's thread count, the machine's cores by default).
+
+The timed region is the step loop from the first prefill to the last token;
+loading the model and creating the context are not timed. The result also
+splits the wall time into ``llama_decode``, sampling and the rest (Python and
+batch building), so a reader can check the peer is not held back by its glue.
+
+Requires ``llama-cpp-python`` (the optional ``bench`` extra, built from
+source; never installed in CI).
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+WEIGHTS = ("q4_1", "f16")
+DEFAULT_PARALLEL = (1, 8, 32)
+_CTX_ALIGN = 256  # llama.cpp rounds context sizes up to this
+
+
+@dataclass(frozen=True)
+class LlamaCppConfig:
+    """One llama.cpp peer configuration.
+
+    Attributes:
+        weights: "q4_1" (the bundled GGUF) or "f16" (`benchmarks.gguf_f16`'s copy of it).
+        parallel: sequences decoded together (1 = one request at a time).
+        n_batch: most tokens per ``llama_decode`` call (decode tokens + prompt tokens).
+        n_ubatch: most tokens llama.cpp computes in one graph (it splits a batch into these).
+        kv_unified: one KV buffer for all sequences instead of one stream per sequence.
+        share_prefix: compute a workload's shared prompt prefix once and copy it to each slot.
+    """
+
+    weights: str
+    parallel: int
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    kv_unified: bool = False
+    share_prefix: bool = True
+
+    @property
+    def name(self) -> str:
+        """The row name: ``llamacpp-<weights>-p<P>``, or ``llamacpp-<weights>-serial`` for P = 1."""
+        return f"llamacpp-{self.weights}-" + ("serial" if self.parallel == 1 else f"p{self.parallel}")
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as a plain dict, for the JSON report."""
+        return {"weights": self.weights, "parallel": self.parallel, "n_batch": self.n_batch,
+                "n_ubatch": self.n_ubatch, "kv_unified": self.kv_unified, "share_prefix": self.share_prefix}
+
+
+def all_configs(weights: Sequence[str] = WEIGHTS, parallel: Sequence[int] = DEFAULT_PARALLEL,
+                **kwargs: Any) -> list[LlamaCppConfig]:
+    """Every (weights, parallel) pair, weights-major; `kwargs` go to each `LlamaCppConfig`.
+
+    Raises:
+        ValueError: an unknown weights name or a parallel below 1.
+    """
+    bad = [w for w in weights if w not in WEIGHTS]
+    if bad:
+        raise ValueError(f"unknown llama.cpp weights {bad}; choose from {list(WEIGHTS)}")
+    if any(p < 1 for p in parallel):
+        raise ValueError(f"parallel sequences must be >= 1, got {list(parallel)}")
+    return [LlamaCppConfig(w, p, **kwargs) for w in weights for p in parallel]
+
+
+def parse_config_name(name: str, **kwargs: Any) -> LlamaCppConfig:
+    """``llamacpp-<q4_1|f16>-<serial|pN>`` -> its `LlamaCppConfig`.
+
+    Raises:
+        ValueError: a name of another shape.
+    """
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "llamacpp" and parts[1] in WEIGHTS:
+        mode = parts[2]
+        if mode == "serial":
+            return LlamaCppConfig(parts[1], 1, **kwargs)
+        if mode.startswith("p") and mode[1:].isdigit() and int(mode[1:]) >= 1:
+            return LlamaCppConfig(parts[1], int(mode[1:]), **kwargs)
+    raise ValueError(f"unknown llama.cpp configuration {name!r}; expected llamacpp-<{'|'.join(WEIGHTS)}>-<serial|pN>")
+
+
+def available() -> Optional[str]:
+    """None if llama-cpp-python imports, else the reason it does not."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+_LOG_CALLBACK = None  # kept alive: llama.cpp holds the pointer
+
+
+def _quiet_logs() -> None:
+    """Route llama.cpp's log lines to stderr only at ERROR level (its loader prints hundreds of lines)."""
+    global _LOG_CALLBACK
+    import sys
+
+    import llama_cpp as L
+
+    if _LOG_CALLBACK is None:
+        @L.llama_log_callback
+        def cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            if level == 4:  # GGML_LOG_LEVEL_ERROR
+                print(text.decode("utf-8", errors="replace"), end="", file=sys.stderr, flush=True)
+
+        _LOG_CALLBACK = cb
+    L.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+class LlamaCppModel:
+    """A llama.cpp model loaded from a GGUF file (mmap; weights stay in the file's type).
+
+    Call `close` (or use as a context manager) to free it.
+    """
+
+    def __init__(self, path: str) -> None:
+        import llama_cpp as L
+
+        _quiet_logs()
+        L.llama_backend_init()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.path = str(path)
+        self.model = L.llama_model_load_from_file(self.path.encode(), params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {self.path}")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+
+    def close(self) -> None:
+        import llama_cpp as L
+
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> "LlamaCppModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _new_context(model: LlamaCppModel, n_seq: int, ctx_per_seq: int, cfg: LlamaCppConfig, threads: int) -> Any:
+    import llama_cpp as L
+
+    p = L.llama_context_default_params()
+    per_seq = -(-ctx_per_seq // _CTX_ALIGN) * _CTX_ALIGN
+    p.n_ctx = per_seq * n_seq
+    p.n_seq_max = n_seq
+    p.n_batch = cfg.n_batch
+    p.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
+    p.n_threads = threads
+    p.n_threads_batch = threads
+    p.kv_unified = cfg.kv_unified
+    p.no_perf = True
+    ctx = L.llama_init_from_model(model.model, p)
+    if not ctx:
+        raise RuntimeError(f"llama.cpp could not create a context (n_ctx {p.n_ctx}, {n_seq} sequences)")
+    return ctx
+
+
+def _sampler(temperature: float, seed: int) -> Any:
+    """A sampler chain: greedy at temperature 0, else temperature then a seeded draw (top_p 1, no top_k)."""
+    import llama_cpp as L
+
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    if temperature == 0.0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+    else:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+    return chain
+
+
+@dataclass
+class _Slot:
+    """The request a batch slot is serving (slot index = KV sequence id)."""
+
+    request: int
+    prompt: list[int]
+    target: int  # new tokens to generate
+    fed: int  # prompt tokens already in the KV cache
+    sampler: Any
+    out: list[int]
+    row: int = -1  # batch row whose logits give this slot's next token this step, -1 if none
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+
+def generate_batched(model: LlamaCppModel, prompts: Sequence[Sequence[int]], output_lens: Sequence[int],
+                     cfg: LlamaCppConfig, threads: int, temperature: float = 0.0,
+                     seeds: Optional[Sequence[int]] = None, shared_prefix_tokens: int = 0,
+                     warmup: bool = True) -> dict[str, Any]:
+    """Generate ``output_lens[i]`` tokens after ``prompts[i]`` for every request, `cfg.parallel` at a time.
+
+    EOS is ignored (a sequence stops on its count). Requests are admitted in
+    input order as slots free up.
+
+    Args:
+        model: a loaded `LlamaCppModel`.
+        prompts: token ids per request (no BOS is added).
+        output_lens: new tokens per request, each >= 1.
+        cfg: the configuration (`parallel`, `n_batch`, ...).
+        threads: llama.cpp threads for decode and batch work.
+        temperature: 0 is greedy; otherwise sampled with ``seeds[i]`` per request.
+        seeds: one seed per request (needed when temperature > 0).
+        shared_prefix_tokens: leading tokens every prompt shares (computed once when `cfg.share_prefix`).
+        warmup: decode a few tokens once before timing.
+    Returns:
+        wall_s (the timed loop, s), output_tokens, requests, token_ids (per request, in input order),
+        steps (``llama_decode`` calls), mean_batch_tokens, decode_s / sample_s / other_s (split of wall_s),
+        decode_only_tok_s (tokens/s over the steps that carried no prompt token, NaN if none did),
+        prefix_tokens_shared (0 when the prefix was not shared), threads, config.
+    Raises:
+        RuntimeError: ``llama_decode`` failed (e.g. the KV cache is full).
+        ValueError: a prompt is empty or an output length is below 1.
+    """
+    import numpy as np
+
+    import llama_cpp as L
+
+    n_req = len(prompts)
+    if len(output_lens) != n_req or any(n < 1 for n in output_lens) or any(len(p) == 0 for p in prompts):
+        raise ValueError("every request needs a non-empty prompt and an output length >= 1")
+    if temperature > 0 and (seeds is None or len(seeds) != n_req):
+        raise ValueError("a sampled run needs one seed per request")
+    P = min(cfg.parallel, n_req)
+    prefix = list(prompts[0][:shared_prefix_tokens]) if cfg.share_prefix and shared_prefix_tokens > 0 else []
+    if prefix and any(list(p[:len(prefix)]) != prefix or len(p) <= len(prefix) for p in prompts):
+        raise ValueError("shared_prefix_tokens is not a prefix of every prompt (with at least one token after it)")
+    tmpl = P if prefix else -1  # sequence id holding the shared prefix
+    n_seq = P + (1 if prefix else 0)
+    ctx_per_seq = max(len(p) + n for p, n in zip(prompts, output_lens)) + 1
+    ctx = _new_context(model, n_seq, ctx_per_seq, cfg, threads)
+    mem = L.llama_get_memory(ctx)
+    cap = cfg.n_batch
+    batch = L.llama_batch_init(cap, 0, 1)
+    tokens = np.ctypeslib.as_array(batch.token, shape=(cap,))
+    pos = np.ctypeslib.as_array(batch.pos, shape=(cap,))
+    n_seq_id = np.ctypeslib.as_array(batch.n_seq_id, shape=(cap,))
+    logits = np.ctypeslib.as_array(batch.logits, shape=(cap,))
+    n_seq_id[:] = 1
+    seq_ptrs = [batch.seq_id[i] for i in range(cap)]
+
+    def put(n: int, ids: Sequence[int], start_pos: int, seq: int, want_last: bool) -> int:
+        """Write ids as batch rows n.. of sequence seq; returns the new row count."""
+        k = len(ids)
+        tokens[n:n + k] = ids
+        pos[n:n + k] = np.arange(start_pos, start_pos + k)
+        logits[n:n + k] = 0
+        if want_last:
+            logits[n + k - 1] = 1
+        for i in range(n, n + k):
+            seq_ptrs[i][0] = seq
+        return n + k
+
+    decode_s = 0.0
+
+    def decode(n: int) -> None:
+        nonlocal decode_s
+        batch.n_tokens = n
+        t = time.perf_counter()
+        rc = L.llama_decode(ctx, batch)
+        decode_s += time.perf_counter() - t
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} ({n} tokens in the batch)")
+
+    samplers: list[Any] = []
+    try:
+        if warmup:
+            w = list(prompts[0][:8])
+            decode(put(0, w, 0, 0, True))
+            s = _sampler(0.0, 0)
+            L.llama_sampler_sample(s, ctx, len(w) - 1)
+            L.llama_sampler_free(s)
+            L.llama_memory_clear(mem, True)
+            decode_s = 0.0
+
+        waiting = deque(range(n_req))
+        slots: list[Optional[_Slot]] = [None] * P
+        results: list[list[int]] = [[] for _ in range(n_req)]
+        steps = 0
+        batch_tokens = 0
+        sample_s = 0.0
+        decode_only_s, decode_only_tokens = 0.0, 0  # steps without prompt tokens: the decode rate
+        t0 = time.perf_counter()
+        if prefix:
+            for i in range(0, len(prefix), cap):
+                chunk = prefix[i:i + cap]
+                decode(put(0, chunk, i, tmpl, False))
+                steps += 1
+                batch_tokens += len(chunk)
+        done = 0
+        while done < n_req:
+            for s in range(P):  # refill free slots with the next requests, in input order
+                if slots[s] is None and waiting:
+                    r = waiting.popleft()
+                    L.llama_memory_seq_rm(mem, s, -1, -1)
+                    if prefix:
+                        L.llama_memory_seq_cp(mem, tmpl, s, -1, -1)
+                    sm = _sampler(temperature, seeds[r] if seeds is not None else 0)
+                    samplers.append(sm)
+                    slots[s] = _Slot(r, list(prompts[r]), int(output_lens[r]), len(prefix), sm, results[r])
+            t_step = time.perf_counter()
+            n = 0
+            for s, sl in enumerate(slots):  # decode tokens of the running sequences first
+                if sl is not None and not sl.prefilling:
+                    sl.row = n
+                    n = put(n, [sl.out[-1]], len(sl.prompt) + len(sl.out) - 1, s, True)
+                elif sl is not None:
+                    sl.row = -1
+            n_decode = n
+            for s, sl in enumerate(slots):  # then prompt tokens, while the batch has room
+                if sl is not None and sl.prefilling and n < cap:
+                    take = min(len(sl.prompt) - sl.fed, cap - n)
+                    last = sl.fed + take == len(sl.prompt)
+                    n = put(n, sl.prompt[sl.fed:sl.fed + take], sl.fed, s, last)
+                    sl.fed += take
+                    sl.row = n - 1 if last else -1
+            decode(n)
+            steps += 1
+            batch_tokens += n
+            t = time.perf_counter()
+            for s, sl in enumerate(slots):
+                if sl is not None and sl.row >= 0:
+                    sl.out.append(int(L.llama_sampler_sample(sl.sampler, ctx, sl.row)))
+                    if len(sl.out) == sl.target:
+                        slots[s] = None
+                        done += 1
+            sample_s += time.perf_counter() - t
+            if n == n_decode:
+                decode_only_s += time.perf_counter() - t_step
+                decode_only_tokens += n
+        wall = time.perf_counter() - t0
+    finally:
+        for sm in samplers:
+            L.llama_sampler_free(sm)
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+    return {"wall_s": wall, "output_tokens": sum(len(o) for o in results), "requests": n_req,
+            "token_ids": results, "steps": steps, "mean_batch_tokens": batch_tokens / max(steps, 1),
+            "decode_s": decode_s, "sample_s": sample_s, "other_s": max(0.0, wall - decode_s - sample_s),
+            "decode_only_tok_s": decode_only_tokens / decode_only_s if decode_only_s > 0 else float("nan"),
+            "prefix_tokens_shared": len(prefix), "threads": threads, "config": cfg.describe()}
