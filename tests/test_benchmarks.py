@@ -105,7 +105,7 @@ def test_parse_workloads_and_errors(tok):
 def test_tokenmill_runner_counts_match_the_workload(llm, tok):
     from benchmarks.throughput import rates, run_tokenmill
 
-    wl = W.build_workload("labelling", tok, num_prompts=2, seed=0, max_output_tokens=3)
+    wl = W.build_workload("labelling", tok, num_prompts=3, seed=0, max_output_tokens=3)
     steps_before = llm.stats.num_steps
     r = run_tokenmill(llm, wl, warmup=False)
     assert r["requests"] == 3 and r["output_tokens"] == wl.num_output_tokens == 9
