@@ -1,0 +1,359 @@
+"""tokenmill's CPU kernel library: the C kernels of this folder, called through ctypes on torch tensors.
+
+What it holds (see each C file's header for the algorithm and its source):
+
+- `gemm.c`: linear layers over weights packed once at load time into panels of
+  `nr()` output features; fp32, and int8 / int4 codes dequantized in registers.
+- `gemm_i8.c`: W8A8 (int8 weights x int8 per-token activations, int32 sums).
+- `ops.c`: RMSNorm, RoPE, SiLU x up, and the KV-cache write (fp32 and int8 rows).
+- `attention.c`: paged decode attention reading KV blocks in place.
+- `pool.c`: the persistent thread pool all of them share (dynamic chunks, spin then sleep).
+
+Every wrapper takes an optional `lib` (a build from `build.load(variant)`), so tests
+can run the AVX2 and plain-C builds on a machine whose native build is AVX-512.
+Tensors are fp32 (int8/uint8 for codes) on the CPU; 2-D operands need a contiguous
+last dimension and may have a larger row stride (views into a fused buffer).
+
+Environment: TOKENMILL_CPU_KERNELS=0 disables the library (PyTorch paths run),
+TOKENMILL_NUM_THREADS sets the pool's threads (default: the CPUs this process may
+use), TOKENMILL_SPIN_US how long idle workers spin before sleeping (default 50).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import build
+
+W_F32, W_Q8, W_Q4 = 0, 1, 2
+ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
+
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "tm_set_num_threads": (_I, [_I]),
+    "tm_get_num_threads": (_I, []),
+    "tm_shutdown": (None, []),
+    "tm_isa": (_I, []),
+    "tm_gemm_nr": (_I, []),
+    "tm_gemm_mr": (_I, []),
+    "tm_pack_f32_size": (_I64, [_I64, _I64]),
+    "tm_pack_f32": (None, [_P, _I64, _I64, _I64, _P]),
+    "tm_gemm_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]),
+    "tm_pack_q_size": (_I64, [_I, _I, _I64, _I64, _I64]),
+    "tm_pack_q": (_I, [_I, _P, _P, _P, _I64, _I64, _I64, _P]),
+    "tm_gemm_q": (_I, [_I, _I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I]),
+    "tm_w8a8_act_offset": (_I, []),
+    "tm_quantize_act": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
+    "tm_pack_w8a8_size": (_I64, [_I64, _I64]),
+    "tm_pack_w8a8": (None, [_P, _I64, _P, _I64, _I64, _P]),
+    "tm_gemm_w8a8": (None, [_P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I]),
+    "tm_rms_norm": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _F]),
+    "tm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
+    "tm_silu_mul": (None, [_P, _I64, _P, _I64, _I64, _I64]),
+    "tm_kv_write": (None, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I]),
+    "tm_attention_tile_rows": (_I, [_I64]),
+    "tm_paged_attention": (_I, [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I64] * 5 + [_F]),
+}
+_bound: set[int] = set()
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    if id(lib) not in _bound:
+        for name, (res, args) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        _bound.add(id(lib))
+    return lib
+
+
+def library(variant: str = "native") -> Optional[ctypes.CDLL]:
+    """The built library for `variant` (see `build.VARIANTS`), or None (reason: `why_unavailable`)."""
+    lib = build.load(variant)
+    return None if lib is None else _bind(lib)
+
+
+def available() -> bool:
+    """True if the native library is built (building it on first call) and loadable."""
+    return library() is not None
+
+
+def why_unavailable(variant: str = "native") -> str:
+    """Why the library is unavailable ('' if it is, or was not asked for yet)."""
+    return build.why_unavailable(variant)
+
+
+def _lib(lib: Optional[ctypes.CDLL]) -> ctypes.CDLL:
+    lib = lib if lib is not None else library()
+    if lib is None:
+        raise RuntimeError(why_unavailable() or "the CPU kernel library is unavailable")
+    return _bind(lib)
+
+
+def isa(lib: Optional[ctypes.CDLL] = None) -> str:
+    """The instruction set a build's kernels use: "avx512", "avx2" or "generic"."""
+    return ISA_NAMES[_lib(lib).tm_isa()]
+
+
+def nr(lib: Optional[ctypes.CDLL] = None) -> int:
+    """Output features per packed weight panel (32 with AVX-512, else 16)."""
+    return _lib(lib).tm_gemm_nr()
+
+
+def set_num_threads(n: int, lib: Optional[ctypes.CDLL] = None) -> int:
+    """Threads of the pool (workers plus the caller); 0 = the CPUs this process may use. Returns the number set."""
+    return _lib(lib).tm_set_num_threads(int(n))
+
+
+def get_num_threads(lib: Optional[ctypes.CDLL] = None) -> int:
+    """Threads of the pool (starting it with the default if it is not running)."""
+    return _lib(lib).tm_get_num_threads()
+
+
+def _check2d(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype or t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be a 2-D {dtype} CPU tensor with a contiguous last dim, got "
+                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+
+
+def _out(out: Optional[torch.Tensor], m: int, n: int, dtype=torch.float32) -> torch.Tensor:
+    if out is None:
+        return torch.empty(m, n, dtype=dtype)
+    _check2d("out", out, dtype)
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
+    return out
+
+
+# ---------------------------------------------------------------- fp32 GEMM
+
+def pack_f32(w: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Pack a weight w [n, k] float32 into panels (a uint8 tensor of `tm_pack_f32_size` bytes)."""
+    lib = _lib(lib)
+    _check2d("w", w, torch.float32)
+    n, k = w.shape
+    buf = torch.empty(lib.tm_pack_f32_size(n, k), dtype=torch.uint8)
+    lib.tm_pack_f32(w.data_ptr(), w.stride(0), n, k, buf.data_ptr())
+    return buf
+
+
+def gemm_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None, accumulate: bool = False,
+             lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """y = x W^T (+ bias) (+ y if accumulate) for W packed by `pack_f32` (same `lib`).
+
+    Args:
+        x: [m, k] float32. packed: from pack_f32 of a [n, k] weight. bias: [n] float32 or None.
+        out: [m, n] float32 destination (required when accumulate).
+    Returns:
+        out, [m, n] float32.
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    if accumulate and out is None:
+        raise ValueError("accumulate needs out")
+    y = _out(out, m, n)
+    if packed.numel() != lib.tm_pack_f32_size(n, k):
+        raise ValueError(f"packed weight of {packed.numel()} bytes does not match n={n}, k={k}")
+    lib.tm_gemm_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                    y.data_ptr(), y.stride(0), m, n, k, int(accumulate))
+    return y
+
+
+# ---------------------------------------------------------------- quantized weights, fp32 activations
+
+def pack_q(codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor], bits: int, group_size: int,
+           lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Pack quantized weights w = q * s (+ m) for `gemm_q`.
+
+    Args:
+        codes: [n, kpad], one code per element: int8 for bits=8; uint8 0..15 for bits=4 (unpacked).
+        scale, min: [n, kpad // group_size] float32 (min None: symmetric).
+    Returns:
+        the packed uint8 tensor.
+    Raises:
+        ValueError: on shapes that do not agree, or kpad not a multiple of group_size.
+    """
+    lib = _lib(lib)
+    kind = W_Q8 if bits == 8 else W_Q4
+    n, kpad = codes.shape
+    if bits not in (4, 8) or kpad % group_size or tuple(scale.shape) != (n, kpad // group_size):
+        raise ValueError(f"bad quantized weight: bits {bits}, codes {tuple(codes.shape)}, scale "
+                         f"{tuple(scale.shape)}, group_size {group_size}")
+    codes = codes.contiguous()
+    scale = scale.float().contiguous()
+    mn = None if min is None else min.float().contiguous()
+    buf = torch.empty(lib.tm_pack_q_size(kind, int(mn is not None), n, kpad, group_size), dtype=torch.uint8)
+    rc = lib.tm_pack_q(kind, codes.data_ptr(), scale.data_ptr(), None if mn is None else mn.data_ptr(), n, kpad,
+                       group_size, buf.data_ptr())
+    if rc:
+        raise ValueError(f"tm_pack_q refused kpad={kpad}, group_size={group_size}")
+    return buf
+
+
+def gemm_q(x: torch.Tensor, packed: torch.Tensor, n: int, kpad: int, bits: int, group_size: int, has_min: bool,
+           bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
+           lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """y = x W^T (+ bias) (+ y) for quantized W packed by `pack_q`; x [m, k] float32 with k <= kpad."""
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    if accumulate and out is None:
+        raise ValueError("accumulate needs out")
+    y = _out(out, m, n)
+    kind = W_Q8 if bits == 8 else W_Q4
+    rc = lib.tm_gemm_q(kind, int(has_min), x.data_ptr(), x.stride(0), packed.data_ptr(),
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), m, n, k, kpad,
+                       group_size, int(accumulate))
+    if rc:
+        raise ValueError(f"tm_gemm_q refused k={k}, kpad={kpad}, group_size={group_size}")
+    return y
+
+
+# ---------------------------------------------------------------- W8A8
+
+def quantize_act(x: torch.Tensor, codes: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None,
+                 lib: Optional[ctypes.CDLL] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8: scale = max|x_row| / 127, q = round(x / scale) in [-127, 127].
+
+    Returns:
+        (codes uint8 [m, kp] holding q + `act_offset()`, kp = k rounded up to 4; scales float32 [m]).
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    kp = -(-k // 4) * 4
+    codes = torch.empty(m, kp, dtype=torch.uint8) if codes is None else codes
+    scales = torch.empty(m, dtype=torch.float32) if scales is None else scales
+    lib.tm_quantize_act(x.data_ptr(), x.stride(0), m, k, kp, codes.data_ptr(), scales.data_ptr())
+    return codes, scales
+
+
+def act_offset(lib: Optional[ctypes.CDLL] = None) -> int:
+    """What a build adds to activation codes (128 where it uses VNNI's unsigned x signed dot, else 0)."""
+    return _lib(lib).tm_w8a8_act_offset()
+
+
+def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Pack int8 weight codes q [n, k] (per-row scales [n] float32) for `gemm_w8a8`."""
+    lib = _lib(lib)
+    _check2d("q", q, torch.int8)
+    n, k = q.shape
+    scale = scale.float().contiguous()
+    if scale.shape != (n,):
+        raise ValueError(f"scale must be [{n}], got {tuple(scale.shape)}")
+    buf = torch.empty(lib.tm_pack_w8a8_size(n, k), dtype=torch.uint8)
+    lib.tm_pack_w8a8(q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, buf.data_ptr())
+    return buf
+
+
+def gemm_w8a8(codes: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, n: int,
+              bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
+              lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """y = (codes scales) (W sw)^T (+ bias) (+ y) from `quantize_act` output and a `pack_w8a8` weight."""
+    lib = _lib(lib)
+    m, kp = codes.shape
+    if accumulate and out is None:
+        raise ValueError("accumulate needs out")
+    y = _out(out, m, n)
+    lib.tm_gemm_w8a8(codes.data_ptr(), scales.data_ptr(), kp, packed.data_ptr(),
+                     None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), m, n, int(accumulate))
+    return y
+
+
+# ---------------------------------------------------------------- small ops
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None,
+             lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """out = x / sqrt(mean(x^2) + eps) * w, per row of x [m, k] float32 (fp32 statistics)."""
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    y = _out(out, m, k)
+    lib.tm_rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), y.stride(0), m, k, float(eps))
+    return y
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Rotary embedding in place on the first `heads` heads of each row of x [t, >= heads * head_dim]
+    ("rotate half" pairs (i, i + head_dim / 2)); positions [t] int64; cos/sin [max_pos, head_dim / 2] float32."""
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("positions must be contiguous int64 and cos/sin contiguous float32")
+    lib.tm_rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(), cos.data_ptr(),
+                sin.data_ptr())
+    return x
+
+
+def silu_mul(gu: torch.Tensor, out: Optional[torch.Tensor] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """out = silu(gate) * up for gu [m, 2n] = [gate | up]; out [m, n] float32."""
+    lib = _lib(lib)
+    _check2d("gu", gu, torch.float32)
+    m, n2 = gu.shape
+    y = _out(out, m, n2 // 2)
+    lib.tm_silu_mul(gu.data_ptr(), gu.stride(0), y.data_ptr(), y.stride(0), m, n2 // 2)
+    return y
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> None:
+    """Write rows k, v [t, hkv, d] (or [t, hkv * d] views) into the caches at `slot_mapping` [t] int64.
+
+    Caches: [hkv, slots, d] float32, or int8 rows [hkv, slots, d + 4] (codes, then the fp32 scale
+    max|x| / 127, as `TorchQuantKVAttentionBackend.encode`).
+    """
+    lib = _lib(lib)
+    hkv, s, row = k_cache.shape
+    t = k.shape[0]
+    is_int8 = k_cache.dtype == torch.int8
+    d = row - 4 if is_int8 else row
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or (not is_int8 and k_cache.dtype != torch.float32):
+        raise ValueError("caches must be contiguous float32 [hkv, s, d] or int8 [hkv, s, d + 4]")
+    k2, v2 = k.reshape(t, hkv * d), v.reshape(t, hkv * d)
+    _check2d("k", k2, torch.float32)
+    _check2d("v", v2, torch.float32)
+    lib.tm_kv_write(k2.data_ptr(), k2.stride(0), v2.data_ptr(), v2.stride(0), t, hkv, d, slot_mapping.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), s, int(is_int8))
+
+
+# ---------------------------------------------------------------- attention
+
+def attention_tile_rows(group: int, lib: Optional[ctypes.CDLL] = None) -> int:
+    """Most query rows one attention tile may hold for `group` query heads per KV head (rows x group <= 16)."""
+    return _lib(lib).tm_attention_tile_rows(int(group))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    row_seq: Optional[torch.Tensor], kv_len: torch.Tensor, tiles: torch.Tensor, block_size: int,
+                    scale: float, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Causal attention of query rows over the paged KV cache, blocks read in place (`attention.c`).
+
+    Args:
+        q: [T, Hq, D] float32 (rows may be strided, heads and D contiguous).
+        k_cache, v_cache: [Hkv, S, D] float32, or int8 rows [Hkv, S, D + 4]; contiguous.
+        block_tables: [num_seqs, max_blocks] int32 contiguous.
+        row_seq: [T] int32, the block-table row of each query row (None: row r uses row r).
+        kv_len: [T] int64, keys row r sees (its position + 1).
+        tiles: [num_tiles, 2] int64 (first row, rows): consecutive rows of one sequence, at most
+            `attention_tile_rows(Hq // Hkv)` rows each; every row in exactly one tile.
+        out: [T, Hq, D] float32 (rows may be strided), written.
+    Returns:
+        out.
+    Raises:
+        RuntimeError: a shape the kernel does not serve (check `engine.attention.cpu_kernel.supports`).
+    """
+    lib = _lib(lib)
+    t, hq, d = q.shape
+    hkv, s, _ = k_cache.shape
+    is_int8 = k_cache.dtype == torch.int8
+    rc = lib.tm_paged_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(is_int8), block_tables.data_ptr(),
+        block_tables.shape[1], None if row_seq is None else row_seq.data_ptr(), kv_len.data_ptr(),
+        tiles.data_ptr(), tiles.shape[0], out.data_ptr(), out.stride(0), hq, hkv, d, s, block_size, float(scale))
+    if rc:
+        raise RuntimeError(f"the CPU attention kernel refused Hq={hq}, Hkv={hkv}, D={d}, block_size={block_size}")
+    return out

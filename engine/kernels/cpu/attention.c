@@ -1,0 +1,451 @@
+/*
+ * Paged attention for the CPU, reading KV blocks where they lie: decode rows, prefill
+ * chunks and multi-token (draft-verification) queries in one call.
+ *
+ * Every query row r (one token) attends over the first kv_len[r] key/value slots of its
+ * sequence, found block by block through that sequence's block table; with
+ * kv_len[r] = position + 1 this is causal attention over a cached prefix plus the new
+ * tokens up to r itself. Work comes in tiles: a tile is up to a few consecutive rows of
+ * one sequence, and a task is (tile, KV head), so the K/V of a block are read once for
+ * all the tile's rows and for the G query heads of a GQA group (Ainslie et al. 2023,
+ * arXiv 2305.13245). The softmax is computed online, one sub-block of VL keys at a time,
+ * with a running maximum and sum per query (FlashAttention, Dao et al. 2022,
+ * arXiv 2205.14135), so nothing is gathered, padded or materialised.
+ *
+ * Layouts (contiguous unless a stride is given):
+ *   q            rows [T] of stride ldq floats; head j of row r at q + r * ldq + j * D
+ *   k/v_cache    [Hkv, S, D] fp32, S = num_blocks * block_size slots (head-major); or
+ *                int8 rows [Hkv, S, D + 4]: D codes and the row's fp32 scale (value =
+ *                code * scale; engine/attention/torch_quant_kv.py's layout)
+ *   block_tables [num_seqs, max_blocks] int32
+ *   row_seq      [T] int32, the block-table row of each query row (NULL: row r -> r)
+ *   kv_len       [T] int64, keys visible to each row (>= 1)
+ *   tiles        [num_tiles, 2] int64 (first row, rows), rows of one sequence in order
+ *   out          rows [T] of stride ldo floats, laid out as q
+ *
+ * With AVX-512 (D a multiple of 16) or AVX2 + FMA (D a multiple of 8) the scores of VL
+ * keys are formed as VL partial vectors reduced together, the exponentials are
+ * vectorised, and each query's output accumulates in registers over a sub-block; other
+ * shapes (and -DTM_GENERIC builds) take a plain-C path.
+ */
+#include "tm_cpu.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TM_MAX_G 16
+#define TM_MAX_D 256
+#define TM_MAX_BS 64
+#define TM_MAX_QG 16 /* query vectors (rows x heads) per task */
+
+typedef struct {
+    const float *q;
+    int64_t ldq;
+    const void *k_cache, *v_cache;
+    int is_int8;
+    const int32_t *block_tables;
+    int64_t max_blocks;
+    const int32_t *row_seq;
+    const int64_t *kv_len;
+    const int64_t *tiles;
+    float *out;
+    int64_t ldo;
+    int64_t hq, hkv, d, s, block_size;
+    float scale;
+} tm_attn;
+
+static inline float row_scale(const char *row, int64_t d) {
+    float sc;
+    memcpy(&sc, row + d, sizeof sc);
+    return sc;
+}
+
+/* exp(x) for x <= 0: 2^n 2^f, |f| <= 0.5, 2^f from its degree-6 Taylor polynomial in f ln 2
+ * (relative error below 2e-7); inputs below -87 give about 1.6e-38 (callers zero masked lanes). */
+static inline float tm_exp_nonpos(float x) {
+    if (x < -87.0f) x = -87.0f;
+    const float t = x * 1.44269504088896341f;
+    const float n = __builtin_rintf(t);
+    const float r = (t - n) * 0.69314718055994531f;
+    const float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.0083333338f +
+                                                                                              r * 0.0013888889f)))));
+    union {
+        float f;
+        int32_t i;
+    } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
+/* ---------------------------------------------------------------- plain C */
+
+static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
+    const int64_t r0 = j->tiles[2 * tile], nr = j->tiles[2 * tile + 1];
+    const int64_t g_n = j->hq / j->hkv, d = j->d, bs = j->block_size;
+    const int64_t rb = j->is_int8 ? d + 4 : d * 4;
+    const char *kh = (const char *)j->k_cache + h * j->s * rb;
+    const char *vh = (const char *)j->v_cache + h * j->s * rb;
+    float acc[TM_MAX_D];
+    for (int64_t r = r0; r < r0 + nr; ++r) {
+        const int64_t seq = j->row_seq ? j->row_seq[r] : r, len = j->kv_len[r];
+        const int32_t *table = j->block_tables + seq * j->max_blocks;
+        for (int64_t g = 0; g < g_n; ++g) {
+            const float *q = j->q + r * j->ldq + (h * g_n + g) * d;
+            float m = -INFINITY, l = 0.0f;
+            memset(acc, 0, sizeof(float) * d);
+            for (int64_t t = 0; t < len; ++t) {
+                const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;
+                const char *kr = kh + slot * rb, *vr = vh + slot * rb;
+                float sc = 0.0f;
+                if (j->is_int8) {
+                    for (int64_t i = 0; i < d; ++i) sc += q[i] * (float)((const int8_t *)kr)[i];
+                    sc *= row_scale(kr, d);
+                } else {
+                    for (int64_t i = 0; i < d; ++i) sc += q[i] * ((const float *)kr)[i];
+                }
+                sc *= j->scale;
+                const float m_new = sc > m ? sc : m;
+                const float corr = tm_exp_nonpos(m - m_new), p = tm_exp_nonpos(sc - m_new);
+                l = l * corr + p;
+                m = m_new;
+                if (j->is_int8) {
+                    const float w = p * row_scale(vr, d);
+                    for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] * corr + w * (float)((const int8_t *)vr)[i];
+                } else {
+                    for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] * corr + p * ((const float *)vr)[i];
+                }
+            }
+            float *o = j->out + r * j->ldo + (h * g_n + g) * d;
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            for (int64_t i = 0; i < d; ++i) o[i] = acc[i] * inv;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- SIMD */
+
+#if defined(TM_AVX512) || defined(TM_AVX2)
+#if defined(TM_AVX512)
+#define VL 16
+typedef __m512 vf;
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_STORE(p, v) _mm512_storeu_ps(p, v)
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_ZERO() _mm512_setzero_ps()
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_SUB(a, b) _mm512_sub_ps(a, b)
+#define V_HMAX(v) _mm512_reduce_max_ps(v)
+#define V_HSUM(v) _mm512_reduce_add_ps(v)
+TM_INLINE vf load_row(const char *row, int64_t i, int is_int8) {
+    if (is_int8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+    return _mm512_loadu_ps((const float *)row + i);
+}
+/* lanes >= n of v replaced by `fill` */
+TM_INLINE vf keep_first(vf v, int64_t n, float fill) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+    return _mm512_mask_mov_ps(_mm512_set1_ps(fill), m, v);
+}
+TM_INLINE vf vexp(vf x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const vf t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    vf p = _mm512_set1_ps(0.0013888889f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0083333338f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.041666668f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16666667f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#else
+#define VL 8
+typedef __m256 vf;
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_STORE(p, v) _mm256_storeu_ps(p, v)
+#define V_SET1(x) _mm256_set1_ps(x)
+#define V_ZERO() _mm256_setzero_ps()
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_SUB(a, b) _mm256_sub_ps(a, b)
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#define V_HMAX(v) hmax8(v)
+#define V_HSUM(v) hsum8(v)
+TM_INLINE vf load_row(const char *row, int64_t i, int is_int8) {
+    if (is_int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+TM_INLINE vf keep_first(vf v, int64_t n, float fill) {
+    const __m256 idx = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep = _mm256_cmp_ps(idx, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
+}
+TM_INLINE vf vexp(vf x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const vf t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const vf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
+    vf p = _mm256_set1_ps(0.0013888889f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.0083333338f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.041666668f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.16666667f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* Horizontal sums of 8 vectors of 8 lanes: lane u = sum of the lanes of v[u]. */
+static inline __m256 reduce8(const __m256 v[8]) {
+    const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* VL partial vectors -> one vector whose lane u is the sum of part[u]'s lanes */
+TM_INLINE vf reduce_vl(const vf part[VL]) {
+#if defined(TM_AVX512)
+    __m256 h[16];
+    for (int u = 0; u < 16; ++u)
+        h[u] = _mm256_add_ps(_mm512_castps512_ps256(part[u]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(part[u]), 1)));
+    const __m256 lo = reduce8(h), hi = reduce8(h + 8);
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+#else
+    return reduce8(part);
+#endif
+}
+
+/* acc[x] += sum_u pb[x][u] V[u] for QG queries (compile-time), D/VL vectors each, all held in
+ * registers over the sub-block's keys: each V row is loaded once for every query. */
+TM_INLINE void pv_regs(const int QG, const int D, const int is_int8, float (*acc)[TM_MAX_D], const float (*pb)[VL],
+                       const char *vb, int64_t rb, int64_t vis) {
+    vf a[6][TM_MAX_D / VL];
+#pragma GCC unroll 6
+    for (int x = 0; x < QG; ++x)
+#pragma GCC unroll 16
+        for (int c = 0; c < D / VL; ++c) a[x][c] = V_LOAD(acc[x] + c * VL);
+    for (int64_t u = 0; u < vis; ++u) {
+        const char *vr = vb + u * rb;
+        vf v[TM_MAX_D / VL];
+#pragma GCC unroll 16
+        for (int c = 0; c < D / VL; ++c) v[c] = load_row(vr, c * VL, is_int8);
+#pragma GCC unroll 6
+        for (int x = 0; x < QG; ++x) {
+            const vf w = V_SET1(pb[x][u]);
+#pragma GCC unroll 16
+            for (int c = 0; c < D / VL; ++c) a[x][c] = V_FMA(w, v[c], a[x][c]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int x = 0; x < QG; ++x)
+#pragma GCC unroll 16
+        for (int c = 0; c < D / VL; ++c) V_STORE(acc[x] + c * VL, a[x][c]);
+}
+
+/* One (tile, KV head) task; D is 0 for a runtime head_dim (j->d), or a compile-time 64 / 128. */
+TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const int is_int8, const int D) {
+    const int64_t r0 = j->tiles[2 * tile], nr = j->tiles[2 * tile + 1];
+    const int64_t g_n = j->hq / j->hkv, d = D ? D : j->d, bs = j->block_size, qg = nr * g_n;
+    const int64_t rb = is_int8 ? d + 4 : d * 4;
+    const char *kh = (const char *)j->k_cache + h * j->s * rb;
+    const char *vh = (const char *)j->v_cache + h * j->s * rb;
+    const int64_t seq = j->row_seq ? j->row_seq[r0] : r0;
+    const int32_t *table = j->block_tables + seq * j->max_blocks;
+    float qs[TM_MAX_QG][TM_MAX_D] __attribute__((aligned(64)));
+    float acc[TM_MAX_QG][TM_MAX_D] __attribute__((aligned(64)));
+    float pb[TM_MAX_QG][VL] __attribute__((aligned(64)));
+    float m[TM_MAX_QG], l[TM_MAX_QG], ks[VL], vs[VL];
+    int64_t lim[TM_MAX_QG];
+    int64_t maxlen = 0;
+    for (int64_t x = 0; x < qg; ++x) {
+        const int64_t r = r0 + x / g_n, g = x % g_n;
+        const float *src = j->q + r * j->ldq + (h * g_n + g) * d;
+        for (int64_t i = 0; i < d; ++i) qs[x][i] = src[i] * j->scale;
+        memset(acc[x], 0, sizeof(float) * d);
+        m[x] = -INFINITY;
+        l[x] = 0.0f;
+        lim[x] = j->kv_len[r];
+        if (lim[x] > maxlen) maxlen = lim[x];
+    }
+    const int64_t nblk = (maxlen + bs - 1) / bs;
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+        const int64_t slot0 = (int64_t)table[blk] * bs;
+        if (blk + 1 < nblk) { /* the next block lies elsewhere: start fetching it */
+            const int64_t next = (int64_t)table[blk + 1] * bs * rb, bytes = bs * rb;
+            for (int64_t off = 0; off < bytes; off += 64) {
+                __builtin_prefetch(kh + next + off, 0, 3);
+                __builtin_prefetch(vh + next + off, 0, 3);
+            }
+        }
+        for (int64_t t0 = 0; t0 < bs && blk * bs + t0 < maxlen; t0 += VL) {
+            const int64_t pos0 = blk * bs + t0;
+            const int64_t n = maxlen - pos0 < VL ? maxlen - pos0 : VL; /* keys here any row may see */
+            const char *kb = kh + (slot0 + t0) * rb, *vb = vh + (slot0 + t0) * rb;
+            for (int64_t u = 0; u < VL; ++u) {
+                ks[u] = (is_int8 && u < n) ? row_scale(kb + u * rb, d) : 1.0f;
+                vs[u] = (is_int8 && u < n) ? row_scale(vb + u * rb, d) : 1.0f;
+            }
+            int64_t live = 0; /* queries that see at least one key of this sub-block */
+            int full = 1;     /* every query sees all n keys */
+            for (int64_t x = 0; x < qg; ++x) {
+                if (lim[x] <= pos0) { /* this row sees none of these keys */
+                    full = 0;
+                    continue;
+                }
+                ++live;
+                if (lim[x] - pos0 < n) full = 0;
+                vf part[VL];
+                if (D) { /* the query's D / VL vectors stay in registers across the keys */
+                    vf qv[TM_MAX_D / VL];
+#pragma GCC unroll 16
+                    for (int c = 0; c < D / VL; ++c) qv[c] = V_LOAD(qs[x] + c * VL);
+#pragma GCC unroll 16
+                    for (int u = 0; u < VL; ++u) {
+                        vf a = V_ZERO();
+                        if (u < n) {
+                            const char *kr = kb + u * rb;
+#pragma GCC unroll 16
+                            for (int c = 0; c < D / VL; ++c) a = V_FMA(qv[c], load_row(kr, c * VL, is_int8), a);
+                        }
+                        part[u] = a;
+                    }
+                } else {
+                    for (int u = 0; u < VL; ++u) {
+                        vf a = V_ZERO();
+                        if (u < n) {
+                            const char *kr = kb + u * rb;
+                            for (int64_t i = 0; i < d; i += VL) a = V_FMA(V_LOAD(qs[x] + i), load_row(kr, i, is_int8), a);
+                        }
+                        part[u] = a;
+                    }
+                }
+                vf sc = reduce_vl(part);
+                if (is_int8) sc = V_MUL(sc, V_LOAD(ks));
+                const int64_t vis = lim[x] - pos0 < n ? lim[x] - pos0 : n;
+                sc = keep_first(sc, vis, -INFINITY);
+                const float mb = V_HMAX(sc);
+                const float m_new = mb > m[x] ? mb : m[x];
+                const float corr = tm_exp_nonpos(m[x] - m_new);
+                vf p = keep_first(vexp(V_SUB(sc, V_SET1(m_new))), vis, 0.0f);
+                l[x] = l[x] * corr + V_HSUM(p);
+                m[x] = m_new;
+                if (is_int8) p = V_MUL(p, V_LOAD(vs));
+                V_STORE(pb[x], p);
+                if (corr != 1.0f) {
+                    const vf c8 = V_SET1(corr);
+                    for (int64_t i = 0; i < d; i += VL) V_STORE(acc[x] + i, V_MUL(V_LOAD(acc[x] + i), c8));
+                }
+            }
+            if (!live) continue;
+            /* acc += p V over the sub-block: all queries at once in registers where they fit (and
+             * every query sees all n keys), else one query at a time, 4 vectors in registers */
+            if (D && full && D / VL * qg <= 24) {
+                const int64_t vis = n;
+                switch (qg) {
+                    case 1: pv_regs(1, D, is_int8, acc, (const float (*)[VL])pb, vb, rb, vis); continue;
+                    case 2: pv_regs(2, D, is_int8, acc, (const float (*)[VL])pb, vb, rb, vis); continue;
+                    case 3: pv_regs(3, D, is_int8, acc, (const float (*)[VL])pb, vb, rb, vis); continue;
+                    case 4: pv_regs(4, D, is_int8, acc, (const float (*)[VL])pb, vb, rb, vis); continue;
+                    case 5: pv_regs(5, D, is_int8, acc, (const float (*)[VL])pb, vb, rb, vis); continue;
+                    case 6: pv_regs(6, D, is_int8, acc, (const float (*)[VL])pb, vb, rb, vis); continue;
+                    default: break;
+                }
+            }
+            for (int64_t x = 0; x < qg; ++x) {
+                if (lim[x] <= pos0) continue;
+                const int64_t vis = lim[x] - pos0 < n ? lim[x] - pos0 : n;
+                int64_t i = 0;
+                for (; i + 4 * VL <= d; i += 4 * VL) {
+                    vf a0 = V_LOAD(acc[x] + i), a1 = V_LOAD(acc[x] + i + VL);
+                    vf a2 = V_LOAD(acc[x] + i + 2 * VL), a3 = V_LOAD(acc[x] + i + 3 * VL);
+                    for (int64_t u = 0; u < vis; ++u) {
+                        const vf w = V_SET1(pb[x][u]);
+                        const char *vr = vb + u * rb;
+                        a0 = V_FMA(w, load_row(vr, i, is_int8), a0);
+                        a1 = V_FMA(w, load_row(vr, i + VL, is_int8), a1);
+                        a2 = V_FMA(w, load_row(vr, i + 2 * VL, is_int8), a2);
+                        a3 = V_FMA(w, load_row(vr, i + 3 * VL, is_int8), a3);
+                    }
+                    V_STORE(acc[x] + i, a0);
+                    V_STORE(acc[x] + i + VL, a1);
+                    V_STORE(acc[x] + i + 2 * VL, a2);
+                    V_STORE(acc[x] + i + 3 * VL, a3);
+                }
+                for (; i < d; i += VL) {
+                    vf a0 = V_LOAD(acc[x] + i);
+                    for (int64_t u = 0; u < vis; ++u) a0 = V_FMA(V_SET1(pb[x][u]), load_row(vb + u * rb, i, is_int8), a0);
+                    V_STORE(acc[x] + i, a0);
+                }
+            }
+        }
+    }
+    for (int64_t x = 0; x < qg; ++x) {
+        const int64_t r = r0 + x / g_n, g = x % g_n;
+        float *o = j->out + r * j->ldo + (h * g_n + g) * d;
+        const float inv = l[x] > 0.0f ? 1.0f / l[x] : 0.0f;
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[x][i] * inv;
+    }
+}
+#endif
+
+static void attn_chunk(void *vctx, int64_t chunk) {
+    const tm_attn *j = (const tm_attn *)vctx;
+    const int64_t tile = chunk / j->hkv, h = chunk % j->hkv;
+#if defined(TM_AVX512) || defined(TM_AVX2)
+    if (j->d % VL == 0) {
+        if (j->d == 64 && j->is_int8)
+            attn_task_simd(j, tile, h, 1, 64);
+        else if (j->d == 64)
+            attn_task_simd(j, tile, h, 0, 64);
+        else if (j->d == 128 && j->is_int8)
+            attn_task_simd(j, tile, h, 1, 128);
+        else if (j->d == 128)
+            attn_task_simd(j, tile, h, 0, 128);
+        else if (j->is_int8)
+            attn_task_simd(j, tile, h, 1, 0);
+        else
+            attn_task_simd(j, tile, h, 0, 0);
+        return;
+    }
+#endif
+    attn_task_generic(j, tile, h);
+}
+
+/* Rows a tile may hold for g query heads per KV head (a task serves rows x g <= 16 queries). */
+int tm_attention_tile_rows(int64_t g) { return g >= TM_MAX_QG ? 1 : (int)(TM_MAX_QG / (g > 0 ? g : 1)); }
+
+/* Returns 0, or -1 for a shape this build does not serve (G > 16, D > 256, block size > 64,
+ * or a tile of more rows than tm_attention_tile_rows allows). */
+int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int is_int8,
+                       const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
+                       const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *out, int64_t ldo,
+                       int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale) {
+    if (hkv <= 0 || hq % hkv != 0 || hq / hkv > TM_MAX_G || d > TM_MAX_D || block_size > TM_MAX_BS) return -1;
+    const int64_t rows_max = tm_attention_tile_rows(hq / hkv);
+    for (int64_t t = 0; t < num_tiles; ++t)
+        if (tiles[2 * t + 1] < 1 || tiles[2 * t + 1] > rows_max) return -1;
+    tm_attn j = {.q = q, .ldq = ldq, .k_cache = k_cache, .v_cache = v_cache, .is_int8 = is_int8,
+                 .block_tables = block_tables, .max_blocks = max_blocks, .row_seq = row_seq, .kv_len = kv_len,
+                 .tiles = tiles, .out = out, .ldo = ldo, .hq = hq, .hkv = hkv, .d = d, .s = s,
+                 .block_size = block_size, .scale = scale};
+    tm_parallel_for(num_tiles * hkv, attn_chunk, &j);
+    return 0;
+}

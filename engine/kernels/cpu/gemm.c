@@ -1,0 +1,497 @@
+/*
+ * Linear layers on the CPU: y[M, N] (+)= x[M, K] W^T, with W pre-packed at load time.
+ *
+ * Weights are packed once into panels of TM_NR output features (TM_NR = 2 vectors:
+ * 32 floats with AVX-512, 16 with AVX2 or plain C), each panel holding its K rows
+ * contiguously, so a panel streams from memory in one pass with no per-call packing
+ * (the cost that makes a BLAS call slow at small M). A register-blocked micro-kernel
+ * (Goto & van de Geijn 2008, "Anatomy of high-performance matrix multiplication";
+ * the BLIS micro-kernel design) keeps an MR x TM_NR tile of y in registers across all
+ * of K: each step loads one panel row (2 vectors) and broadcasts MR values of x, for
+ * 2 * MR fused multiply-adds. With few rows (decode at small batch) the FMA chains
+ * would wait on each other, so the tile is split over 2 or 4 interleaved k
+ * accumulators. Rows are taken in blocks that stay in L2 (TM_MC_BYTES), and the work
+ * is cut into (row block, panel group) chunks handed out by the thread pool.
+ *
+ * Weight formats (the `kind` of a packed matrix):
+ *   TM_W_F32  fp32 values.
+ *   TM_W_Q8   int8 codes, a scale per (column, group of gs rows of K): w = q * s.
+ *   TM_W_Q4   4-bit codes 0..15 with a scale and a min per group: w = q * s + m
+ *             (GGUF Q4_0/Q4_1 and our int4; Q8 may carry a min too).
+ * Quantized codes are widened and scaled in registers inside the micro-kernel and
+ * never written to memory as floats (as llama.cpp's CPU kernels do), so a step reads
+ * 1 (int8) or 0.5 (int4) bytes per weight plus the scales.
+ *
+ * Packed quantized panel layout, per panel of TM_NR columns, per group g:
+ *   float s[TM_NR]; float m[TM_NR] (if has_min); codes for the group's gs rows of K:
+ *   Q8: gs x TM_NR int8;  Q4: gs x TM_NR/2 bytes, byte j of a row holding column j
+ *   (low nibble) and column j + TM_NR/2 (high nibble).
+ */
+#include "tm_cpu.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TM_W_F32 0
+#define TM_W_Q8 1
+#define TM_W_Q4 2
+
+#if defined(TM_AVX512)
+#define VL 16
+typedef __m512 vf;
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_BCAST(p) _mm512_set1_ps(*(p))
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_ZERO() _mm512_setzero_ps()
+#define V_STORE(p, v) _mm512_storeu_ps(p, v)
+#define TM_MR 12
+#elif defined(TM_AVX2)
+#define VL 8
+typedef __m256 vf;
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_BCAST(p) _mm256_broadcast_ss(p)
+#define V_SET1(x) _mm256_set1_ps(x)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_ZERO() _mm256_setzero_ps()
+#define V_STORE(p, v) _mm256_storeu_ps(p, v)
+#define TM_MR 6
+#else
+#define VL 8
+#define TM_MR 4
+#endif
+#define TM_NR (2 * VL)
+#define TM_MC_BYTES (256 * 1024) /* a row block of x stays in L2 */
+
+int tm_gemm_nr(void) { return TM_NR; }
+int tm_gemm_mr(void) { return TM_MR; }
+
+/* Which instruction set this build's kernels use: 2 AVX-512, 1 AVX2, 0 plain C. */
+int tm_isa(void) {
+#if defined(TM_AVX512)
+    return 2;
+#elif defined(TM_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* ---------------------------------------------------------------- packing */
+
+int64_t tm_pack_f32_size(int64_t n, int64_t k) { return cdiv(n, TM_NR) * k * TM_NR * (int64_t)sizeof(float); }
+
+/* w [n, k] row-major (ldw >= k) -> panels [ceil(n / NR)][k][NR], zero-padded columns. */
+void tm_pack_f32(const float *w, int64_t ldw, int64_t n, int64_t k, float *out) {
+    const int64_t np = cdiv(n, TM_NR);
+    for (int64_t p = 0; p < np; ++p) {
+        float *dst = out + p * k * TM_NR;
+        for (int64_t j = 0; j < TM_NR; ++j) {
+            const int64_t col = p * TM_NR + j;
+            if (col < n) {
+                const float *src = w + col * ldw;
+                for (int64_t kk = 0; kk < k; ++kk) dst[kk * TM_NR + j] = src[kk];
+            } else {
+                for (int64_t kk = 0; kk < k; ++kk) dst[kk * TM_NR + j] = 0.0f;
+            }
+        }
+    }
+}
+
+static inline int64_t q_group_bytes(int kind, int has_min, int64_t gs) {
+    const int64_t codes = kind == TM_W_Q4 ? gs * TM_NR / 2 : gs * TM_NR;
+    return (int64_t)sizeof(float) * TM_NR * (has_min ? 2 : 1) + codes;
+}
+
+int64_t tm_pack_q_size(int kind, int has_min, int64_t n, int64_t kpad, int64_t gs) {
+    return cdiv(n, TM_NR) * (kpad / gs) * q_group_bytes(kind, has_min, gs);
+}
+
+/* Quantized weights in the layer's own layout -> packed panels.
+ *   codes: Q8: int8 [n, kpad]; Q4: one code 0..15 per byte, uint8 [n, kpad] (the caller
+ *          unpacks nibbles first, so the packing order here is independent of the source's).
+ *   scale, min: float [n, kpad / gs] (min may be NULL).
+ * Padding columns get scale 0 and min 0. Returns 0, or -1 if kpad % gs or gs % 2. */
+int tm_pack_q(int kind, const void *codes, const float *scale, const float *min, int64_t n, int64_t kpad,
+              int64_t gs, void *out) {
+    if (gs <= 0 || kpad % gs || (kind == TM_W_Q4 && gs % 2)) return -1;
+    const int has_min = min != NULL;
+    const int64_t np = cdiv(n, TM_NR), ng = kpad / gs, gb = q_group_bytes(kind, has_min, gs);
+    for (int64_t p = 0; p < np; ++p) {
+        for (int64_t g = 0; g < ng; ++g) {
+            char *dst = (char *)out + (p * ng + g) * gb;
+            float *s = (float *)dst;
+            float *m = has_min ? s + TM_NR : NULL;
+            unsigned char *c = (unsigned char *)(s + TM_NR * (has_min ? 2 : 1));
+            for (int64_t j = 0; j < TM_NR; ++j) {
+                const int64_t col = p * TM_NR + j;
+                s[j] = col < n ? scale[col * ng + g] : 0.0f;
+                if (m) m[j] = col < n ? min[col * ng + g] : 0.0f;
+            }
+            for (int64_t kk = 0; kk < gs; ++kk) {
+                const int64_t kidx = g * gs + kk;
+                if (kind == TM_W_Q8) {
+                    for (int64_t j = 0; j < TM_NR; ++j) {
+                        const int64_t col = p * TM_NR + j;
+                        c[kk * TM_NR + j] = col < n ? ((const unsigned char *)codes)[col * kpad + kidx] : 0;
+                    }
+                } else {
+                    for (int64_t j = 0; j < TM_NR / 2; ++j) {
+                        const int64_t c0 = p * TM_NR + j, c1 = c0 + TM_NR / 2;
+                        const unsigned char lo = c0 < n ? ((const unsigned char *)codes)[c0 * kpad + kidx] & 15 : 0;
+                        const unsigned char hi = c1 < n ? ((const unsigned char *)codes)[c1 * kpad + kidx] & 15 : 0;
+                        c[kk * (TM_NR / 2) + j] = (unsigned char)(lo | (hi << 4));
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- epilogue */
+
+/* tile [mr][TM_NR] -> y rows (ldy), ncols valid columns starting at column n0:
+ * y = tile (+ bias[n0 + j]) (+ y if accumulate). */
+static inline void store_tile(const float *tile, int mr, int ncols, float *y, int64_t ldy, const float *bias,
+                              int accumulate) {
+    for (int r = 0; r < mr; ++r) {
+        float *yr = y + r * ldy;
+        const float *t = tile + r * TM_NR;
+#if defined(TM_AVX512) || defined(TM_AVX2)
+        if (ncols == TM_NR) {
+            for (int v = 0; v < 2; ++v) {
+                vf val = V_LOAD(t + v * VL);
+                if (bias) val = V_ADD(val, V_LOAD(bias + v * VL));
+                if (accumulate) val = V_ADD(val, V_LOAD(yr + v * VL));
+                V_STORE(yr + v * VL, val);
+            }
+            continue;
+        }
+#endif
+        for (int j = 0; j < ncols; ++j) {
+            float val = t[j];
+            if (bias) val += bias[j];
+            if (accumulate) val += yr[j];
+            yr[j] = val;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- micro-kernels */
+
+#if defined(TM_AVX512) || defined(TM_AVX2)
+
+/* interleaved k accumulators for short tiles, so FMA latency does not serialise them */
+#define KSPLIT(mr) ((mr) == 1 ? 4 : (mr) <= 3 ? 2 : 1)
+
+TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
+                       float *restrict tile) {
+    const int ks = KSPLIT(mr);
+    vf acc[4][TM_MR][2];
+#pragma GCC unroll 4
+    for (int s = 0; s < ks; ++s)
+#pragma GCC unroll 12
+        for (int r = 0; r < mr; ++r) acc[s][r][0] = acc[s][r][1] = V_ZERO();
+    int64_t kk = 0;
+    for (; kk + ks <= k; kk += ks) {
+#pragma GCC unroll 4
+        for (int s = 0; s < ks; ++s) {
+            const float *bk = b + (kk + s) * TM_NR;
+            const vf b0 = V_LOAD(bk), b1 = V_LOAD(bk + VL);
+#pragma GCC unroll 12
+            for (int r = 0; r < mr; ++r) {
+                const vf x = V_BCAST(a + r * lda + kk + s);
+                acc[s][r][0] = V_FMA(x, b0, acc[s][r][0]);
+                acc[s][r][1] = V_FMA(x, b1, acc[s][r][1]);
+            }
+        }
+    }
+    for (; kk < k; ++kk) {
+        const float *bk = b + kk * TM_NR;
+        const vf b0 = V_LOAD(bk), b1 = V_LOAD(bk + VL);
+#pragma GCC unroll 12
+        for (int r = 0; r < mr; ++r) {
+            const vf x = V_BCAST(a + r * lda + kk);
+            acc[0][r][0] = V_FMA(x, b0, acc[0][r][0]);
+            acc[0][r][1] = V_FMA(x, b1, acc[0][r][1]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; ++r) {
+        vf s0 = acc[0][r][0], s1 = acc[0][r][1];
+#pragma GCC unroll 4
+        for (int s = 1; s < ks; ++s) {
+            s0 = V_ADD(s0, acc[s][r][0]);
+            s1 = V_ADD(s1, acc[s][r][1]);
+        }
+        V_STORE(tile + r * TM_NR, s0);
+        V_STORE(tile + r * TM_NR + VL, s1);
+    }
+}
+
+/* One row of quantized codes (TM_NR columns) widened to two fp32 vectors. */
+TM_INLINE void load_codes(const int kind, const unsigned char *c, vf *b0, vf *b1) {
+#if defined(TM_AVX512)
+    if (kind == TM_W_Q8) {
+        *b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+        *b1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+    } else {
+        const __m128i x = _mm_loadu_si128((const __m128i *)c), m4 = _mm_set1_epi8(15);
+        *b0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(x, m4)));
+        *b1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+    }
+#else
+    if (kind == TM_W_Q8) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)c);
+        *b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+        *b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+    } else {
+        const __m128i x = _mm_loadl_epi64((const __m128i *)c), m4 = _mm_set1_epi8(15);
+        *b0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(x, m4)));
+        *b1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+    }
+#endif
+}
+
+/* Quantized panel: groups of gs rows, each with its scale (and min) vectors; codes are
+ * dequantized in registers, w = q * s (+ m), then used by all mr rows. k <= ng * gs is the
+ * number of real rows of K (the last group may be padded). */
+TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a,
+                     int64_t lda, const char *restrict b, float *restrict tile) {
+    const int ks = KSPLIT(mr);
+    const int64_t row_bytes = kind == TM_W_Q4 ? TM_NR / 2 : TM_NR;
+    const int64_t gb = q_group_bytes(kind, has_min, gs);
+    vf acc[4][TM_MR][2];
+#pragma GCC unroll 4
+    for (int s = 0; s < ks; ++s)
+#pragma GCC unroll 12
+        for (int r = 0; r < mr; ++r) acc[s][r][0] = acc[s][r][1] = V_ZERO();
+    for (int64_t g0 = 0; g0 < k; g0 += gs, b += gb) {
+        const float *sc = (const float *)b;
+        const vf s0 = V_LOAD(sc), s1 = V_LOAD(sc + VL);
+        vf m0 = V_ZERO(), m1 = V_ZERO();
+        if (has_min) {
+            m0 = V_LOAD(sc + TM_NR);
+            m1 = V_LOAD(sc + TM_NR + VL);
+        }
+        const unsigned char *codes = (const unsigned char *)(sc + TM_NR * (has_min ? 2 : 1));
+        const int64_t n = k - g0 < gs ? k - g0 : gs;
+        int64_t kk = 0;
+        for (; kk + ks <= n; kk += ks) {
+#pragma GCC unroll 4
+            for (int s = 0; s < ks; ++s) {
+                vf b0, b1;
+                load_codes(kind, codes + (kk + s) * row_bytes, &b0, &b1);
+                if (has_min) {
+                    b0 = V_FMA(b0, s0, m0);
+                    b1 = V_FMA(b1, s1, m1);
+                } else {
+                    b0 = V_MUL(b0, s0);
+                    b1 = V_MUL(b1, s1);
+                }
+                const float *ak = a + g0 + kk + s;
+#pragma GCC unroll 12
+                for (int r = 0; r < mr; ++r) {
+                    const vf x = V_BCAST(ak + r * lda);
+                    acc[s][r][0] = V_FMA(x, b0, acc[s][r][0]);
+                    acc[s][r][1] = V_FMA(x, b1, acc[s][r][1]);
+                }
+            }
+        }
+        for (; kk < n; ++kk) {
+            vf b0, b1;
+            load_codes(kind, codes + kk * row_bytes, &b0, &b1);
+            if (has_min) {
+                b0 = V_FMA(b0, s0, m0);
+                b1 = V_FMA(b1, s1, m1);
+            } else {
+                b0 = V_MUL(b0, s0);
+                b1 = V_MUL(b1, s1);
+            }
+            const float *ak = a + g0 + kk;
+#pragma GCC unroll 12
+            for (int r = 0; r < mr; ++r) {
+                const vf x = V_BCAST(ak + r * lda);
+                acc[0][r][0] = V_FMA(x, b0, acc[0][r][0]);
+                acc[0][r][1] = V_FMA(x, b1, acc[0][r][1]);
+            }
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; ++r) {
+        vf t0 = acc[0][r][0], t1 = acc[0][r][1];
+#pragma GCC unroll 4
+        for (int s = 1; s < ks; ++s) {
+            t0 = V_ADD(t0, acc[s][r][0]);
+            t1 = V_ADD(t1, acc[s][r][1]);
+        }
+        V_STORE(tile + r * TM_NR, t0);
+        V_STORE(tile + r * TM_NR + VL, t1);
+    }
+}
+
+#else /* plain C: the compiler vectorizes the j loops */
+
+static void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
+                    float *restrict tile) {
+    float acc[TM_MR][TM_NR];
+    memset(acc, 0, sizeof acc);
+    for (int64_t kk = 0; kk < k; ++kk) {
+        const float *bk = b + kk * TM_NR;
+        for (int r = 0; r < mr; ++r) {
+            const float x = a[r * lda + kk];
+            for (int j = 0; j < TM_NR; ++j) acc[r][j] += x * bk[j];
+        }
+    }
+    memcpy(tile, acc, sizeof(float) * mr * TM_NR);
+}
+
+static void ukr_q(const int kind, const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a,
+                  int64_t lda, const char *restrict b, float *restrict tile) {
+    float acc[TM_MR][TM_NR];
+    float w[TM_NR];
+    memset(acc, 0, sizeof acc);
+    const int64_t row_bytes = kind == TM_W_Q4 ? TM_NR / 2 : TM_NR;
+    const int64_t gb = q_group_bytes(kind, has_min, gs);
+    for (int64_t g0 = 0; g0 < k; g0 += gs, b += gb) {
+        const float *s = (const float *)b;
+        const float *m = has_min ? s + TM_NR : NULL;
+        const unsigned char *codes = (const unsigned char *)(s + TM_NR * (has_min ? 2 : 1));
+        const int64_t n = k - g0 < gs ? k - g0 : gs;
+        for (int64_t kk = 0; kk < n; ++kk) {
+            const unsigned char *c = codes + kk * row_bytes;
+            for (int j = 0; j < TM_NR; ++j) {
+                float q;
+                if (kind == TM_W_Q8)
+                    q = (float)(int8_t)c[j];
+                else
+                    q = (float)(j < TM_NR / 2 ? (c[j] & 15) : (c[j - TM_NR / 2] >> 4));
+                w[j] = m ? q * s[j] + m[j] : q * s[j];
+            }
+            for (int r = 0; r < mr; ++r) {
+                const float x = a[r * lda + g0 + kk];
+                for (int j = 0; j < TM_NR; ++j) acc[r][j] += x * w[j];
+            }
+        }
+    }
+    memcpy(tile, acc, sizeof(float) * mr * TM_NR);
+}
+#endif
+
+/* ---------------------------------------------------------------- driver */
+
+typedef struct {
+    int kind, has_min;
+    const float *x;
+    int64_t ldx;
+    const char *w;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+    int64_t m, n, k, gs, panel_bytes;
+    int64_t mc, npanels, group, ngroups;
+    int accumulate;
+} gemm_ctx;
+
+#define UKR_CASE(MR)                                                                                   \
+    case MR:                                                                                           \
+        if (c->kind == TM_W_F32)                                                                       \
+            ukr_f32(MR, c->k, a, c->ldx, (const float *)bp, tile);                                     \
+        else if (c->kind == TM_W_Q8 && c->has_min)                                                     \
+            ukr_q(TM_W_Q8, 1, MR, c->k, c->gs, a, c->ldx, bp, tile);                                   \
+        else if (c->kind == TM_W_Q8)                                                                   \
+            ukr_q(TM_W_Q8, 0, MR, c->k, c->gs, a, c->ldx, bp, tile);                                   \
+        else if (c->has_min)                                                                           \
+            ukr_q(TM_W_Q4, 1, MR, c->k, c->gs, a, c->ldx, bp, tile);                                   \
+        else                                                                                           \
+            ukr_q(TM_W_Q4, 0, MR, c->k, c->gs, a, c->ldx, bp, tile);                                   \
+        break;
+
+static void run_tile(const gemm_ctx *c, int mr, const float *a, const char *bp, float *tile) {
+    switch (mr) {
+        UKR_CASE(1)
+        UKR_CASE(2)
+        UKR_CASE(3)
+        UKR_CASE(4)
+#if TM_MR > 4
+        UKR_CASE(5)
+        UKR_CASE(6)
+#endif
+#if TM_MR > 6
+        UKR_CASE(7)
+        UKR_CASE(8)
+        UKR_CASE(9)
+        UKR_CASE(10)
+        UKR_CASE(11)
+        UKR_CASE(12)
+#endif
+        default:
+            break;
+    }
+}
+
+static void gemm_chunk(void *vctx, int64_t chunk) {
+    const gemm_ctx *c = (const gemm_ctx *)vctx;
+    const int64_t mb = chunk / c->ngroups, grp = chunk % c->ngroups;
+    const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
+    const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
+    float tile[TM_MR * TM_NR] __attribute__((aligned(64)));
+    for (int64_t p = p0; p < p1; ++p) {
+        const char *bp = c->w + p * c->panel_bytes;
+        const int64_t n0 = p * TM_NR;
+        const int ncols = c->n - n0 < TM_NR ? (int)(c->n - n0) : TM_NR;
+        const float *bias = c->bias ? c->bias + n0 : NULL;
+        for (int64_t r = m0; r < m1; r += TM_MR) {
+            const int mr = m1 - r < TM_MR ? (int)(m1 - r) : TM_MR;
+            run_tile(c, mr, c->x + r * c->ldx, bp, tile);
+            store_tile(tile, mr, ncols, c->y + r * c->ldy + n0, c->ldy, bias, c->accumulate);
+        }
+    }
+}
+
+static void gemm_run(gemm_ctx *c) {
+    if (c->m <= 0 || c->n <= 0) return;
+    const int threads = tm_get_num_threads();
+    int64_t mc = TM_MC_BYTES / ((int64_t)sizeof(float) * (c->k > 0 ? c->k : 1));
+    mc = mc < TM_MR ? TM_MR : mc - mc % TM_MR;
+    if (mc > c->m) mc = c->m;
+    const int64_t mblocks = cdiv(c->m, mc);
+    c->mc = mc;
+    c->npanels = cdiv(c->n, TM_NR);
+    /* about 8 chunks per thread (dynamic scheduling evens out speed differences) */
+    const int64_t target = threads > 1 ? 8 * threads : 1;
+    int64_t per_mb = cdiv(target, mblocks);
+    if (per_mb > c->npanels) per_mb = c->npanels;
+    c->group = cdiv(c->npanels, per_mb);
+    c->ngroups = cdiv(c->npanels, c->group);
+    tm_parallel_for(mblocks * c->ngroups, gemm_chunk, c);
+}
+
+/* y[m, n] (+)= x[m, k] W^T (+ bias) for W packed by tm_pack_f32.
+ * x rows have stride ldx (>= k), y rows stride ldy (>= n); accumulate adds into y. */
+void tm_gemm_f32(const float *x, int64_t ldx, const float *w_packed, const float *bias, float *y, int64_t ldy,
+                 int64_t m, int64_t n, int64_t k, int accumulate) {
+    gemm_ctx c = {.kind = TM_W_F32, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias, .y = y,
+                  .ldy = ldy, .m = m, .n = n, .k = k, .gs = k,
+                  .panel_bytes = k * TM_NR * (int64_t)sizeof(float), .accumulate = accumulate};
+    gemm_run(&c);
+}
+
+/* The same for quantized weights packed by tm_pack_q (kpad = k rounded up to gs). */
+int tm_gemm_q(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y,
+              int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t kpad, int64_t gs, int accumulate) {
+    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad) return -1;
+    gemm_ctx c = {.kind = kind, .has_min = has_min, .x = x, .ldx = ldx, .w = (const char *)w_packed,
+                  .bias = bias, .y = y, .ldy = ldy, .m = m, .n = n, .k = k, .gs = gs,
+                  .panel_bytes = (kpad / gs) * q_group_bytes(kind, has_min, gs), .accumulate = accumulate};
+    gemm_run(&c);
+    return 0;
+}

@@ -1,0 +1,199 @@
+"""Linear layers backed by the CPU kernel library, swapped in for `Linear` / `QuantLinear` at load time.
+
+Quantization and kernel choice are module swaps (as in gpt-fast): the model's
+forward calls `layer(x, out=..., residual=...)` and never knows which layer it
+holds. Every layer here keeps that contract:
+
+    forward(x [T, in] float32, out: [T, out] or None, residual: [T, out] or None)
+        residual given: residual += x W^T (+ b), returned (the residual add fused
+        into the GEMM's store); else out (or a new tensor) = x W^T (+ b).
+
+- `CpuLinear`: fp32 weights packed into panels (`gemm.c`).
+- `CpuQuantLinear`: the codes and scales of a `QuantLinear` (int8 per channel or per
+  group, int4 / GGUF Q4_0 / Q4_1 / Q8_0 groups) packed and dequantized in registers.
+- `W8A8Linear`: int8 weights per output channel times int8 activations per token
+  (`gemm_i8.c`); built from float weights by `quantize_w8a8`.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from . import gemm_f32, gemm_q, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act
+
+
+class CpuLinear(nn.Module):
+    """fp32 linear layer over a packed copy of its weight.
+
+    Args:
+        weight: [out, in] float32 (kept, so the layer can be re-quantized or inspected).
+        bias: [out] float32 or None.
+        lib: a specific build (tests); default the native one.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 lib: Optional[ctypes.CDLL] = None) -> None:
+        super().__init__()
+        self.lib = lib
+        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self.out_features, self.in_features = self.weight.shape
+        self.register_buffer("packed", pack_f32(self.weight.data, lib=lib), persistent=False)
+
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if residual is not None:
+            return gemm_f32(x, self.packed, self.out_features, self.bias, residual, True, lib=self.lib)
+        return gemm_f32(x, self.packed, self.out_features, self.bias, out, False, lib=self.lib)
+
+    def weight_bytes(self) -> int:
+        """Bytes read per forward pass: the packed panels (padding columns included) and the bias."""
+        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+class CpuQuantLinear(nn.Module):
+    """Weight-only quantized linear layer: a `QuantLinear`'s exact codes and scales, packed.
+
+    Args:
+        q: the `engine.quant.QuantLinear` to serve (its values are copied bit for bit).
+        lib: a specific build (tests); default the native one.
+    """
+
+    def __init__(self, q: nn.Module, lib: Optional[ctypes.CDLL] = None) -> None:
+        super().__init__()
+        from ...quant import unpack_int4
+
+        self.lib = lib
+        self.bits, self.group_size = q.bits, q.group_size
+        self.in_features, self.out_features, self.padded_in = q.in_features, q.out_features, q.padded_in
+        codes = q.weight if q.bits == 8 else unpack_int4(q.weight, q.group_size)
+        self.has_min = q.min is not None
+        self.register_buffer("packed", pack_q(codes, q.scale, q.min, q.bits, q.group_size, lib=lib),
+                             persistent=False)
+        self.bias = None if q.bias is None else nn.Parameter(q.bias.float().contiguous(), requires_grad=False)
+        self.source = q  # the reference layer (dequantize(), byte accounting of the original layout)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The stored codes (as `QuantLinear.weight`), for byte accounting."""
+        return self.source.weight
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out, in] these codes represent."""
+        return self.source.dequantize()
+
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        dst, acc = (residual, True) if residual is not None else (out, False)
+        return gemm_q(x, self.packed, self.out_features, self.padded_in, self.bits, self.group_size, self.has_min,
+                      self.bias, dst, acc, lib=self.lib)
+
+    def weight_bytes(self) -> int:
+        """Bytes read per forward pass (packed codes, scales, mins, bias)."""
+        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+def quantize_w8a8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of a weight [out, in]: s = max|w_row| / 127, q = round(w / s).
+
+    Returns (q int8 [out, in], s float32 [out])."""
+    w = w.float()
+    s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), s
+
+
+_tls = threading.local()
+
+
+def _act_buffers(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-thread scratch for one layer's quantized activations ([m, kp] codes, [m] scales), reused by
+    every W8A8 layer of a step (they run one after another), grown when a step has more rows."""
+    kp = -(-k // 4) * 4
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = {}
+    codes, scales = bufs.get(kp, (None, None))
+    if codes is None or codes.shape[0] < m:
+        codes = torch.empty(max(m, 64), kp, dtype=torch.uint8)
+        scales = torch.empty(max(m, 64), dtype=torch.float32)
+        bufs[kp] = (codes, scales)
+    return codes[:m], scales[:m]
+
+
+class W8A8Linear(nn.Module):
+    """int8 weights (per output channel) x int8 activations (per token, dynamic), exact int32 sums.
+
+    Args:
+        q: int8 codes [out, in]; scale: [out] float32 (w = q * scale).
+        bias: [out] float32 or None.
+        lib: a specific build (tests); default the native one.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 lib: Optional[ctypes.CDLL] = None) -> None:
+        super().__init__()
+        self.lib = lib
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("packed", pack_w8a8(self.weight, self.scale, lib=lib), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                   lib: Optional[ctypes.CDLL] = None) -> "W8A8Linear":
+        """Quantize a float weight [out, in] per output channel (`quantize_w8a8`)."""
+        q, s = quantize_w8a8(weight)
+        return cls(q, s, bias, lib)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out, in] the codes represent."""
+        return self.weight.float() * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        codes, scales = quantize_act(x, *_act_buffers(x.shape[0], self.in_features), lib=self.lib)
+        dst, acc = (residual, True) if residual is not None else (out, False)
+        return gemm_w8a8(codes, scales, self.packed, self.out_features, self.bias, dst, acc, lib=self.lib)
+
+    def weight_bytes(self) -> int:
+        """Bytes read per forward pass (packed codes, scales, column sums, bias)."""
+        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+def available_for(model: nn.Module) -> bool:
+    """Whether the CPU layers can serve `model`: on the CPU, fp32, and the library builds."""
+    return model.device.type == "cpu" and model.dtype == torch.float32 and library() is not None
+
+
+def use_cpu_kernels(model: nn.Module, lib: Optional[ctypes.CDLL] = None) -> dict[str, str]:
+    """Swap every linear layer of `model` (`model.linear_layers()`) for its CPU-kernel
+    counterpart, in place: `Linear` -> `CpuLinear`, `QuantLinear` -> `CpuQuantLinear`; layers
+    already served by the library are kept. Returns {layer name: new class name}.
+
+    Raises:
+        RuntimeError: if the library is unavailable.
+    """
+    from ...models.llama import Linear
+    from ...quant import QuantLinear, _swap
+
+    if (lib or library()) is None:
+        raise RuntimeError("the CPU kernel library is unavailable")
+    done = {}
+    for name, lin in model.linear_layers():
+        if isinstance(lin, (CpuLinear, CpuQuantLinear, W8A8Linear)):
+            continue
+        if isinstance(lin, QuantLinear):
+            new: nn.Module = CpuQuantLinear(lin, lib=lib)
+        elif isinstance(lin, Linear):
+            new = CpuLinear(lin.weight.data, None if lin.bias is None else lin.bias.data, lib=lib)
+        else:
+            continue
+        _swap(model, name, new)
+        done[name] = type(new).__name__
+    return done

@@ -1,0 +1,178 @@
+/*
+ * The small per-layer ops of a decoder step, each one pass over its data:
+ *   tm_rms_norm   y = x / sqrt(mean(x^2) + eps) * w        (Zhang & Sennrich 2019, arXiv 1910.07467)
+ *   tm_rope       rotary embedding in place, "rotate half" pairs (i, i + D/2)
+ *                 (Su et al. 2021, arXiv 2104.09864), angles from cos/sin tables
+ *   tm_silu_mul   out = silu(g) * u for a fused [g | u] row  (SwiGLU, Shazeer 2020, arXiv 2002.05202)
+ *   tm_kv_write   new K/V rows into the paged cache at their slots, fp32 or int8 rows
+ *                 (D codes + the fp32 scale max|x| / 127, as engine/attention/torch_quant_kv.py)
+ * Rows are shared out over the thread pool in chunks when there are many of them.
+ */
+#include "tm_cpu.h"
+
+#include <math.h>
+#include <string.h>
+
+static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* rows per chunk so that a chunk holds about 32k elements */
+static inline int64_t rows_per_chunk(int64_t cols) {
+    const int64_t r = 32768 / (cols > 0 ? cols : 1);
+    return r < 1 ? 1 : r;
+}
+
+/* ---------------------------------------------------------------- RMSNorm */
+
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t ldx, ldy, m, k, rpc;
+    float eps;
+} norm_ctx;
+
+static void norm_chunk(void *vctx, int64_t chunk) {
+    const norm_ctx *c = (const norm_ctx *)vctx;
+    const int64_t r0 = chunk * c->rpc, r1 = r0 + c->rpc < c->m ? r0 + c->rpc : c->m;
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *x = c->x + r * c->ldx;
+        float *y = c->y + r * c->ldy;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < c->k; ++i) ss += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(ss / (float)c->k + c->eps);
+        for (int64_t i = 0; i < c->k; ++i) y[i] = c->w[i] * (x[i] * inv);
+    }
+}
+
+void tm_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t m, int64_t k,
+                 float eps) {
+    norm_ctx c = {.x = x, .w = w, .y = y, .ldx = ldx, .ldy = ldy, .m = m, .k = k, .rpc = rows_per_chunk(k),
+                  .eps = eps};
+    tm_parallel_for(cdiv(m, c.rpc), norm_chunk, &c);
+}
+
+/* ---------------------------------------------------------------- RoPE */
+
+typedef struct {
+    float *x;
+    int64_t ldx, t, heads, d, rpc;
+    const int64_t *pos;
+    const float *cos_t, *sin_t; /* [max_pos, d / 2] */
+} rope_ctx;
+
+static void rope_chunk(void *vctx, int64_t chunk) {
+    const rope_ctx *c = (const rope_ctx *)vctx;
+    const int64_t half = c->d / 2;
+    const int64_t r0 = chunk * c->rpc, r1 = r0 + c->rpc < c->t ? r0 + c->rpc : c->t;
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *cs = c->cos_t + c->pos[r] * half, *sn = c->sin_t + c->pos[r] * half;
+        for (int64_t h = 0; h < c->heads; ++h) {
+            float *restrict x1 = c->x + r * c->ldx + h * c->d;
+            float *restrict x2 = x1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * cs[i] - b * sn[i];
+                x2[i] = b * cs[i] + a * sn[i];
+            }
+        }
+    }
+}
+
+/* x: [t, heads * d] rows of stride ldx (e.g. the q and k heads at the start of a fused qkv row). */
+void tm_rope(float *x, int64_t ldx, int64_t t, int64_t heads, int64_t d, const int64_t *positions,
+             const float *cos_t, const float *sin_t) {
+    rope_ctx c = {.x = x, .ldx = ldx, .t = t, .heads = heads, .d = d, .rpc = rows_per_chunk(heads * d),
+                  .pos = positions, .cos_t = cos_t, .sin_t = sin_t};
+    tm_parallel_for(cdiv(t, c.rpc), rope_chunk, &c);
+}
+
+/* ---------------------------------------------------------------- SiLU * up */
+
+/* exp(x) for |x| <= 88: 2^n * 2^f, f in [-0.5, 0.5], 2^f from a degree-6 polynomial in f ln 2
+ * (relative error below 2e-7). */
+static inline float tm_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = x * 1.44269504088896341f;
+    const float n = __builtin_rintf(t);
+    const float r = (t - n) * 0.69314718055994531f;
+    const float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.0083333338f +
+                                                                                              r * 0.0013888889f)))));
+    union {
+        float f;
+        int32_t i;
+    } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
+typedef struct {
+    const float *gu;
+    float *out;
+    int64_t ldg, ldo, m, n, rpc;
+} silu_ctx;
+
+static void silu_chunk(void *vctx, int64_t chunk) {
+    const silu_ctx *c = (const silu_ctx *)vctx;
+    const int64_t r0 = chunk * c->rpc, r1 = r0 + c->rpc < c->m ? r0 + c->rpc : c->m;
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *restrict g = c->gu + r * c->ldg;
+        const float *restrict u = g + c->n;
+        float *restrict o = c->out + r * c->ldo;
+        for (int64_t i = 0; i < c->n; ++i) o[i] = g[i] / (1.0f + tm_expf(-g[i])) * u[i];
+    }
+}
+
+/* gu: [m, 2n] rows [gate | up] of stride ldg; out: [m, n] of stride ldo. */
+void tm_silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t m, int64_t n) {
+    silu_ctx c = {.gu = gu, .out = out, .ldg = ldg, .ldo = ldo, .m = m, .n = n, .rpc = rows_per_chunk(3 * n)};
+    tm_parallel_for(cdiv(m, c.rpc), silu_chunk, &c);
+}
+
+/* ---------------------------------------------------------------- KV write */
+
+typedef struct {
+    const float *k, *v;
+    int64_t ldk, ldv, t, hkv, d, s, rpc;
+    const int64_t *slots;
+    void *kc, *vc;
+    int is_int8;
+} kvw_ctx;
+
+static void write_row(const float *src, void *cache, int64_t h, int64_t slot, int64_t s, int64_t d, int is_int8) {
+    if (!is_int8) {
+        memcpy((float *)cache + (h * s + slot) * d, src, sizeof(float) * d);
+        return;
+    }
+    int8_t *row = (int8_t *)cache + (h * s + slot) * (d + 4);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = fmaxf(amax, fabsf(src[i]));
+    float scale = amax / 127.0f;
+    if (scale < 1e-12f) scale = 1e-12f;
+    for (int64_t i = 0; i < d; ++i) {
+        float q = rintf(src[i] / scale);
+        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+        row[i] = (int8_t)q;
+    }
+    memcpy(row + d, &scale, sizeof scale);
+}
+
+static void kvw_chunk(void *vctx, int64_t chunk) {
+    const kvw_ctx *c = (const kvw_ctx *)vctx;
+    const int64_t r0 = chunk * c->rpc, r1 = r0 + c->rpc < c->t ? r0 + c->rpc : c->t;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t slot = c->slots[r];
+        for (int64_t h = 0; h < c->hkv; ++h) {
+            write_row(c->k + r * c->ldk + h * c->d, c->kc, h, slot, c->s, c->d, c->is_int8);
+            write_row(c->v + r * c->ldv + h * c->d, c->vc, h, slot, c->s, c->d, c->is_int8);
+        }
+    }
+}
+
+/* k, v: [t, hkv * d] rows (strides ldk, ldv); caches [hkv, s, d] fp32 or [hkv, s, d + 4] int8 rows;
+ * row r goes to slot slots[r]. */
+void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t t, int64_t hkv, int64_t d,
+                 const int64_t *slots, void *k_cache, void *v_cache, int64_t s, int is_int8) {
+    kvw_ctx c = {.k = k, .v = v, .ldk = ldk, .ldv = ldv, .t = t, .hkv = hkv, .d = d, .s = s,
+                 .rpc = rows_per_chunk(4 * hkv * d), .slots = slots, .kc = k_cache, .vc = v_cache,
+                 .is_int8 = is_int8};
+    tm_parallel_for(cdiv(t, c.rpc), kvw_chunk, &c);
+}
