@@ -41,7 +41,9 @@ class EngineConfig:
         quantization: None (weights as loaded) | "int8" (weight-only,
             per-output-channel) | "int4" (weight-only, groups of
             `quant_group_size` with scale and min) | "gguf" (keep a GGUF
-            file's own quantized blocks). See `engine.quant`.
+            file's own quantized blocks) | "w8a8" (int8 weights per output
+            channel x int8 activations per token, integer arithmetic; CPU
+            kernels only). See `engine.quant`.
         quant_group_size: int4 group size, 32 | 64 | 128.
         kv_cache_dtype: "auto" (the model dtype) | "int8" (per-token per-head
             scale) | "fp8_e4m3" (CUDA only).
@@ -50,6 +52,10 @@ class EngineConfig:
             TRITON_INTERPRET=1, for tests).
         enforce_eager: never capture CUDA graphs (debugging); otherwise decode
             steps on CUDA replay graphs captured per batch-size bucket.
+        cpu_kernels: on the CPU in fp32, run linear layers, norms, RoPE, the KV
+            write and decode attention in tokenmill's C kernel library
+            (`engine.kernels.cpu`, built on first use); False runs the PyTorch
+            reference ops (as does a machine without a C compiler).
 
     Raises:
         ValueError: naming the parameter, for any out-of-range value.
@@ -73,6 +79,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -93,8 +100,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
             raise ValueError(f"max_model_len must be an integer > 1, got {self.max_model_len!r}")
-        if self.quantization not in (None, "none", "int8", "int4", "gguf"):
-            raise ValueError(f"quantization must be None|int8|int4|gguf, got {self.quantization!r}")
+        if self.quantization not in (None, "none", "int8", "int4", "gguf", "w8a8"):
+            raise ValueError(f"quantization must be None|int8|int4|gguf|w8a8, got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):

@@ -61,19 +61,47 @@ def _available_memory_bytes() -> int:
         return 8 << 30
 
 
+def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype) -> bool:
+    """Whether the CPU kernel library runs a model: asked for, fp32 on the CPU, and it builds."""
+    if not cpu_kernels or device != "cpu" or dtype != torch.float32:
+        return False
+    from .kernels import cpu
+
+    return cpu.available()
+
+
 @functools.lru_cache(maxsize=4)
 def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantization: Optional[str] = None,
-                group_size: int = 32) -> tuple[LlamaModel, Tokenizer]:
+                group_size: int = 32, cpu_kernels: bool = True) -> tuple[LlamaModel, Tokenizer]:
     """Load weights and tokenizer once per process; LLM instances share the read-only weights.
-    `quantization` ("int8" | "int4" | "gguf") builds a copy of the cached float model whose
-    linear layers are swapped (`engine.quant.quantized_copy`); embedding and norms are shared."""
+    `quantization` ("int8" | "int4" | "gguf" | "w8a8") builds a copy of the cached float model whose
+    linear layers are swapped (`engine.quant.quantized_copy`); embedding and norms are shared.
+    With `cpu_kernels` (fp32 on the CPU) the linear layers are then swapped for the CPU kernel
+    library's (`engine.kernels.cpu.layers.use_cpu_kernels`) and the small ops run in C; without,
+    the PyTorch reference ops run.
+
+    Raises:
+        ValueError: quantization="w8a8" where the CPU kernels cannot serve.
+    """
+    from .kernels.cpu.layers import use_cpu_kernels
+    from .models.ops import TorchOps
+
     source = source_key
+    use_c = _cpu_kernels_serve(cpu_kernels, device, dtype)
     if quantization is not None:
         from .quant import quantized_copy
+
+        if quantization == "w8a8" and not use_c:
+            raise ValueError("quantization='w8a8' runs on the CPU kernels only: fp32 on the CPU, "
+                             "cpu_kernels=True and a C compiler (see engine.kernels.cpu)")
         # the same argument tuple as LLM.__init__'s float load, so both hit one cache entry
-        base, tokenizer = _load_model(source, dtype, device, seed, None, 32)
+        base, tokenizer = _load_model(source, dtype, device, seed, None, 32, cpu_kernels)
         gguf_path = source.path if quantization == "gguf" else None
-        return quantized_copy(base, quantization, group_size, gguf_path), tokenizer
+        qmodel = quantized_copy(base, quantization, group_size, gguf_path)
+        qmodel.ops = base.ops
+        if use_c:
+            use_cpu_kernels(qmodel)
+        return qmodel, tokenizer
     mcfg, state = load_model_weights(source)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)
@@ -87,6 +115,10 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     else:
         model.load_weights(state)
         del state
+    if use_c:
+        use_cpu_kernels(model)
+    elif model.ops.name == "cpu":
+        model.ops = TorchOps()
     return model, tokenizer
 
 
@@ -133,7 +165,7 @@ class LLM:
                              "use kv_cache_dtype='int8' on CPU")
         t0 = time.perf_counter()
         self.model, self.tokenizer = _load_model(source, self.dtype, str(self.device), cfg.seed, quant,
-                                                 cfg.quant_group_size if quant == "int4" else 32)
+                                                 cfg.quant_group_size if quant == "int4" else 32, cfg.cpu_kernels)
         mcfg = self.model_config = self.model.cfg
         self.load_time_s = time.perf_counter() - t0
 
@@ -144,6 +176,8 @@ class LLM:
         else:
             self.backend = TorchQuantKVAttentionBackend(cfg.kv_cache_dtype)
             kv_dtype = self.backend.storage_dtype
+        if not cfg.cpu_kernels and hasattr(self.backend, "use_cpu_kernel"):
+            self.backend.use_cpu_kernel = False
         per_block = 2 * mcfg.num_layers * kv_dtype.itemsize * math.prod(
             self.backend.cache_shape(1, bs, mcfg.num_kv_heads, mcfg.head_dim))
         budget = cfg.kv_cache_memory_bytes

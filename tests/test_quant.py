@@ -24,6 +24,10 @@ from engine.attention.torch_quant_kv import TorchQuantKVAttentionBackend
 from engine.quant import (GGUF_MAPPING, QuantLinear, concat_rows, gguf_blocks_to_parts, pack_int4, parts_to_layer,
                           quantize_int4, quantize_int8, read_gguf_parts, unpack_int4)
 from engine.weights import unpermute_rope_rows
+from engine.kernels.cpu.layers import CpuLinear, CpuQuantLinear
+
+# an engine holds the CPU kernel library's layers where the library builds, else the PyTorch ones
+QUANT_LAYERS = (QuantLinear, CpuQuantLinear)
 
 MODEL = "smollm2-135m-instruct"
 KV_BYTES = 64 << 20  # small KV pools: the tests never need more
@@ -209,12 +213,13 @@ def ref_scores(llm, windows):
 def test_engines_really_hold_quantized_layers(llm, engines):
     from engine.models.llama import Linear
 
-    assert all(type(l) is Linear for _, l in llm.model.linear_layers())  # the shared fp32 model is untouched
+    # the shared fp32 model is untouched: float layers only
+    assert all(type(l) in (Linear, CpuLinear) for _, l in llm.model.linear_layers())
     for name in ("gguf", "int8", "int4"):
         layers = engines[name].model.linear_layers()
-        assert all(isinstance(l, QuantLinear) for n, l in layers if n != "lm_head"), name
-        assert isinstance(engines[name].model.lm_head, QuantLinear) == (name != "int8"), name
-    bits = {name: {l.bits for _, l in engines[name].model.linear_layers() if isinstance(l, QuantLinear)}
+        assert all(isinstance(l, QUANT_LAYERS) for n, l in layers if n != "lm_head"), name
+        assert isinstance(engines[name].model.lm_head, QUANT_LAYERS) == (name != "int8"), name
+    bits = {name: {l.bits for _, l in engines[name].model.linear_layers() if isinstance(l, QUANT_LAYERS)}
             for name in ("gguf", "int8", "int4")}
     assert bits == {"gguf": {4, 8}, "int8": {8}, "int4": {4}}  # gguf: Q4_1 layers, Q8_0 head
     assert engines["kv-int8"].kv_bytes_per_token == 2 * 30 * 3 * (64 + 4)  # vs 2*30*3*64*4 in fp32
@@ -231,9 +236,9 @@ def test_int8_keeps_the_tied_lm_head_in_float_and_counts_its_bytes(llm, engines)
     m = engines["int8"].model
     # the head is a float Linear over int8's own embedding table, equal to the fp32 model's head
     # (not the same object: whether the engines share one cached fp32 model depends on test order)
-    assert not isinstance(m.lm_head, QuantLinear) and m.lm_head.weight.data_ptr() == m.embed.data_ptr()
+    assert not isinstance(m.lm_head, QUANT_LAYERS) and m.lm_head.weight.data_ptr() == m.embed.data_ptr()
     assert torch.equal(m.lm_head.weight, llm.model.lm_head.weight)
-    assert sum(isinstance(l, QuantLinear) for _, l in m.linear_layers()) == 120
+    assert sum(isinstance(l, QUANT_LAYERS) for _, l in m.linear_layers()) == 120
     vocab, d, inter, kv = 49152, 576, 1536, 192
     # int8 codes + one fp32 scale per output row: qkv, o, gate_up, down of 30 layers
     body = 30 * ((d + 2 * kv) * (d + 4) + d * (d + 4) + 2 * inter * (d + 4) + d * (inter + 4))

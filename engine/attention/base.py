@@ -65,12 +65,15 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Write k, v into the cache at `meta.slot_mapping`, then attend.
 
         Args:
-            q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
+            q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (may be strided
+                views into one fused qkv buffer).
+            out: optional [T, num_heads, head_dim] destination (the result is written there).
         Returns:
-            [T, num_heads, head_dim], causal attention of each token over its
-            sequence's cached prefix and the new tokens up to itself.
+            [T, num_heads, head_dim] (`out` when given), causal attention of each token over
+            its sequence's cached prefix and the new tokens up to itself.
         """

@@ -1,132 +1,39 @@
-"""Build, load and call the C paged decode-attention kernel (`cpu_decode_attention.c`).
+"""The C paged decode-attention kernel (`engine/kernels/cpu/attention.c`) on torch tensors.
 
-The kernel is compiled on first use with the system C compiler (`cc`, or `$CC`)
-for this CPU (`-march=native`) into a cache directory, and loaded with ctypes;
-it needs neither PyTorch headers nor a build step at install time. Where no
-compiler is found, or the build fails, `available()` is False, a warning says
-why once, and the caller keeps its PyTorch path.
-
-Environment:
-    TOKENMILL_CPU_KERNELS=0   never build or use the kernel.
-    TOKENMILL_CACHE_DIR       where the built library goes (default
-                              ~/.cache/tokenmill).
+The kernel lives in tokenmill's CPU kernel library (`engine.kernels.cpu`), built on
+first use for this CPU; where it is unavailable (no compiler, or
+TOKENMILL_CPU_KERNELS=0) `available()` is False and the attention backends keep
+their PyTorch paths.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-log = logging.getLogger(__name__)
+from ..kernels import cpu as _cpu
 
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-# -fassociative-math and friends let gcc vectorize the dot-product reductions; they do not
-# assume finite math, so the kernel's -inf running maximum keeps its meaning.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-          "-fno-signed-zeros", "-fPIC", "-shared", "-pthread"]
 _MAX_G, _MAX_D, _MAX_BLOCK_SIZE = 16, 256, 64
-
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
-_why_not = ""
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tokenmill")
-    return Path(root) / "kernels"
-
-
-def _cpu_id() -> str:
-    """The CPU model and feature flags (what -march=native compiles for), '' where unreadable."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _build(extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile the kernel into the cache (atomically: temp file, then rename) and return its path.
-
-    The file name carries a hash of the source, the flags, the compiler and the CPU, so a
-    changed kernel or compiler builds anew. Raises RuntimeError (no compiler) or
-    subprocess.CalledProcessError (the build failed)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    src = _SOURCE.read_bytes()
-    flags = [*_FLAGS, *extra_flags]
-    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_id()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"tm_decode_attention_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def _open(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    fn = lib.tm_paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7
-                   + [ctypes.c_float, ctypes.c_int64])
-    return lib
-
-
-def generic_build() -> ctypes.CDLL:
-    """The kernel built without its AVX2 path (-DTM_GENERIC), for tests of the plain-C path;
-    pass it as `lib` to `paged_decode_attention`. Raises as `_build` does."""
-    return _open(_build(("-DTM_GENERIC",)))
-
-
-def _load() -> Optional[ctypes.CDLL]:
-    global _lib, _tried, _why_not
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
-            _why_not = "disabled by TOKENMILL_CPU_KERNELS=0"
-            return None
-        try:
-            _lib = _open(_build())
-            return _lib
-        except subprocess.CalledProcessError as e:
-            _why_not = f"building the C decode-attention kernel failed: {e.stderr.strip()[:500]}"
-        except (OSError, RuntimeError) as e:
-            _why_not = f"the C decode-attention kernel is unavailable: {e}"
-        log.warning("%s; decode attention uses the PyTorch path", _why_not)
-        return None
 
 
 def available() -> bool:
-    """True if the kernel is built (building it on first call) and loadable."""
-    return _load() is not None
+    """True if the CPU kernel library is built (building it on first call) and loadable."""
+    return _cpu.available()
 
 
 def why_unavailable() -> str:
     """The reason `available()` is False ('' when it is True or was not asked yet)."""
-    return _why_not
+    return _cpu.why_unavailable()
+
+
+def generic_build() -> ctypes.CDLL:
+    """The library built without its SIMD paths (-DTM_GENERIC), for tests of the plain-C path;
+    pass it as `lib` to `paged_decode_attention`. Raises RuntimeError if it cannot be built."""
+    lib = _cpu.library("generic")
+    if lib is None:
+        raise RuntimeError(_cpu.why_unavailable("generic"))
+    return lib
 
 
 def _int8_rows(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -159,7 +66,8 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, block_size: int) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            scale: float, out: Optional[torch.Tensor] = None,
-                           num_threads: Optional[int] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+                           num_threads: Optional[int] = None, lib: Optional[ctypes.CDLL] = None,
+                           order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention over a paged KV cache, reading each sequence's blocks in place.
 
     For an int8 cache each row holds D codes and its fp32 scale (value = code * scale), read
@@ -177,17 +85,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_size: tokens per block (<= 64).
         scale: softmax scale, usually head_dim ** -0.5.
         out: optional [B, Hq, D] float32 contiguous destination.
-        num_threads: worker threads (default torch.get_num_threads()).
+        num_threads: ignored (the kernel library's thread pool size applies; kept for callers).
         lib: a specific build (tests: `generic_build()`); default the one `available()` loads.
+        order: optional [B] int64, the sequences in the order to hand them to the threads,
+            longest first (`decode_task_order`, the default).
     Returns:
         out, [B, Hq, D] float32.
     Raises:
         RuntimeError: if the kernel is unavailable or refuses the shape (check `supports` first).
         ValueError: on a dtype, device or layout it cannot read.
     """
-    lib = lib or _load()
+    lib = lib or _cpu.library()
     if lib is None:
-        raise RuntimeError(_why_not or "the C decode-attention kernel is unavailable")
+        raise RuntimeError(why_unavailable() or "the C decode-attention kernel is unavailable")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     if q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype:
@@ -206,11 +116,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty_like(q)
     elif not out.is_contiguous() or out.shape != q.shape:
         raise ValueError("out must be a contiguous tensor shaped like q")
-    rc = lib.tm_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(is_int8), bt.data_ptr(), sl.data_ptr(), out.data_ptr(),
-        b, hq, hkv, d, slots, bt.shape[1], block_size, float(scale),
-        num_threads or torch.get_num_threads())
-    if rc == -1:
-        raise RuntimeError(f"the C decode-attention kernel refused Hq={hq}, Hkv={hkv}, D={d}, "
-                           f"block_size={block_size}")
+    if order is None:
+        order = decode_task_order(sl, 1) if b > 1 else torch.zeros(b, dtype=torch.int64)
+    tiles = torch.stack((order, torch.ones_like(order)), dim=1).contiguous()
+    _cpu.paged_attention(q, k_cache, v_cache, bt, None, sl, tiles, block_size, scale, out, lib=lib)
     return out
+
+
+def decode_task_order(seq_lens: torch.Tensor, num_kv_heads: int = 1) -> torch.Tensor:
+    """The sequences of a decode batch, longest first: [B] int64 (num_kv_heads is unused, kept
+    for callers). Handing long tasks out first leaves short ones for the end, so the threads
+    finish together."""
+    return torch.argsort(seq_lens, descending=True, stable=True).contiguous()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import cpu as _cpu
+from . import cpu_kernel
 from .base import AttentionMetadata
 from .torch_ref import TorchAttentionBackend, _sdpa
 
@@ -92,10 +94,24 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
             pre.append((start, qlen, blocks, slen, mask))
         meta.cache["prefill"] = pre
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def _write_kv(self, k, v, k_cache, v_cache, meta) -> None:
+        """Encode and write new rows: one C call for int8 on the CPU (same codes and scales as
+        `encode`), else `encode` + index_copy_."""
+        if (self.kv_cache_dtype == "int8" and self.use_cpu_kernel and k_cache.device.type == "cpu"
+                and k.dtype == torch.float32 and cpu_kernel.available()):
+            _cpu.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         k_cache.index_copy_(1, meta.slot_mapping, self.encode(k))
         v_cache.index_copy_(1, meta.slot_mapping, self.encode(v))
-        out = torch.empty_like(q)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
+        self._write_kv(k, v, k_cache, v_cache, meta)
+        if out is None:
+            out = torch.empty_like(q)
+        if self.kv_cache_dtype == "int8" and self._kernel_serves(q, k_cache, meta):
+            tables, row_seq, kv_len, tiles = self._kernel_plan(meta, q, k_cache)
+            return _cpu.paged_attention(q, k_cache, v_cache, tables, row_seq, kv_len, tiles, meta.block_size,
+                                        scale, out)
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:

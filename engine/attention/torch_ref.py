@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu as _cpu
 from . import cpu_kernel
 from .base import AttentionBackend, AttentionMetadata
 
@@ -25,8 +26,10 @@ class TorchAttentionBackend(AttentionBackend):
     (head-major), so that gathering slots yields tensors that the batched
     matmuls and SDPA read without another transpose copy.
 
-    Decode on the CPU (fp32 queries; fp32 or int8 KV): the C kernel of `cpu_kernel` reads each sequence's
-    blocks in place (no gather, no padding). Elsewhere, or without a C compiler:
+    On the CPU (fp32 queries; fp32 or int8 KV) one C kernel call per layer (`engine.kernels.cpu`,
+    attention.c) serves every row of the step, decodes and prefill chunks alike, reading each
+    sequence's blocks in place (no gather, no padding), and new K/V rows are written by one C
+    call. What follows is the PyTorch path (other devices, no compiler, and the tests' oracle). Elsewhere, or without a C compiler:
     leading blocks shared by every decoding sequence are read once and
     attended by all queries in one matmul. The rest: sequences are sorted into
     up to 4 length buckets; the KV of each bucket is gathered by whole blocks
@@ -57,9 +60,10 @@ class TorchAttentionBackend(AttentionBackend):
         cache["decode_shared"] = None
         cache["decode_kernel"] = None
         if bd > 0 and self.use_cpu_kernel and dev.type == "cpu" and cpu_kernel.available():
-            # Checked again per layer against the tensors (dtype, shape) in `_decode_attention`.
-            cache["decode_kernel"] = (meta.decode_block_tables.to(torch.int32).contiguous(),
-                                      meta.decode_seq_lens.to(torch.int64).contiguous())
+            # Checked again per layer against the tensors (dtype, shape) in `_decode_attention`,
+            # where the task order (longest first) is made once for all layers of the step.
+            lens = meta.decode_seq_lens.to(torch.int64).contiguous()
+            cache["decode_kernel"] = (meta.decode_block_tables.to(torch.int32).contiguous(), lens)
         if bd > 0 and cache["decode_kernel"] is None:
             self._prepare_decode_buckets(meta, cache)
         pre = []
@@ -151,7 +155,11 @@ class TorchAttentionBackend(AttentionBackend):
         bs = meta.block_size
         kernel = meta.cache.get("decode_kernel")
         if kernel is not None and cpu_kernel.supports(q, k_cache, bs):
-            cpu_kernel.paged_decode_attention(q[:bd], k_cache, v_cache, kernel[0], kernel[1], bs, scale, out=out[:bd])
+            order = meta.cache.get("decode_task_order")
+            if order is None:
+                order = meta.cache["decode_task_order"] = cpu_kernel.decode_task_order(kernel[1], hkv)
+            cpu_kernel.paged_decode_attention(q[:bd], k_cache, v_cache, kernel[0], kernel[1], bs, scale,
+                                              out=out[:bd], order=order)
             return
         if "decode_buckets" not in meta.cache:
             self._prepare_decode_buckets(meta, meta.cache)
@@ -182,10 +190,63 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out[idx] = od
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def _write_kv(self, k, v, k_cache, v_cache, meta) -> None:
+        """New K/V rows into the cache: one C call on the CPU (fp32), else two index_copy_."""
+        if (self.use_cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
+                and k.dtype == torch.float32 and cpu_kernel.available()):
+            _cpu.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
-        out = torch.empty_like(q)
+
+    def _kernel_plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor):
+        """The C kernel's view of the step (made on the first layer, reused by the others): one
+        block-table row per sequence (decodes, then prefill chunks), each query row's table row
+        and visible KV length (position + 1), and the work tiles, longest KV first."""
+        plan = meta.cache.get("kernel_plan")
+        if plan is not None:
+            return plan
+        bd, bs = meta.num_decode_tokens, meta.block_size
+        group = q.shape[1] // k_cache.shape[0]
+        tile_rows = _cpu.attention_tile_rows(group)
+        chunks = list(zip(meta.prefill_query_starts, meta.prefill_query_lens, meta.prefill_seq_lens,
+                          meta.prefill_block_tables))
+        width = max([meta.decode_block_tables.shape[1] if bd else 1] + [-(-sl // bs) for _, _, sl, _ in chunks])
+        tables = torch.zeros(bd + len(chunks), width, dtype=torch.int32)
+        row_seq = [torch.arange(bd, dtype=torch.int32)]
+        kv_len = [meta.decode_seq_lens[:bd].to(torch.int64)]
+        tile_start = [torch.arange(bd, dtype=torch.int64)]
+        tile_rows_l = [torch.ones(bd, dtype=torch.int64)]
+        if bd:
+            tables[:bd, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+        for i, (start, qlen, slen, bt) in enumerate(chunks):
+            nb = -(-slen // bs)
+            tables[bd + i, :nb] = bt[:nb].to(torch.int32)
+            row_seq.append(torch.full((qlen,), bd + i, dtype=torch.int32))
+            kv_len.append(torch.arange(slen - qlen + 1, slen + 1, dtype=torch.int64))
+            offs = torch.arange(0, qlen, tile_rows, dtype=torch.int64)
+            tile_start.append(start + offs)
+            tile_rows_l.append((qlen - offs).clamp(max=tile_rows))
+        kv_len_t = torch.cat(kv_len)
+        starts, rows = torch.cat(tile_start), torch.cat(tile_rows_l)
+        order = torch.argsort(kv_len_t[starts + rows - 1], descending=True, stable=True)
+        tiles = torch.stack((starts[order], rows[order]), dim=1).contiguous()
+        plan = meta.cache["kernel_plan"] = (tables, torch.cat(row_seq), kv_len_t, tiles)
+        return plan
+
+    def _kernel_serves(self, q, k_cache, meta) -> bool:
+        return self.use_cpu_kernel and meta.slot_mapping.device.type == "cpu" and \
+            cpu_kernel.supports(q, k_cache, meta.block_size)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
+        self._write_kv(k, v, k_cache, v_cache, meta)
+        if out is None:
+            out = torch.empty_like(q)
+        if self._kernel_serves(q, k_cache, meta):
+            # decodes and prefill chunks alike: one C call reads every row's KV in place
+            tables, row_seq, kv_len, tiles = self._kernel_plan(meta, q, k_cache)
+            return _cpu.paged_attention(q, k_cache, v_cache, tables, row_seq, kv_len, tiles, meta.block_size,
+                                        scale, out)
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:

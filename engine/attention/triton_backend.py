@@ -327,9 +327,10 @@ class TritonAttentionBackend(AttentionBackend):
             c["max_q_len"] = max(meta.prefill_query_lens)
         meta.cache = c
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:

@@ -13,6 +13,7 @@ q/k/v and gate/up projections are fused into one matmul each.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -51,7 +52,9 @@ class Linear(nn.Module):
 
     Args:
         weight: [out_features, in_features]; bias: [out_features] or None.
-    Shapes: x [T, in_features] -> y [T, out_features], in the weight's dtype.
+    Shapes: x [T, in_features] -> y [T, out_features], in the weight's dtype. Every linear
+    layer (this one, `engine.quant.QuantLinear`, the CPU kernel layers of
+    `engine.kernels.cpu.layers`) takes `forward(x, out=None, residual=None)`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
@@ -61,8 +64,19 @@ class Linear(nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, in] -> x W^T (+ b) [T, out], into `out` when given; with `residual`,
+        residual += x W^T (+ b) in place (one GEMM with beta = 1) and residual is returned."""
+        if residual is not None:
+            if self.bias is not None:
+                residual.add_(self.bias)
+            return residual.addmm_(x, self.weight.t())
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
     def weight_bytes(self) -> int:
         """Bytes this layer reads per forward pass (weights and bias)."""
@@ -107,6 +121,9 @@ class LlamaModel(nn.Module):
         self.lm_head: Optional[Linear] = None
         self.final_norm: Optional[torch.Tensor] = None
         self.layers = nn.ModuleList()
+        from .ops import select_ops
+
+        self.ops = select_ops(device, dtype)  # how the small ops run (see models/ops.py)
 
     # ------------------------------------------------------------ weights
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -194,26 +211,21 @@ class LlamaModel(nn.Module):
 
     # ------------------------------------------------------------ pieces
     def _rope_tables(self, max_pos: int) -> None:
+        """Make the cos/sin tables [n, head_dim / 2] float32 cover positions < max_pos (grown, never shrunk)."""
         if max_pos <= self._rope_len:
             return
         n = max(max_pos, 2 * self._rope_len, 4096)
         t = torch.arange(n, dtype=torch.float64)
         freqs = torch.outer(t, self._inv_freq)
-        self.cos = freqs.cos().to(self.device, torch.float32)
-        self.sin = freqs.sin().to(self.device, torch.float32)
+        self.cos = freqs.cos().to(self.device, torch.float32).contiguous()
+        self.sin = freqs.sin().to(self.device, torch.float32).contiguous()
         self._rope_len = n
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return w * xf.to(x.dtype)
+        """RMSNorm through the PyTorch reference ops (kept for callers outside the forward)."""
+        from .ops import TorchOps
 
-    @staticmethod
-    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; cos/sin: [T, 1, D/2]; "rotate half" pairing (i, i + D/2)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return TorchOps.rms_norm(x, w, self.cfg.rms_norm_eps)
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -228,6 +240,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Run the decoder over a flattened batch.
 
+        Each step allocates its activation buffers once ([T, H] residual and norm output,
+        [T, q + 2 kv] fused qkv, [T, Hq D] attention output, [T, 2I] gate/up, [T, I]
+        activation) and every layer writes into them; residual adds are fused into the o
+        and down projections (`layer(x, residual=h)`).
+
         Args:
             input_ids: [T] int64 token ids.
             positions: [T] int64 absolute positions.
@@ -238,23 +255,28 @@ class LlamaModel(nn.Module):
         Returns:
             [S, vocab_size] float32 logits.
         """
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
-        self._rope_tables(int(positions.max()) + 1)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        h = F.embedding(input_ids, self.embed)
+        if positions.device.type == "cpu":  # on CUDA the engine sizes the tables up front (no host sync)
+            self._rope_tables(int(positions.max()) + 1)
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)
+        new = functools.partial(torch.empty, dtype=h.dtype, device=h.device)
+        x = new(T, cfg.hidden_size)
+        qkv = new(T, self.q_size + 2 * self.kv_size)
+        a = new(T, hq * d)
+        gu = new(T, 2 * cfg.intermediate_size)
+        act = new(T, cfg.intermediate_size)
+        q = qkv[:, : self.q_size].view(T, hq, d)
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, hkv, d)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, d)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x = self._rms_norm(h, layer.attn_norm)
-            q, k, v = layer.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._apply_rope(q.view(T, hq, d), cos, sin)
-            k = self._apply_rope(k.view(T, hkv, d), cos, sin)
-            v = v.reshape(T, hkv, d)
-            a = backend.forward(q, k, v, kc, vc, meta, self.scale)
-            h = h + layer.o(a.view(T, hq * d))
-            x = self._rms_norm(h, layer.mlp_norm)
-            g, u = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(g) * u)
-        h = self._rms_norm(h[logits_indices], self.final_norm)
-        return self.lm_head(h).float()
+            layer.qkv(ops.rms_norm(h, layer.attn_norm, eps, out=x), out=qkv)
+            ops.rope_(q, k, positions, self.cos, self.sin)
+            backend.forward(q, k, v, kc, vc, meta, self.scale, out=a.view(T, hq, d))
+            layer.o(a, residual=h)
+            layer.gate_up(ops.rms_norm(h, layer.mlp_norm, eps, out=x), out=gu)
+            layer.down(ops.silu_mul(gu, out=act), residual=h)
+        hs = h[logits_indices]
+        return self.lm_head(ops.rms_norm(hs, self.final_norm, eps)).float()

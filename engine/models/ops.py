@@ -1,0 +1,125 @@
+"""The small per-layer ops of the decoder, behind one seam with an implementation per device.
+
+`LlamaModel.forward` is written once against this interface; what differs
+between devices is only how each op runs:
+
+- `TorchOps`: PyTorch ops, any device and dtype; the reference the tests compare to.
+- `CpuOps`: tokenmill's C kernels (`engine.kernels.cpu`), fp32 on the CPU: one call per
+  op, no temporaries, writing into the caller's buffers.
+- `TritonOps`: the Triton kernels on CUDA (RMSNorm, in-place RoPE), host-sync free, so
+  the same forward can be captured in a CUDA graph.
+
+Each op's contract (shapes for a step of T tokens):
+    rms_norm(x [T, H], w [H], eps, out [T, H] or None) -> x / sqrt(mean(x^2) + eps) * w
+    rope_(q [T, Hq, D], k [T, Hkv, D], positions [T], cos, sin [P, D/2]) rotates q and k in place
+    silu_mul(gu [T, 2I], out [T, I] or None) -> silu(gu[:, :I]) * gu[:, I:]
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    """PyTorch reference implementation (statistics in fp32 whatever the dtype)."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        xf = x.float()
+        y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        if out is None:
+            return y
+        return out.copy_(y)
+
+    @staticmethod
+    def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> None:
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        for x in (q, k):
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half].float(), x[..., half:].float()
+            rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+            x.copy_(rot)
+
+    @staticmethod
+    def silu_mul(gu: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        g, u = gu.chunk(2, dim=-1)
+        if out is None:
+            return F.silu(g) * u
+        return torch.mul(F.silu(g), u, out=out)
+
+
+class CpuOps:
+    """The C kernels of `engine.kernels.cpu` (fp32, CPU)."""
+
+    name = "cpu"
+
+    def __init__(self, lib=None) -> None:
+        from ..kernels import cpu
+
+        self.k = cpu
+        self.lib = lib
+
+    def rms_norm(self, x, w, eps, out=None):
+        return self.k.rms_norm(x, w, eps, out, lib=self.lib)
+
+    def rope_(self, q, k, positions, cos, sin):
+        hq, d = q.shape[1], q.shape[2]
+        t = q.shape[0]
+        # q and k heads side by side in one fused qkv row: one pass over both
+        if (k.data_ptr() == q.data_ptr() + hq * d * q.element_size() and q.stride(0) == k.stride(0)
+                and q.stride(1) == d and k.stride(1) == d):
+            self.k.rope_(q.as_strided((t, (hq + k.shape[1]) * d), (q.stride(0), 1)), hq + k.shape[1], d,
+                         positions, cos, sin, lib=self.lib)
+            return
+        for x in (q, k):
+            self.k.rope_(x.reshape(t, -1), x.shape[1], d, positions, cos, sin, lib=self.lib)
+
+    def silu_mul(self, gu, out=None):
+        return self.k.silu_mul(gu, out, lib=self.lib)
+
+
+class TritonOps(TorchOps):
+    """Triton RMSNorm and RoPE on CUDA (SiLU x up stays a PyTorch op)."""
+
+    name = "triton"
+
+    @staticmethod
+    def rms_norm(x, w, eps, out=None):
+        from ..kernels import fused_add_rms_norm
+
+        return fused_add_rms_norm(x, w, eps)  # its own output buffer; `out` is only a hint here
+
+    @staticmethod
+    def rope_(q, k, positions, cos, sin):
+        from ..kernels import rope_inplace
+
+        rope_inplace(q, k, cos, sin, positions)
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, prefer: str = "auto"):
+    """The ops for a model: "auto" picks CpuOps (fp32 CPU, library available), TritonOps (CUDA) or TorchOps.
+
+    Raises:
+        ValueError: for an unknown `prefer`, or "cpu" where the library cannot serve.
+    """
+    if prefer == "torch":
+        return TorchOps()
+    if prefer == "triton":
+        return TritonOps()
+    if prefer not in ("auto", "cpu"):
+        raise ValueError(f"unknown ops {prefer!r} (auto, cpu, triton, torch)")
+    if device.type == "cpu" and dtype == torch.float32:
+        from ..kernels import cpu
+
+        if cpu.available():
+            return CpuOps()
+    if prefer == "cpu":
+        raise ValueError("the CPU kernels need fp32 on the CPU and a C compiler")
+    if device.type == "cuda":
+        return TritonOps()
+    return TorchOps()
