@@ -7,10 +7,9 @@ slot mapping, KV lengths, block tables of the full `max_model_len` width) and
 the padded rows are made harmless: slot -1 (the KV write skips it) and KV
 length 0 (decode attention returns zeros).
 
-The captured function is `fused_decode_forward`: the same math as
-`LlamaModel.forward`, but with no host synchronisation (the model's forward
-reads `positions.max()` to size its RoPE tables, which a capture forbids) and
-with the fused Triton kernels (RMSNorm + residual add, in-place RoPE).
+The captured function is the model's own `LlamaModel.forward` (on CUDA its
+small ops are the Triton kernels of `models.ops.TritonOps`, and it reads no
+device value: the RoPE tables are sized for `max_model_len` up front).
 Graphs are captured lazily, the first time a bucket is used, from that step's
 real inputs: the warm-up run computes the step (its KV writes are the step's
 own), then the capture records it, then the replay recomputes it identically.
@@ -21,14 +20,12 @@ without a graph.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .attention import AttentionBackend, AttentionMetadata
-from .kernels import fused_add_rms_norm, rope_inplace
 from .models.llama import LlamaModel
 
 
@@ -36,32 +33,6 @@ def decode_buckets(max_batch: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, then every 16 up to `max_batch` (and max_batch)."""
     out = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(out + [max_batch]))
-
-
-def fused_decode_forward(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
-                         meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                         backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
-    """`LlamaModel.forward` with fused Triton kernels and no host sync.
-
-    The model's RoPE tables must already cover every position (`model._rope_tables`).
-    Shapes as in `LlamaModel.forward`; returns [S, vocab] float32 logits.
-    """
-    cfg = model.cfg
-    t = input_ids.shape[0]
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    eps = cfg.rms_norm_eps
-    h = F.embedding(input_ids, model.embed)
-    x = fused_add_rms_norm(h, model.layers[0].attn_norm, eps)
-    for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
-        q, k, v = layer.qkv(x).split([model.q_size, model.kv_size, model.kv_size], dim=-1)
-        q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
-        rope_inplace(q, k, model.cos, model.sin, positions)
-        a = backend.forward(q, k, v, kc, vc, meta, model.scale)
-        x = fused_add_rms_norm(layer.o(a.view(t, hq * d)), layer.mlp_norm, eps, residual=h)
-        g, u = layer.gate_up(x).chunk(2, dim=-1)
-        nxt = model.layers[i + 1].attn_norm if i + 1 < len(model.layers) else model.final_norm
-        x = fused_add_rms_norm(layer.down(F.silu(g) * u), nxt, eps, residual=h)
-    return model.lm_head(x[logits_indices]).float()
 
 
 class DecodeCudaGraphs:
@@ -113,8 +84,7 @@ class DecodeCudaGraphs:
             prefill_seq_lens=[], prefill_block_tables=[], block_size=self.block_size,
         )
         self.backend.prepare(meta)
-        return fused_decode_forward(self.model, self.ids[:b], self.pos[:b], meta, self.kv_caches,
-                                    self.backend, self.rows[:b])
+        return self.model.forward(self.ids[:b], self.pos[:b], meta, self.kv_caches, self.backend, self.rows[:b])
 
     def _capture(self, b: int) -> None:
         side = torch.cuda.Stream()

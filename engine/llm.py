@@ -200,6 +200,7 @@ class LLM:
         self.kv_bytes_per_token = per_block // bs  # K and V, all layers, scales included
         self.kv_capacity_tokens = num_blocks * bs
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
+        self.model._rope_tables(self.max_model_len + 1)  # the forward never resizes them on a device
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
         self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)
