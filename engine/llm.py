@@ -21,12 +21,12 @@ from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
-from .attention import AttentionMetadata, get_backend
+from .attention import get_backend
 from .attention.torch_quant_kv import TorchQuantKVAttentionBackend
 from .config import EngineConfig, SamplingParams
 from .kv_cache import BlockPool, KVCache
 from .metrics import EngineStats
-from .model_runner import ModelRunner
+from .model_runner import ChunkSpec, ModelRunner
 from .models.llama import LlamaModel
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, Sequence, SequenceStatus
@@ -253,7 +253,8 @@ class LLM:
 
         All sequences are prefilled together, in steps of at most `chunk_size`
         tokens (default: max_num_batched_tokens), in the model's forward pass
-        with the engine's KV cache and attention backend.
+        with the engine's KV cache and attention backend; each step's inputs come from the
+        model runner's one `prepare`.
 
         Args:
             token_ids: one sequence of token ids, or a list of them.
@@ -263,8 +264,6 @@ class LLM:
             RuntimeError: if requests are in flight.
             ValueError: when the sequences do not fit the free KV blocks or exceed max_model_len.
         """
-        import numpy as np
-
         if self.scheduler.has_unfinished():
             raise RuntimeError("score needs an idle engine")
         seqs = [list(token_ids)] if token_ids and isinstance(token_ids[0], int) else [list(s) for s in token_ids]
@@ -277,37 +276,28 @@ class LLM:
         tables = [self.block_pool.allocate(n) for n in need]  # scratch, never prefix-cached
         out: list[list[torch.Tensor]] = [[] for _ in seqs]
         done = [0] * len(seqs)
-        to = self.runner._to
         try:
             with torch.inference_mode():
                 while any(d < len(s) for d, s in zip(done, seqs)):
-                    ids, pos, slots, starts, lens, slens, bts, chunks = [], [], [], [], [], [], [], []
+                    specs, chunks = [], []
                     left = budget
                     for i, s in enumerate(seqs):
                         if done[i] >= len(s) or left == 0:
                             continue
-                        p0 = done[i]
-                        n = min(len(s) - p0, left)
+                        n = min(len(s) - done[i], left)
                         left -= n
-                        rng, table = np.arange(p0, p0 + n), np.asarray(tables[i], dtype=np.int64)
-                        starts.append(len(ids)), lens.append(n), slens.append(p0 + n), chunks.append((i, p0, n))
-                        ids.extend(s[p0 : p0 + n])
-                        pos.extend(rng.tolist())
-                        slots.extend((table[rng // bs] * bs + rng % bs).tolist())
-                        bts.append(to(table))
-                    meta = AttentionMetadata(slot_mapping=to(slots), num_decode_tokens=0, decode_seq_lens=to([]),
-                                             decode_block_tables=to(np.zeros((0, 1))), prefill_query_starts=starts,
-                                             prefill_query_lens=lens, prefill_seq_lens=slens,
-                                             prefill_block_tables=bts, block_size=bs)
-                    self.backend.prepare(meta)
-                    logits = self.model.forward(to(ids), to(pos), meta, self.kv_cache.layers, self.backend,
-                                                to(np.arange(len(ids))))
+                        specs.append(ChunkSpec(s, done[i], n, tables[i], "all"))
+                        chunks.append((i, done[i], n))
+                    # every chunk as a prefill chunk (a 1-token chunk too), logits at every position
+                    logits = self.runner.run(self.runner.prepare([], specs))
                     lp = torch.log_softmax(logits.float(), dim=-1)
-                    for (i, p0, n), st in zip(chunks, starts):
+                    row = 0
+                    for i, p0, n in chunks:
                         m = min(n, len(seqs[i]) - 1 - p0)  # the last token predicts nothing
                         if m > 0:
-                            tgt = to(seqs[i][p0 + 1 : p0 + 1 + m])
-                            out[i].append(lp[st : st + m].gather(1, tgt[:, None]).squeeze(1).cpu())
+                            tgt = torch.tensor(seqs[i][p0 + 1: p0 + 1 + m], device=lp.device)
+                            out[i].append(lp[row: row + m].gather(1, tgt[:, None]).squeeze(1).cpu())
+                        row += n
                         done[i] += n
         finally:
             for t in tables:

@@ -1,15 +1,19 @@
 """Builds one step's flattened tensors and runs the model.
 
-For the scheduled chunks (decodes first, then prefill chunks) it makes:
-input ids [T], positions [T], the slot mapping [T] (cache slot of each new
-token: block_table[pos // block_size] * block_size + pos % block_size), block
-tables and KV lengths, and the indices of the positions whose logits are
-needed (the last token of each chunk that completes its sequence).
+`prepare` turns the step's chunks (decodes first, then prefill chunks) into
+`StepInputs`: input ids [T], positions [T], the slot mapping [T] (cache slot of
+each new token: block_table[pos // block_size] * block_size + pos % block_size),
+block tables and KV lengths, and the indices of the positions whose logits are
+needed. It is the one place a step's inputs are built: scheduled steps
+(`execute`), single prompts (`compute_logits`) and scoring (`LLM.score`) all go
+through it. Tokens and tables are gathered once per step into numpy arrays and
+the per-token arrays are computed vectorised (no per-token Python work).
 """
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +22,54 @@ from .attention import AttentionBackend, AttentionMetadata
 from .kv_cache import KVCache
 from .models.llama import LlamaModel
 from .scheduler import SchedulerOutput
+
+
+@dataclass
+class ChunkSpec:
+    """`num_tokens` tokens of a sequence from position `start`, with the sequence's block table.
+
+    Attributes:
+        token_ids: the sequence's tokens (at least start + num_tokens of them).
+        start: first position of the chunk (tokens before it are in the KV cache).
+        num_tokens: tokens in the chunk.
+        block_table: physical KV blocks of the sequence, covering start + num_tokens.
+        logits: "last" (the chunk's last position), "all" (every position) or None.
+    """
+
+    token_ids: Sequence[int]
+    start: int
+    num_tokens: int
+    block_table: Sequence[int]
+    logits: Optional[str] = None
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs (decode rows first, then prefill chunks).
+
+    Attributes:
+        input_ids, positions: [T] int64 on the model's device.
+        logits_indices: [S] int64, the rows whose logits the step returns.
+        meta: the attention metadata (not yet `backend.prepare`d).
+        num_decodes: leading rows that are single-token decodes.
+        decode_arrays: (ids, positions, slots, seq lens, block tables, logits rows) as numpy
+            arrays, for the CUDA-graph path of decode-only steps.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    meta: AttentionMetadata
+    num_decodes: int
+    decode_arrays: tuple
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_indices.shape[0])
 
 
 class ModelRunner:
@@ -38,81 +90,99 @@ class ModelRunner:
         self.time_model = 0.0  # seconds inside the forward pass, cumulative
         self.cuda_graphs = None  # an engine.cuda_graph.DecodeCudaGraphs for decode-only steps, if set
 
-    def _to(self, arr, dtype=torch.int64) -> torch.Tensor:
-        t = torch.from_numpy(np.asarray(arr, dtype=np.int64))
-        if dtype != torch.int64:
-            t = t.to(dtype)
+    def _to(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
-    def execute(self, out: SchedulerOutput) -> Optional[torch.Tensor]:
-        """Run one forward pass over the step's chunks.
+    # ------------------------------------------------------------ prepare
+    def prepare(self, decodes: Sequence[ChunkSpec], prefills: Sequence[ChunkSpec]) -> StepInputs:
+        """Flattened inputs of a step: `decodes` (one token each) then `prefills` (any length).
 
-        Returns:
-            [S, vocab] float32 logits, one row per chunk whose `samples` is
-            True, in chunk order (decodes, then prefills); None if S == 0
-            (the pass still ran, filling the cache).
+        Raises:
+            ValueError: a decode chunk of more than one token.
         """
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        logits_idx: list[int] = []
-        # decodes
-        dec = out.decodes
-        dec_lens = []
-        max_blocks = 0
-        for c in dec:
-            s = c.seq
-            p = s.num_computed_tokens
-            ids.append(s.token_ids[p])
-            pos.append(p)
-            slots.append(s.block_table[p // bs] * bs + p % bs)
-            dec_lens.append(p + 1)
-            max_blocks = max(max_blocks, len(s.block_table))
-            if c.samples:
-                logits_idx.append(len(ids) - 1)
-        bt = np.zeros((len(dec), max(max_blocks, 1)), dtype=np.int64)
-        for i, c in enumerate(dec):
-            bt[i, : len(c.seq.block_table)] = c.seq.block_table
-        # prefills
+        nd = len(decodes)
+        # decodes: one token each, all vectorised over the batch
+        if any(c.num_tokens != 1 for c in decodes):
+            raise ValueError("decode chunks have exactly one token")
+        d_pos = np.fromiter((c.start for c in decodes), dtype=np.int64, count=nd)
+        d_ids = np.fromiter((c.token_ids[c.start] for c in decodes), dtype=np.int64, count=nd)
+        width = max((len(c.block_table) for c in decodes), default=1) or 1
+        d_bt = np.zeros((nd, width), dtype=np.int64)
+        for i, c in enumerate(decodes):  # a row copy per sequence (its table is a Python list)
+            d_bt[i, : len(c.block_table)] = c.block_table
+        rows = np.arange(nd)
+        d_slots = d_bt[rows, d_pos // bs] * bs + d_pos % bs if nd else np.zeros(0, dtype=np.int64)
+        d_logits = np.fromiter((i for i, c in enumerate(decodes) if c.logits), dtype=np.int64)
+        # prefill chunks: one contiguous slice each
+        ids, pos, slots, logits = [d_ids], [d_pos], [d_slots], [d_logits]
         q_starts, q_lens, s_lens, p_tables = [], [], [], []
-        for c in out.prefills:
-            s = c.seq
-            p0, n = s.num_computed_tokens, c.num_tokens
-            q_starts.append(len(ids))
+        row = nd
+        for c in prefills:
+            p0, n = c.start, c.num_tokens
+            rng = np.arange(p0, p0 + n, dtype=np.int64)
+            table = np.asarray(c.block_table, dtype=np.int64)
+            ids.append(np.asarray(c.token_ids[p0: p0 + n], dtype=np.int64))
+            pos.append(rng)
+            slots.append(table[rng // bs] * bs + rng % bs)
+            q_starts.append(row)
             q_lens.append(n)
             s_lens.append(p0 + n)
-            ids.extend(s.token_ids[p0 : p0 + n])
-            rng = np.arange(p0, p0 + n)
-            table = np.asarray(s.block_table, dtype=np.int64)
-            pos.extend(rng.tolist())
-            slots.extend((table[rng // bs] * bs + rng % bs).tolist())
             p_tables.append(self._to(table))
-            if c.samples:
-                logits_idx.append(len(ids) - 1)
+            if c.logits == "last":
+                logits.append(np.array([row + n - 1], dtype=np.int64))
+            elif c.logits == "all":
+                logits.append(np.arange(row, row + n, dtype=np.int64))
+            row += n
+        ids_a, pos_a, slots_a, logits_a = (np.concatenate(x) for x in (ids, pos, slots, logits))
         meta = AttentionMetadata(
-            slot_mapping=self._to(slots),
-            num_decode_tokens=len(dec),
-            decode_seq_lens=self._to(dec_lens),
-            decode_block_tables=self._to(bt),
+            slot_mapping=self._to(slots_a),
+            num_decode_tokens=nd,
+            decode_seq_lens=self._to(d_pos + 1),
+            decode_block_tables=self._to(d_bt),
             prefill_query_starts=q_starts,
             prefill_query_lens=q_lens,
             prefill_seq_lens=s_lens,
             prefill_block_tables=p_tables,
             block_size=bs,
         )
+        return StepInputs(self._to(ids_a), self._to(pos_a), self._to(logits_a), meta, nd,
+                          (d_ids, d_pos, d_slots, d_pos + 1, d_bt, d_logits))
+
+    def prepare_scheduled(self, out: SchedulerOutput) -> StepInputs:
+        """`prepare` for a scheduler step: each chunk continues its sequence from `num_computed_tokens`."""
+        def spec(c) -> ChunkSpec:
+            s = c.seq
+            return ChunkSpec(s.token_ids, s.num_computed_tokens, c.num_tokens, s.block_table,
+                             "last" if c.samples else None)
+
+        return self.prepare([spec(c) for c in out.decodes], [spec(c) for c in out.prefills])
+
+    # ------------------------------------------------------------ run
+    def run(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+        """One forward pass over the step. Returns [S, vocab] float32 logits of
+        `inputs.logits_indices` in order, or None if S == 0 (the pass still fills the cache)."""
         t0 = time.perf_counter()
-        if self.cuda_graphs is not None and not q_starts and self.cuda_graphs.fits(len(dec), bt.shape[1]):
-            logits = self.cuda_graphs.run(ids, pos, slots, dec_lens, bt, logits_idx)
+        meta = inputs.meta
+        if (self.cuda_graphs is not None and inputs.num_decodes == inputs.num_tokens
+                and self.cuda_graphs.fits(inputs.num_decodes, meta.decode_block_tables.shape[1])):
+            d_ids, d_pos, d_slots, d_lens, d_bt, d_logits = inputs.decode_arrays
+            logits = self.cuda_graphs.run(d_ids.tolist(), d_pos.tolist(), d_slots.tolist(), d_lens.tolist(), d_bt,
+                                          d_logits.tolist())
         else:
             self.backend.prepare(meta)
-            logits = self.model.forward(
-                self._to(ids), self._to(pos), meta, self.kv_cache.layers, self.backend, self._to(logits_idx)
-            )
+            logits = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache.layers,
+                                        self.backend, inputs.logits_indices)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.time_model += time.perf_counter() - t0
-        return logits if logits_idx else None
+        return logits if inputs.num_logits else None
+
+    def execute(self, out: SchedulerOutput) -> Optional[torch.Tensor]:
+        """Prepare and run a scheduler step: [S, vocab] float32 logits, one row per chunk whose
+        `samples` is True, in chunk order (decodes, then prefills); None if S == 0."""
+        return self.run(self.prepare_scheduled(out))
 
     def compute_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits of the last position of `token_ids` run as one fresh sequence.
@@ -120,20 +190,9 @@ class ModelRunner:
         Args:
             token_ids: the prompt.
             block_table: ceil(len / block_size) blocks the caller allocated as scratch.
-
         Returns:
             [vocab] float32.
         """
-        from .request import Sequence  # local: avoid a cycle
-        from .scheduler import ScheduledChunk
-
-        class _Tmp:  # minimal stand-in for a Request
-            prompt_token_ids = token_ids
-
-        n = len(token_ids)
-        seq = Sequence(seq_id=-1, request=_Tmp(), index=0, token_ids=list(token_ids))
-        seq.block_table = list(block_table)
-        out = SchedulerOutput(decodes=[], prefills=[ScheduledChunk(seq, n)])
-        if n == 1:
-            out = SchedulerOutput(decodes=[ScheduledChunk(seq, 1)], prefills=[])
-        return self.execute(out)[0]
+        spec = ChunkSpec(token_ids, 0, len(token_ids), block_table, "last")
+        inputs = self.prepare([spec], []) if len(token_ids) == 1 else self.prepare([], [spec])
+        return self.run(inputs)[0]
