@@ -35,6 +35,7 @@ SCHEMES = {
     "int4-g32": dict(quantization="int4", quant_group_size=32),
     "gguf": dict(quantization="gguf"),
     "kv-int8": dict(kv_cache_dtype="int8"),
+    "w8a8": dict(quantization="w8a8"),
 }
 
 

@@ -38,6 +38,9 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks of identical prefixes.
         seed: engine seed; requests without their own seed draw from
             generators derived from it, so a run is reproducible.
+        num_threads: CPU threads of both PyTorch's pool and the C kernel library's
+            (None: TOKENMILL_NUM_THREADS, else the CPUs this process may use; see
+            `engine.threads`).
         quantization: None (weights as loaded) | "int8" (weight-only,
             per-output-channel) | "int4" (weight-only, groups of
             `quant_group_size` with scale and min) | "gguf" (keep a GGUF

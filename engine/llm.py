@@ -32,6 +32,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, Sequence, SequenceStatus
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .threads import apply_num_threads
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from .weights import DEFAULT_MODEL, load_model_weights, resolve_model
 
@@ -144,7 +145,9 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         self.config = cfg = EngineConfig(model=model, **engine_kwargs)
-        if cfg.num_threads:
+        if self.config.device in ("auto", "cpu"):
+            apply_num_threads(cfg.num_threads)  # PyTorch's and the C kernels' pools alike (engine/threads.py)
+        elif cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(dev)
