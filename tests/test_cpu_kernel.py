@@ -1,5 +1,6 @@
-"""The C paged decode-attention kernel (engine/attention/cpu_decode_attention.c) against dense
-float64 attention, and inside the engine against the PyTorch decode path."""
+"""The C paged attention kernel (engine/kernels/cpu/attention.c) against dense float64
+attention: decode rows, prefill chunks over a cached prefix (multi-row tiles, causal), int8
+rows, every build the machine runs; and inside the engine against the PyTorch path."""
 from __future__ import annotations
 
 import pytest
@@ -155,3 +156,62 @@ def test_engine_greedy_tokens_equal_with_and_without_kernel(monkeypatch):
     assert [o.outputs[0].token_ids for o in runs[True]] == [o.outputs[0].token_ids for o in runs[False]]
     assert all(len(o.outputs[0].token_ids) == 12 for o in runs[True])
     assert runs[True][2].num_cached_tokens == 32
+
+
+@pytest.mark.parametrize("variant", ["native", "avx2", "generic"])
+@pytest.mark.parametrize("hkv,gqa,d", [(3, 3, 64), (2, 4, 128), (1, 2, 20), (2, 16, 32)])
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_prefill_rows_attend_causally_over_their_cached_prefix(variant, hkv, gqa, d, kv):
+    """A step of decode rows and prefill chunks (one from position 0, one after a 37-token cached
+    prefix, one of a single token), tiles of up to `attention_tile_rows` rows in any order: each
+    row equals dense causal attention over its own sequence up to its position."""
+    from engine.kernels import cpu
+    from engine.kernels.cpu import build
+
+    if variant == "avx2" and not {"avx2", "fma"} <= build.cpu_flags():
+        pytest.skip("no AVX2/FMA")
+    lib = cpu.library(variant)
+    bs = 16
+    # (cached prefix, new tokens) per sequence: decodes (n = 1) first, then prefill chunks
+    specs = [(40, 1), (5, 1), (0, 23), (37, 19), (64, 1), (3, 2)]
+    lens = [p + n for p, n in specs]
+    q_all, kc, vc, tables, _, keys, vals = _paged(lens, hkv, gqa, d, bs, seed=d + hkv)
+    if kv == "int8":
+        codec = TorchQuantKVAttentionBackend("int8")
+        kc, vc = (codec.encode(c.transpose(0, 1)).contiguous() for c in (kc, vc))
+        kd, vd = codec.decode(kc, torch.float32), codec.decode(vc, torch.float32)
+        keys, vals = [], []
+        for b, n in enumerate(lens):
+            blocks = tables[b, :-(-n // bs)].long()
+            slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
+            keys.append(kd[:, slots].transpose(0, 1))
+            vals.append(vd[:, slots].transpose(0, 1))
+    g = torch.Generator().manual_seed(7)
+    t = sum(n for _, n in specs)
+    q = torch.randn(t, hkv * gqa, d, generator=g)
+    row_seq, kv_len, tiles, row = [], [], [], 0
+    rows_per_tile = cpu.attention_tile_rows(gqa, lib=lib)
+    for i, (p, n) in enumerate(specs):
+        row_seq += [i] * n
+        kv_len += list(range(p + 1, p + n + 1))
+        tiles += [(row + o, min(rows_per_tile, n - o)) for o in range(0, n, rows_per_tile)]
+        row += n
+    tiles = torch.tensor(tiles[::-1], dtype=torch.int64)  # any order
+    out = torch.full_like(q, float("nan"))
+    cpu.paged_attention(q, kc, vc, tables, torch.tensor(row_seq, dtype=torch.int32), torch.tensor(kv_len),
+                        tiles, bs, d ** -0.5, out, lib=lib)
+    for r in range(t):
+        s, L = row_seq[r], kv_len[r]
+        want = _dense(q[r], keys[s][:L], vals[s][:L], d ** -0.5)
+        assert (out[r].double() - want).abs().max().item() < 2e-5, (r, s, L)
+
+
+def test_attention_refuses_tiles_beyond_its_limit():
+    from engine.kernels import cpu
+
+    q, kc, vc, tables, lens, _, _ = _paged([20], 1, 16, 32, 16, seed=0)
+    q = torch.randn(2, 16, 32)
+    too_many = torch.tensor([[0, 2]])  # 2 rows x 16 heads > 16 queries per task
+    with pytest.raises(RuntimeError, match="refused"):
+        cpu.paged_attention(q, kc, vc, tables, torch.zeros(2, dtype=torch.int32), torch.tensor([19, 20]),
+                            too_many, 16, 1.0, torch.empty_like(q))

@@ -79,7 +79,10 @@ static void quant_rows(void *vctx, int64_t chunk) {
         float amax = 0.0f;
         for (int64_t i = 0; i < c->k; ++i) amax = fmaxf(amax, fabsf(x[i]));
         const float scale = amax / 127.0f;
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        /* through a volatile: with -fassociative-math the compiler could otherwise fold
+         * x * (127 / amax) into (x * 127) / amax, whose rounding differs in the last bit */
+        volatile float inv_v = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float inv = inv_v;
         c->scales[r] = scale;
         int64_t i = 0;
 #if defined(TM_AVX512)

@@ -1,0 +1,190 @@
+"""The CPU kernel library's linear layers (engine/kernels/cpu/gemm.c, gemm_i8.c) against PyTorch references.
+
+Every build the machine can run is checked: the native one (AVX-512 where present),
+AVX2 (+ AVX-VNNI where present), AVX2 without VNNI (the vpmaddubsw W8A8 path) and plain C,
+on odd shapes (M = 1, 3, 17; K and N not multiples of the vector width)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from engine.kernels import cpu
+from engine.kernels.cpu import build
+from engine.kernels.cpu.layers import CpuLinear, CpuQuantLinear, W8A8Linear, quantize_w8a8
+from engine.quant import QuantLinear, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no CPU kernels: {cpu.why_unavailable()}")
+
+FLAGS = build.cpu_flags()
+VARIANTS = [
+    pytest.param("native", id="native"),
+    pytest.param("avx2", id="avx2", marks=pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="no AVX2/FMA")),
+    pytest.param("avx2-novnni", id="avx2-novnni",
+                 marks=pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="no AVX2/FMA")),
+    pytest.param("generic", id="generic"),
+]
+SHAPES = [(1, 1, 1), (1, 17, 5), (3, 33, 64), (17, 100, 130), (13, 40, 576), (64, 96, 72)]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def lib(request):
+    lib = cpu.library(request.param)
+    if lib is None:
+        pytest.skip(cpu.why_unavailable(request.param))
+    return lib
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def test_builds_report_their_instruction_set():
+    assert cpu.isa(cpu.library("generic")) == "generic" and cpu.nr(cpu.library("generic")) == 16
+    want = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= FLAGS else ("avx2" if {"avx2", "fma"} <= FLAGS else
+                                                                         "generic")
+    assert cpu.isa() == want
+    assert cpu.nr() == (32 if want == "avx512" else 16)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_f32_gemm_matches_float64(lib, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    ref = x.double() @ w.double().t()
+    layer = CpuLinear(w, b, lib=lib)
+    assert _rel(layer(x), ref + b.double()) < 1e-6
+    # the residual add is fused: residual += x W^T + b
+    r = torch.randn(m, n, generator=g)
+    got = layer(x, residual=r.clone())
+    assert _rel(got, ref + b.double() + r.double()) < 1e-6
+    # strided operands: x and y as column slices of wider buffers
+    xs = torch.randn(m, k + 7, generator=g)
+    xs[:, 3:3 + k] = x
+    ys = torch.full((m, n + 5), 7.0)
+    cpu.gemm_f32(xs[:, 3:3 + k], layer.packed, n, None, ys[:, 2:2 + n], lib=lib)
+    assert _rel(ys[:, 2:2 + n], ref) < 1e-6
+    assert (ys[:, :2] == 7).all() and (ys[:, 2 + n:] == 7).all()  # nothing written outside the slice
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES[1:])
+@pytest.mark.parametrize("scheme", ["int8", "int8-g32", "int4-g32", "int4-g64"])
+def test_quantized_gemm_matches_dequantized_weights(lib, m, n, k, scheme):
+    g = torch.Generator().manual_seed(k * 7 + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    if scheme == "int8":
+        q = quantize_int8(w)
+    elif scheme == "int8-g32":
+        q = quantize_int8(w, group_size=32 if k % 32 == 0 else None)
+    else:
+        q = quantize_int4(w, int(scheme[-2:]))
+    ref = x.double() @ q.dequantize().double().t()
+    assert _rel(CpuQuantLinear(q, lib=lib)(x), ref) < 1e-6
+    # and the layer serves QuantLinear's contract (out / residual)
+    r = torch.randn(m, n, generator=g)
+    assert _rel(CpuQuantLinear(q, lib=lib)(x, residual=r.clone()), ref + r.double()) < 1e-6
+
+
+def test_gguf_blocks_are_read_exactly_from_the_bundled_model():
+    """The bundled GGUF's Q4_1 (decoder) and Q8_0 (LM head) blocks, packed: the kernel's products
+    equal x times the exact gguf dequantization of those blocks."""
+    from engine.quant import concat_rows, parts_to_layer, read_gguf_parts
+    from engine.weights import default_gguf_path
+
+    parts, types = read_gguf_parts(default_gguf_path())
+    assert types["layers.0.self_attn.q_proj.weight"] == "Q4_1" and types["embed_tokens.weight"] == "Q8_0"
+    qkv = parts_to_layer(concat_rows([parts[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    head = parts_to_layer(parts["embed_tokens.weight"])
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    for q in (qkv, head):
+        ref = x.double() @ q.dequantize().double().t()
+        assert _rel(CpuQuantLinear(q)(x), ref) < 1e-6
+
+
+def test_activation_quantization_is_round_half_even_per_row(lib):
+    x = torch.randn(5, 37, generator=torch.Generator().manual_seed(11)) * torch.tensor([0.01, 1, 100, 3, 0.5])[:, None]
+    x[3] = 0.0  # an all-zero row gets scale 0 and codes 0
+    x[4, :4] = torch.tensor([0.5, -0.5, 1.5, 2.5]) * x[4].abs().max() / 127 * 1.0  # exact halves before rounding
+    codes, scales = cpu.quantize_act(x, lib=lib)
+    assert codes.shape == (5, 40) and scales.shape == (5,)
+    amax = x.abs().amax(1)
+    assert torch.equal(scales, amax / 127)
+    # 127.0 / amax as an IEEE division (a Python scalar over a tensor is reciprocal-then-multiply in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    want = torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int32)  # torch.round: half to even
+    off = cpu.act_offset(lib)
+    got = (codes.to(torch.int32) - 128) if off == 128 else codes.view(torch.int8).to(torch.int32)
+    assert torch.equal(got[:, :37], want)
+    assert (got[:, 37:] == 0).all()
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_w8a8_gemm_equals_the_integer_product(lib, m, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    layer = W8A8Linear.from_float(w, b, lib=lib)
+    codes, sa = cpu.quantize_act(x, lib=lib)
+    qa = ((codes.to(torch.int64) - 128) if cpu.act_offset(lib) == 128 else codes.view(torch.int8).to(torch.int64))
+    acc = qa[:, :k] @ layer.weight.to(torch.int64).t()  # exact integer sums
+    ref = (acc.double() * sa.double()[:, None]) * layer.scale.double()[None, :] + b.double()
+    assert _rel(layer(x), ref) < 1e-6
+    r = torch.randn(m, n, generator=g)
+    assert _rel(layer(x, residual=r.clone()), ref + r.double()) < 1e-6
+
+
+def test_w8a8_weight_quantization_and_error_bound():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=g)
+    q, s = quantize_w8a8(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and torch.allclose(s, w.abs().amax(1) / 127)
+    assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-7).all()
+    # the whole layer: within int8 x int8 rounding of the float product
+    x = torch.randn(8, 64, generator=g)
+    rel = ((W8A8Linear.from_float(w)(x) - x @ w.t()).norm() / (x @ w.t()).norm()).item()
+    assert 1e-4 < rel < 0.02
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_count_does_not_change_a_bit(threads):
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(37, 300, generator=g), torch.randn(1000, 300, generator=g)
+    layers = [CpuLinear(w), CpuQuantLinear(quantize_int4(w, 32)), W8A8Linear.from_float(w)]
+    cpu.set_num_threads(1)
+    one = [l(x) for l in layers]
+    cpu.set_num_threads(threads)
+    try:
+        many = [l(x) for l in layers]
+    finally:
+        cpu.set_num_threads(0)
+    assert all(torch.equal(a, b) for a, b in zip(one, many))
+
+
+def _gemm_in_child(q):
+    x, w = torch.ones(4, 64), torch.ones(80, 64)
+    q.put(float(CpuLinear(w)(x).sum()))
+
+
+def test_pool_works_in_a_forked_child():
+    # the parent's pool has running workers; a forked child has none and must start its own
+    CpuLinear(torch.ones(80, 64))(torch.ones(40, 64))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_gemm_in_child, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert q.get(timeout=5) == 4 * 80 * 64
+
+
+def test_bad_arguments_are_refused_with_names():
+    lay = CpuLinear(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="x must be a 2-D torch.float32"):
+        lay(torch.randn(2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="does not match n=8, k=15"):
+        lay(torch.randn(2, 15))
+    with pytest.raises(ValueError, match=r"out must be \[2, 8\]"):
+        lay(torch.randn(2, 16), out=torch.empty(2, 9))
+    with pytest.raises(ValueError, match="bad quantized weight"):
+        cpu.pack_q(torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 1), None, 8, 32)
+    assert isinstance(quantize_int8(torch.randn(4, 8)), QuantLinear)
