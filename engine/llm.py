@@ -62,6 +62,11 @@ def _available_memory_bytes() -> int:
         return 8 << 30
 
 
+def _model_string(source) -> str:
+    """The `model` argument that resolves to `source` (a .gguf path, a folder, or dummy:<preset>)."""
+    return f"dummy:{source.preset}" if source.kind == "dummy" else source.path
+
+
 def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype) -> bool:
     """Whether the CPU kernel library runs a model: asked for, fp32 on the CPU, and it builds."""
     if not cpu_kernels or device != "cpu" or dtype != torch.float32:
@@ -97,6 +102,12 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
                              "cpu_kernels=True and a C compiler (see engine.kernels.cpu)")
         # the same argument tuple as LLM.__init__'s float load, so both hit one cache entry
         base, tokenizer = _load_model(source, dtype, device, seed, None, 32, cpu_kernels)
+        if quantization == "w8a8":  # SmoothQuant, calibrated on text the fp32 model writes itself
+            from .smoothquant import calibration_absmax, smoothed_w8a8_copy
+
+            calib = LLM(_model_string(source), dtype="float32", device="cpu", seed=seed, cpu_kernels=True,
+                        kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
+            return smoothed_w8a8_copy(base, calibration_absmax(calib)), tokenizer
         gguf_path = source.path if quantization == "gguf" else None
         qmodel = quantized_copy(base, quantization, group_size, gguf_path)
         qmodel.ops = base.ops

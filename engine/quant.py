@@ -228,7 +228,7 @@ def _swap(model, name: str, new: nn.Module) -> None:
 
 
 # whether `quantize_model` quantizes the LM head, per scheme (see the module docstring)
-QUANTIZE_LM_HEAD = {"int8": False, "int4": True, "w8a8": False}
+QUANTIZE_LM_HEAD = {"int8": False, "int4": True}
 
 
 def quantize_model(model, scheme: str, group_size: int = 32, quantize_lm_head: Optional[bool] = None) -> None:
@@ -238,24 +238,19 @@ def quantize_model(model, scheme: str, group_size: int = 32, quantize_lm_head: O
     quantized copy, and the embedding lookup keeps the float table.
 
     Args:
-        scheme: "int8" (per-channel), "int4" (group-wise, `group_size` in 32/64/128) or
-            "w8a8" (int8 weights per channel for int8 x int8 arithmetic; CPU kernels).
+        scheme: "int8" (per-channel) or "int4" (group-wise, `group_size` in 32/64/128);
+            W8A8 is `engine.smoothquant`.
     Raises:
         ValueError: unknown scheme or group size.
     """
-    if scheme not in ("int8", "int4", "w8a8"):
-        raise ValueError(f"quantize_model scheme must be 'int8', 'int4' or 'w8a8', got {scheme!r}")
+    if scheme not in ("int8", "int4"):
+        raise ValueError(f"quantize_model scheme must be 'int8' or 'int4', got {scheme!r}")
     if quantize_lm_head is None:
         quantize_lm_head = QUANTIZE_LM_HEAD[scheme]
     for name, lin in model.linear_layers():
         if isinstance(lin, QuantLinear) or (name == "lm_head" and not quantize_lm_head):
             continue
         b = lin.bias
-        if scheme == "w8a8":  # CPU kernel layer: int8 x int8 arithmetic (engine.kernels.cpu.layers)
-            from .kernels.cpu.layers import W8A8Linear
-
-            _swap(model, name, W8A8Linear.from_float(lin.weight.data, None if b is None else b.data))
-            continue
         if scheme == "int8":
             new = quantize_int8(lin.weight.data, b, model.dtype)
         else:

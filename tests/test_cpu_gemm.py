@@ -102,32 +102,43 @@ def test_gguf_blocks_are_read_exactly_from_the_bundled_model():
         assert _rel(CpuQuantLinear(q)(x), ref) < 1e-6
 
 
-def test_activation_quantization_is_round_half_even_per_row(lib):
+def _signed(codes: torch.Tensor, lib) -> torch.Tensor:
+    """Activation codes as the signed values they stand for."""
+    return (codes.to(torch.int64) - 128) if cpu.act_offset(lib) == 128 else codes.view(torch.int8).to(torch.int64)
+
+
+@pytest.mark.parametrize("group", [4, 16, 64])
+def test_activation_quantization_is_round_half_even_per_row_and_group(lib, group):
     x = torch.randn(5, 37, generator=torch.Generator().manual_seed(11)) * torch.tensor([0.01, 1, 100, 3, 0.5])[:, None]
     x[3] = 0.0  # an all-zero row gets scale 0 and codes 0
-    x[4, :4] = torch.tensor([0.5, -0.5, 1.5, 2.5]) * x[4].abs().max() / 127 * 1.0  # exact halves before rounding
-    codes, scales = cpu.quantize_act(x, lib=lib)
-    assert codes.shape == (5, 40) and scales.shape == (5,)
-    amax = x.abs().amax(1)
-    assert torch.equal(scales, amax / 127)
-    # 127.0 / amax as an IEEE division (a Python scalar over a tensor is reciprocal-then-multiply in torch)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    want = torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int32)  # torch.round: half to even
-    off = cpu.act_offset(lib)
-    got = (codes.to(torch.int32) - 128) if off == 128 else codes.view(torch.int8).to(torch.int32)
-    assert torch.equal(got[:, :37], want)
-    assert (got[:, 37:] == 0).all()
+    codes, scales = cpu.quantize_act(x, group, lib=lib)
+    ng = -(-40 // group)
+    assert codes.shape == (5, 40) and scales.shape == (5, ng)
+    for gi in range(ng):
+        xs = x[:, gi * group: min((gi + 1) * group, 37)]
+        amax = xs.abs().amax(1)
+        assert torch.equal(scales[:, gi], amax / 127)
+        # 127.0 / amax as an IEEE division (a Python scalar over a tensor is reciprocal-then-multiply in torch)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        want = torch.round(xs * inv[:, None]).clamp(-127, 127).to(torch.int64)  # torch.round: half to even
+        assert torch.equal(_signed(codes, lib)[:, gi * group: gi * group + xs.shape[1]], want)
+    assert (_signed(codes, lib)[:, 37:] == 0).all()
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_w8a8_gemm_equals_the_integer_product(lib, m, n, k):
+@pytest.mark.parametrize("group", [8, 64])
+def test_w8a8_gemm_equals_the_grouped_integer_product(lib, m, n, k, group):
     g = torch.Generator().manual_seed(n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    layer = W8A8Linear.from_float(w, b, lib=lib)
-    codes, sa = cpu.quantize_act(x, lib=lib)
-    qa = ((codes.to(torch.int64) - 128) if cpu.act_offset(lib) == 128 else codes.view(torch.int8).to(torch.int64))
-    acc = qa[:, :k] @ layer.weight.to(torch.int64).t()  # exact integer sums
-    ref = (acc.double() * sa.double()[:, None]) * layer.scale.double()[None, :] + b.double()
+    layer = W8A8Linear.from_float(w, b, group, lib=lib)
+    codes, sa = cpu.quantize_act(x, group, lib=lib)
+    qa, qw = _signed(codes, lib), layer.weight.to(torch.int64)
+    ref = torch.zeros(m, n, dtype=torch.float64)
+    for gi in range(sa.shape[1]):
+        cols = slice(gi * group, min((gi + 1) * group, k))
+        acc = qa[:, cols] @ qw[:, cols].t()  # exact integer sums of the group
+        ref += acc.double() * sa[:, gi].double()[:, None]
+    ref = ref * layer.scale.double()[None, :] + b.double()
     assert _rel(layer(x), ref) < 1e-6
     r = torch.randn(m, n, generator=g)
     assert _rel(layer(x, residual=r.clone()), ref + r.double()) < 1e-6
@@ -187,4 +198,8 @@ def test_bad_arguments_are_refused_with_names():
         lay(torch.randn(2, 16), out=torch.empty(2, 9))
     with pytest.raises(ValueError, match="bad quantized weight"):
         cpu.pack_q(torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 1), None, 8, 32)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        cpu.quantize_act(torch.zeros(2, 8), 6)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        W8A8Linear.from_float(torch.zeros(4, 8), group_size=6)
     assert isinstance(quantize_int8(torch.randn(4, 8)), QuantLinear)

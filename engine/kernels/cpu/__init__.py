@@ -45,10 +45,10 @@ _SIGNATURES = {
     "tm_pack_q": (_I, [_I, _P, _P, _P, _I64, _I64, _I64, _P]),
     "tm_gemm_q": (_I, [_I, _I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I]),
     "tm_w8a8_act_offset": (_I, []),
-    "tm_quantize_act": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
-    "tm_pack_w8a8_size": (_I64, [_I64, _I64]),
-    "tm_pack_w8a8": (None, [_P, _I64, _P, _I64, _I64, _P]),
-    "tm_gemm_w8a8": (None, [_P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I]),
+    "tm_quantize_act": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P]),
+    "tm_pack_w8a8_size": (_I64, [_I64, _I64, _I64]),
+    "tm_pack_w8a8": (_I, [_P, _I64, _P, _I64, _I64, _I64, _P]),
+    "tm_gemm_w8a8": (_I, [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I]),
     "tm_rms_norm": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _F]),
     "tm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
     "tm_silu_mul": (None, [_P, _I64, _P, _I64, _I64, _I64]),
@@ -214,20 +214,31 @@ def gemm_q(x: torch.Tensor, packed: torch.Tensor, n: int, kpad: int, bits: int, 
 
 # ---------------------------------------------------------------- W8A8
 
-def quantize_act(x: torch.Tensor, codes: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None,
+W8A8_GROUP = 64  # activation columns per scale (see gemm_i8.c's header for the measurement)
+
+
+def quantize_act(x: torch.Tensor, group_size: int = W8A8_GROUP, codes: Optional[torch.Tensor] = None,
+                 scales: Optional[torch.Tensor] = None,
                  lib: Optional[ctypes.CDLL] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int8: scale = max|x_row| / 127, q = round(x / scale) in [-127, 127].
+    """Symmetric int8 per token and group of `group_size` columns: scale = max|x| / 127 over the
+    group, q = round(x / scale) in [-127, 127] (half to even).
 
     Returns:
-        (codes uint8 [m, kp] holding q + `act_offset()`, kp = k rounded up to 4; scales float32 [m]).
+        (codes uint8 [m, kp] holding q + `act_offset()`, kp = k rounded up to 4;
+         scales float32 [m, ceil(kp / group_size)]).
+    Raises:
+        ValueError: group_size not a positive multiple of 4.
     """
     lib = _lib(lib)
     _check2d("x", x, torch.float32)
+    if group_size <= 0 or group_size % 4:
+        raise ValueError(f"group_size must be a positive multiple of 4, got {group_size}")
     m, k = x.shape
     kp = -(-k // 4) * 4
+    ng = -(-kp // group_size)
     codes = torch.empty(m, kp, dtype=torch.uint8) if codes is None else codes
-    scales = torch.empty(m, dtype=torch.float32) if scales is None else scales
-    lib.tm_quantize_act(x.data_ptr(), x.stride(0), m, k, kp, codes.data_ptr(), scales.data_ptr())
+    scales = torch.empty(m, ng, dtype=torch.float32) if scales is None else scales
+    lib.tm_quantize_act(x.data_ptr(), x.stride(0), m, k, kp, group_size, codes.data_ptr(), scales.data_ptr())
     return codes, scales
 
 
@@ -236,30 +247,36 @@ def act_offset(lib: Optional[ctypes.CDLL] = None) -> int:
     return _lib(lib).tm_w8a8_act_offset()
 
 
-def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """Pack int8 weight codes q [n, k] (per-row scales [n] float32) for `gemm_w8a8`."""
+def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP,
+              lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Pack int8 weight codes q [n, k] (per-row scales [n] float32) for `gemm_w8a8` with
+    activation groups of `group_size` columns."""
     lib = _lib(lib)
     _check2d("q", q, torch.int8)
     n, k = q.shape
     scale = scale.float().contiguous()
     if scale.shape != (n,):
         raise ValueError(f"scale must be [{n}], got {tuple(scale.shape)}")
-    buf = torch.empty(lib.tm_pack_w8a8_size(n, k), dtype=torch.uint8)
-    lib.tm_pack_w8a8(q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, buf.data_ptr())
+    buf = torch.empty(lib.tm_pack_w8a8_size(n, k, group_size), dtype=torch.uint8)
+    if lib.tm_pack_w8a8(q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, group_size, buf.data_ptr()):
+        raise ValueError(f"group_size must be a positive multiple of 4, got {group_size}")
     return buf
 
 
 def gemm_w8a8(codes: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, n: int,
-              bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
+              group_size: int = W8A8_GROUP, bias: Optional[torch.Tensor] = None,
+              out: Optional[torch.Tensor] = None, accumulate: bool = False,
               lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """y = (codes scales) (W sw)^T (+ bias) (+ y) from `quantize_act` output and a `pack_w8a8` weight."""
+    """y = (codes scales) (W sw)^T (+ bias) (+ y) from `quantize_act` output and a `pack_w8a8`
+    weight made with the same group_size."""
     lib = _lib(lib)
     m, kp = codes.shape
     if accumulate and out is None:
         raise ValueError("accumulate needs out")
     y = _out(out, m, n)
-    lib.tm_gemm_w8a8(codes.data_ptr(), scales.data_ptr(), kp, packed.data_ptr(),
-                     None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), m, n, int(accumulate))
+    if lib.tm_gemm_w8a8(codes.data_ptr(), scales.data_ptr(), kp, group_size, packed.data_ptr(),
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), m, n, int(accumulate)):
+        raise ValueError(f"tm_gemm_w8a8 refused kp={kp}, group_size={group_size}")
     return y
 
 

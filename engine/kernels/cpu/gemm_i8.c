@@ -1,8 +1,11 @@
 /*
  * W8A8 linear layers: int8 weights (per output channel) times int8 activations (per
- * token, quantized dynamically each step), accumulated exactly in int32, then scaled to
- * fp32: y[m, n] = (sum_k qa[m, k] qw[n, k]) * sa[m] * sw[n]  (SmoothQuant's W8A8 with
- * per-token dynamic activation scales, Xiao et al. 2022, arXiv 2211.10438).
+ * token and per group of gs input columns, quantized dynamically each step), accumulated
+ * exactly in int32 within each group, then scaled to fp32:
+ *     y[m, n] = sw[n] * sum_g sa[m, g] * (sum_{k in g} qa[m, k] qw[n, k])
+ * (W8A8 as in SmoothQuant, Xiao et al. 2022, arXiv 2211.10438, with the activations'
+ * scales per token-group as llama.cpp's Q8 activation blocks; measured on SmolLM2 with
+ * SmoothQuant smoothing: per-token scales cost +1.0-1.8% perplexity, groups of 64 +0.2%).
  *
  * Integer dot products by instruction set:
  *   VNNI (AVX512-VNNI, or AVX-VNNI on 256-bit vectors): vpdpbusd multiplies unsigned
@@ -16,10 +19,12 @@
  * All give the same int32 sums, so the paths agree up to the fp32 epilogue.
  *
  * Layouts:
- *   activations: [m, kp] bytes (kp = k rounded up to 4), from tm_quantize_act; scales [m].
- *   packed weights, per panel of TM_NR columns: float sw[TM_NR]; int32 colsum[TM_NR];
- *     then kp / 4 rows of TM_NR x 4 bytes (column j's 4 consecutive k codes together),
- *     the operand layout of vpdpbusd / vpmaddubsw.
+ *   activations: [m, kp] bytes (kp = k rounded up to 4), from tm_quantize_act; scales
+ *     [m, ng] with ng = ceil(kp / gs) (gs a multiple of 4; the last group may be short).
+ *   packed weights, per panel of TM_NR columns: float sw[TM_NR]; int32 comp[ng][TM_NR]
+ *     (the activation offset times each group's column sums); then kp / 4 rows of
+ *     TM_NR x 4 bytes (column j's 4 consecutive k codes together), the operand layout
+ *     of vpdpbusd / vpmaddubsw.
  */
 #include "tm_cpu.h"
 
@@ -31,19 +36,15 @@
 #define TM_NR 32
 #if defined(__AVX512VNNI__)
 #define TM_VNNI 1
-#define TM_MR_I8 12
-#else
-#define TM_MR_I8 6
 #endif
+#define TM_MR_I8 6 /* 12 int32 + 12 fp32 accumulators in the 32 registers */
 #elif defined(TM_AVX2)
 #define VLI 8
 #define TM_NR 16
 #if defined(__AVXVNNI__)
 #define TM_VNNI 1
-#define TM_MR_I8 6
-#else
-#define TM_MR_I8 4
 #endif
+#define TM_MR_I8 4 /* the fp32 accumulators live in L1 between groups */
 #else
 #define TM_NR 16
 #define TM_MR_I8 4
@@ -65,78 +66,96 @@ int tm_w8a8_act_offset(void) { return TM_ACT_OFFSET; }
 
 typedef struct {
     const float *x;
-    int64_t ldx, m, k, kp;
+    int64_t ldx, m, k, kp, gs;
     unsigned char *codes;
     float *scales;
 } quant_ctx;
 
-static void quant_rows(void *vctx, int64_t chunk) {
-    const quant_ctx *c = (const quant_ctx *)vctx;
-    const int64_t r0 = chunk * 16, r1 = r0 + 16 < c->m ? r0 + 16 : c->m;
-    for (int64_t r = r0; r < r1; ++r) {
-        const float *x = c->x + r * c->ldx;
-        unsigned char *q = c->codes + r * c->kp;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < c->k; ++i) amax = fmaxf(amax, fabsf(x[i]));
-        const float scale = amax / 127.0f;
-        /* through a volatile: with -fassociative-math the compiler could otherwise fold
-         * x * (127 / amax) into (x * 127) / amax, whose rounding differs in the last bit */
-        volatile float inv_v = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const float inv = inv_v;
-        c->scales[r] = scale;
-        int64_t i = 0;
+static void quant_group(const float *x, int64_t n, unsigned char *q, float *scale_out) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    *scale_out = amax / 127.0f;
+    /* through a volatile: with -fassociative-math the compiler could otherwise fold
+     * x * (127 / amax) into (x * 127) / amax, whose rounding differs in the last bit */
+    volatile float inv_v = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float inv = inv_v;
+    int64_t i = 0;
 #if defined(TM_AVX512)
-        const __m512 vinv = _mm512_set1_ps(inv);
-        for (; i + 16 <= c->k; i += 16) {
-            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv)); /* round to even */
-            v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
-            v = _mm512_add_epi32(v, _mm512_set1_epi32(TM_ACT_OFFSET));
-            _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(v));
-        }
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= n; i += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv)); /* round to even */
+        v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+        v = _mm512_add_epi32(v, _mm512_set1_epi32(TM_ACT_OFFSET));
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(v));
+    }
 #endif
-        for (; i < c->k; ++i) {
-            float v = rintf(x[i] * inv);
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            q[i] = (unsigned char)((int)v + TM_ACT_OFFSET);
-        }
-        for (; i < c->kp; ++i) q[i] = (unsigned char)TM_ACT_OFFSET; /* value 0 */
+    for (; i < n; ++i) {
+        float v = rintf(x[i] * inv);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[i] = (unsigned char)((int)v + TM_ACT_OFFSET);
     }
 }
 
-/* Per-row symmetric int8 quantization: scale = max|x| / 127, q = round(x / scale) in
- * [-127, 127] (round half to even), stored as q + tm_w8a8_act_offset() bytes in [m, kp]. */
-void tm_quantize_act(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, unsigned char *codes,
-                     float *scales) {
-    quant_ctx c = {.x = x, .ldx = ldx, .m = m, .k = k, .kp = kp, .codes = codes, .scales = scales};
+static void quant_rows(void *vctx, int64_t chunk) {
+    const quant_ctx *c = (const quant_ctx *)vctx;
+    const int64_t r0 = chunk * 16, r1 = r0 + 16 < c->m ? r0 + 16 : c->m;
+    const int64_t ng = cdiv(c->kp, c->gs);
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *x = c->x + r * c->ldx;
+        unsigned char *q = c->codes + r * c->kp;
+        for (int64_t g = 0; g < ng; ++g) {
+            const int64_t k0 = g * c->gs, k1 = k0 + c->gs < c->k ? k0 + c->gs : c->k;
+            if (k1 > k0)
+                quant_group(x + k0, k1 - k0, q + k0, c->scales + r * ng + g);
+            else
+                c->scales[r * ng + g] = 0.0f;
+        }
+        for (int64_t i = c->k; i < c->kp; ++i) q[i] = (unsigned char)TM_ACT_OFFSET; /* value 0 */
+    }
+}
+
+/* Symmetric int8 per row and group of gs columns: scale = max|x| / 127 over the group,
+ * q = round(x / scale) in [-127, 127] (round half to even), stored as q +
+ * tm_w8a8_act_offset() bytes in [m, kp]; scales [m, ceil(kp / gs)]. gs % 4 == 0. */
+void tm_quantize_act(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int64_t gs,
+                     unsigned char *codes, float *scales) {
+    quant_ctx c = {.x = x, .ldx = ldx, .m = m, .k = k, .kp = kp, .gs = gs, .codes = codes, .scales = scales};
     tm_parallel_for(cdiv(m, 16), quant_rows, &c);
 }
 
 /* ---------------------------------------------------------------- weights */
 
-static inline int64_t panel_bytes(int64_t kp) { return TM_NR * 8 + (kp / 4) * TM_NR * 4; }
+static inline int64_t panel_bytes(int64_t kp, int64_t gs) {
+    return TM_NR * 4 + cdiv(kp, gs) * TM_NR * 4 + (kp / 4) * TM_NR * 4;
+}
 
-int64_t tm_pack_w8a8_size(int64_t n, int64_t k) { return cdiv(n, TM_NR) * panel_bytes(cdiv(k, 4) * 4); }
+int64_t tm_pack_w8a8_size(int64_t n, int64_t k, int64_t gs) {
+    const int64_t kp = cdiv(k, 4) * 4;
+    return cdiv(n, TM_NR) * panel_bytes(kp, gs);
+}
 
-/* int8 codes [n, k] (row stride ldq) and per-row scales [n] -> packed panels. */
-void tm_pack_w8a8(const int8_t *q, int64_t ldq, const float *scale, int64_t n, int64_t k, void *out) {
-    const int64_t kp = cdiv(k, 4) * 4, np = cdiv(n, TM_NR), pb = panel_bytes(kp);
+/* int8 codes [n, k] (row stride ldq) and per-row scales [n] -> packed panels for activation
+ * groups of gs columns (gs % 4 == 0). Returns 0, or -1 for a bad gs. */
+int tm_pack_w8a8(const int8_t *q, int64_t ldq, const float *scale, int64_t n, int64_t k, int64_t gs, void *out) {
+    if (gs <= 0 || gs % 4) return -1;
+    const int64_t kp = cdiv(k, 4) * 4, np = cdiv(n, TM_NR), pb = panel_bytes(kp, gs), ng = cdiv(kp, gs);
     for (int64_t p = 0; p < np; ++p) {
         char *dst = (char *)out + p * pb;
         float *sw = (float *)dst;
-        int32_t *colsum = (int32_t *)(dst + TM_NR * 4);
-        int8_t *codes = (int8_t *)(dst + TM_NR * 8);
+        int32_t *comp = (int32_t *)(dst + TM_NR * 4);
+        int8_t *codes = (int8_t *)(dst + TM_NR * 4 + ng * TM_NR * 4);
         for (int64_t j = 0; j < TM_NR; ++j) {
             const int64_t col = p * TM_NR + j;
-            int32_t sum = 0;
+            for (int64_t g = 0; g < ng; ++g) comp[g * TM_NR + j] = 0;
             for (int64_t kk = 0; kk < kp; ++kk) {
                 const int8_t v = (col < n && kk < k) ? q[col * ldq + kk] : 0;
                 codes[(kk / 4) * TM_NR * 4 + j * 4 + kk % 4] = v;
-                sum += v;
+                comp[(kk / gs) * TM_NR + j] += TM_ACT_OFFSET * v;
             }
             sw[j] = col < n ? scale[col] : 0.0f;
-            colsum[j] = sum;
         }
     }
+    return 0;
 }
 
 /* ---------------------------------------------------------------- micro-kernels */
@@ -173,10 +192,30 @@ typedef __m256i vi;
 #endif
 #endif
 
+#if defined(TM_AVX512)
+typedef __m512 vff;
+#define VF_ZERO() _mm512_setzero_ps()
+#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VF_SET1(x) _mm512_set1_ps(x)
+#define VF_STORE(p, v) _mm512_storeu_ps(p, v)
+#define VI_CVT(v) _mm512_cvtepi32_ps(v)
+#define VI_SUB(a, b) _mm512_sub_epi32(a, b)
+#elif defined(TM_AVX2)
+typedef __m256 vff;
+#define VF_ZERO() _mm256_setzero_ps()
+#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VF_SET1(x) _mm256_set1_ps(x)
+#define VF_STORE(p, v) _mm256_storeu_ps(p, v)
+#define VI_CVT(v) _mm256_cvtepi32_ps(v)
+#define VI_SUB(a, b) _mm256_sub_epi32(a, b)
+#endif
+
 #if defined(TM_AVX512) || defined(TM_AVX2)
-/* acc tile [mr][TM_NR] int32 of activation rows a (stride lda bytes) times one packed panel */
-TM_INLINE void ukr_i8(const int mr, int64_t kp, const unsigned char *restrict a, int64_t lda,
-                      const int8_t *restrict b, int32_t *restrict tile) {
+/* fp32 tile [mr][TM_NR] = sum over groups of sa[r, g] * (int32 sums of the group, offset removed),
+ * for activation rows a (stride lda bytes, scales sa with row stride ng) times one packed panel */
+TM_INLINE void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char *restrict a, int64_t lda,
+                      const float *restrict sa, int64_t ng, const int8_t *restrict b, const int32_t *restrict comp,
+                      float *restrict tile) {
 #if !defined(TM_VNNI)
 #if defined(TM_AVX512)
     const __m512i ones = _mm512_set1_epi16(1);
@@ -184,40 +223,61 @@ TM_INLINE void ukr_i8(const int mr, int64_t kp, const unsigned char *restrict a,
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
 #endif
-    vi acc[TM_MR_I8][2];
+    vff facc[TM_MR_I8][2];
 #pragma GCC unroll 12
-    for (int r = 0; r < mr; ++r) acc[r][0] = acc[r][1] = VI_ZERO();
-    for (int64_t kk = 0; kk < kp; kk += 4) {
-        const int8_t *bk = b + kk * TM_NR;
-        const vi b0 = VI_LOAD(bk), b1 = VI_LOAD(bk + VLI * 4);
+    for (int r = 0; r < mr; ++r) facc[r][0] = facc[r][1] = VF_ZERO();
+    for (int64_t g0 = 0, g = 0; g0 < kp; g0 += gs, ++g) {
+        const int64_t g1 = g0 + gs < kp ? g0 + gs : kp;
+        vi acc[TM_MR_I8][2];
+#pragma GCC unroll 12
+        for (int r = 0; r < mr; ++r) acc[r][0] = acc[r][1] = VI_ZERO();
+        for (int64_t kk = g0; kk < g1; kk += 4) {
+            const int8_t *bk = b + kk * TM_NR;
+            const vi b0 = VI_LOAD(bk), b1 = VI_LOAD(bk + VLI * 4);
+#pragma GCC unroll 12
+            for (int r = 0; r < mr; ++r) {
+                const vi x = VI_BCAST32(a + r * lda + kk);
+                acc[r][0] = VI_DOT(acc[r][0], x, b0);
+                acc[r][1] = VI_DOT(acc[r][1], x, b1);
+            }
+        }
+        const vi c0 = VI_LOAD(comp + g * TM_NR), c1 = VI_LOAD(comp + g * TM_NR + VLI);
 #pragma GCC unroll 12
         for (int r = 0; r < mr; ++r) {
-            const vi x = VI_BCAST32(a + r * lda + kk);
-            acc[r][0] = VI_DOT(acc[r][0], x, b0);
-            acc[r][1] = VI_DOT(acc[r][1], x, b1);
+            const vff sc = VF_SET1(sa[r * ng + g]);
+            facc[r][0] = VF_FMA(VI_CVT(VI_SUB(acc[r][0], c0)), sc, facc[r][0]);
+            facc[r][1] = VF_FMA(VI_CVT(VI_SUB(acc[r][1], c1)), sc, facc[r][1]);
         }
     }
 #pragma GCC unroll 12
     for (int r = 0; r < mr; ++r) {
-        VI_STORE(tile + r * TM_NR, acc[r][0]);
-        VI_STORE(tile + r * TM_NR + VLI, acc[r][1]);
+        VF_STORE(tile + r * TM_NR, facc[r][0]);
+        VF_STORE(tile + r * TM_NR + VLI, facc[r][1]);
     }
 }
 #else
-static void ukr_i8(const int mr, int64_t kp, const unsigned char *restrict a, int64_t lda, const int8_t *restrict b,
-                   int32_t *restrict tile) {
+static void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char *restrict a, int64_t lda,
+                   const float *restrict sa, int64_t ng, const int8_t *restrict b, const int32_t *restrict comp,
+                   float *restrict tile) {
+    float facc[TM_MR_I8][TM_NR];
     int32_t acc[TM_MR_I8][TM_NR];
-    memset(acc, 0, sizeof acc);
-    for (int64_t kk = 0; kk < kp; kk += 4) {
-        const int8_t *bk = b + kk * TM_NR;
-        for (int r = 0; r < mr; ++r) {
-            const unsigned char *ar = a + r * lda + kk;
-            for (int j = 0; j < TM_NR; ++j)
-                /* unsigned codes times signed weights, as vpdpbusd; the epilogue removes the offset */
-                acc[r][j] += ar[0] * bk[j * 4] + ar[1] * bk[j * 4 + 1] + ar[2] * bk[j * 4 + 2] + ar[3] * bk[j * 4 + 3];
+    memset(facc, 0, sizeof facc);
+    for (int64_t g0 = 0, g = 0; g0 < kp; g0 += gs, ++g) {
+        const int64_t g1 = g0 + gs < kp ? g0 + gs : kp;
+        memset(acc, 0, sizeof acc);
+        for (int64_t kk = g0; kk < g1; kk += 4) {
+            const int8_t *bk = b + kk * TM_NR;
+            for (int r = 0; r < mr; ++r) {
+                const unsigned char *ar = a + r * lda + kk;
+                /* unsigned codes times signed weights, as vpdpbusd; comp removes the offset */
+                for (int j = 0; j < TM_NR; ++j)
+                    acc[r][j] += ar[0] * bk[j * 4] + ar[1] * bk[j * 4 + 1] + ar[2] * bk[j * 4 + 2] + ar[3] * bk[j * 4 + 3];
+            }
         }
+        for (int r = 0; r < mr; ++r)
+            for (int j = 0; j < TM_NR; ++j) facc[r][j] += (float)(acc[r][j] - comp[g * TM_NR + j]) * sa[r * ng + g];
     }
-    memcpy(tile, acc, sizeof(int32_t) * mr * TM_NR);
+    memcpy(tile, facc, sizeof(float) * mr * TM_NR);
 }
 #endif
 
@@ -229,14 +289,14 @@ typedef struct {
     const char *w;
     const float *bias;
     float *y;
-    int64_t lda, ldy, m, n, kp, pb;
+    int64_t lda, ldy, m, n, kp, gs, ng, pb;
     int64_t mc, npanels, group, ngroups;
     int accumulate;
 } i8_ctx;
 
-#define I8_CASE(MR)                                                  \
-    case MR:                                                         \
-        ukr_i8(MR, c->kp, a, c->lda, codes, tile);                   \
+#define I8_CASE(MR)                                                                                \
+    case MR:                                                                                       \
+        ukr_i8(MR, c->kp, c->gs, a, c->lda, c->sa + r * c->ng, c->ng, codes, comp, tile);          \
         break;
 
 static void i8_chunk(void *vctx, int64_t chunk) {
@@ -244,12 +304,12 @@ static void i8_chunk(void *vctx, int64_t chunk) {
     const int64_t mb = chunk / c->ngroups, grp = chunk % c->ngroups;
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
-    int32_t tile[TM_MR_I8 * TM_NR] __attribute__((aligned(64)));
+    float tile[TM_MR_I8 * TM_NR] __attribute__((aligned(64)));
     for (int64_t p = p0; p < p1; ++p) {
         const char *pp = c->w + p * c->pb;
         const float *sw = (const float *)pp;
-        const int32_t *colsum = (const int32_t *)(pp + TM_NR * 4);
-        const int8_t *codes = (const int8_t *)(pp + TM_NR * 8);
+        const int32_t *comp = (const int32_t *)(pp + TM_NR * 4);
+        const int8_t *codes = (const int8_t *)(pp + TM_NR * 4 + c->ng * TM_NR * 4);
         const int64_t n0 = p * TM_NR;
         const int ncols = c->n - n0 < TM_NR ? (int)(c->n - n0) : TM_NR;
         for (int64_t r = m0; r < m1; r += TM_MR_I8) {
@@ -264,23 +324,14 @@ static void i8_chunk(void *vctx, int64_t chunk) {
                 I8_CASE(5)
                 I8_CASE(6)
 #endif
-#if TM_MR_I8 > 6
-                I8_CASE(7)
-                I8_CASE(8)
-                I8_CASE(9)
-                I8_CASE(10)
-                I8_CASE(11)
-                I8_CASE(12)
-#endif
                 default:
                     break;
             }
             for (int i = 0; i < mr; ++i) {
                 float *yr = c->y + (r + i) * c->ldy + n0;
-                const float s = c->sa[r + i];
-                const int32_t *t = tile + i * TM_NR;
+                const float *t = tile + i * TM_NR;
                 for (int j = 0; j < ncols; ++j) {
-                    float v = ((float)(t[j] - TM_ACT_OFFSET * colsum[j]) * s) * sw[j];
+                    float v = t[j] * sw[j];
                     if (c->bias) v += c->bias[n0 + j];
                     if (c->accumulate) v += yr[j];
                     yr[j] = v;
@@ -290,13 +341,15 @@ static void i8_chunk(void *vctx, int64_t chunk) {
     }
 }
 
-/* y[m, n] (+)= dequant(a) dequant(W)^T (+ bias), a from tm_quantize_act (row stride kp bytes),
- * W from tm_pack_w8a8. */
-void tm_gemm_w8a8(const unsigned char *a, const float *sa, int64_t kp, const void *w_packed, const float *bias,
-                  float *y, int64_t ldy, int64_t m, int64_t n, int accumulate) {
-    if (m <= 0 || n <= 0) return;
+/* y[m, n] (+)= dequant(a) dequant(W)^T (+ bias), a and sa from tm_quantize_act (row stride kp
+ * bytes, groups of gs), W from tm_pack_w8a8 with the same gs. Returns 0, or -1 for a bad gs. */
+int tm_gemm_w8a8(const unsigned char *a, const float *sa, int64_t kp, int64_t gs, const void *w_packed,
+                 const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int accumulate) {
+    if (gs <= 0 || gs % 4 || kp % 4) return -1;
+    if (m <= 0 || n <= 0) return 0;
     i8_ctx c = {.a = a, .sa = sa, .w = (const char *)w_packed, .bias = bias, .y = y, .lda = kp, .ldy = ldy,
-                .m = m, .n = n, .kp = kp, .pb = panel_bytes(kp), .accumulate = accumulate};
+                .m = m, .n = n, .kp = kp, .gs = gs, .ng = cdiv(kp, gs), .pb = panel_bytes(kp, gs),
+                .accumulate = accumulate};
     const int threads = tm_get_num_threads();
     int64_t mc = TM_MC_BYTES / (kp > 0 ? kp : 1);
     mc = mc < TM_MR_I8 ? TM_MR_I8 : mc - mc % TM_MR_I8;
@@ -310,4 +363,5 @@ void tm_gemm_w8a8(const unsigned char *a, const float *sa, int64_t kp, const voi
     c.group = cdiv(c.npanels, per_mb);
     c.ngroups = cdiv(c.npanels, c.group);
     tm_parallel_for(mblocks * c.ngroups, i8_chunk, &c);
+    return 0;
 }

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import gemm_f32, gemm_q, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act
+from . import W8A8_GROUP, gemm_f32, gemm_q, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act
 
 
 class CpuLinear(nn.Module):
@@ -110,46 +110,50 @@ def quantize_w8a8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _tls = threading.local()
 
 
-def _act_buffers(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-thread scratch for one layer's quantized activations ([m, kp] codes, [m] scales), reused by
-    every W8A8 layer of a step (they run one after another), grown when a step has more rows."""
+def _act_buffers(m: int, k: int, gs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-thread scratch for one layer's quantized activations ([m, kp] codes, [m, groups] scales),
+    reused by every W8A8 layer of a step (they run one after another), grown when a step has more rows."""
     kp = -(-k // 4) * 4
+    ng = -(-kp // gs)
     bufs = getattr(_tls, "bufs", None)
     if bufs is None:
         bufs = _tls.bufs = {}
-    codes, scales = bufs.get(kp, (None, None))
+    codes, scales = bufs.get((kp, ng), (None, None))
     if codes is None or codes.shape[0] < m:
         codes = torch.empty(max(m, 64), kp, dtype=torch.uint8)
-        scales = torch.empty(max(m, 64), dtype=torch.float32)
-        bufs[kp] = (codes, scales)
+        scales = torch.empty(max(m, 64), ng, dtype=torch.float32)
+        bufs[(kp, ng)] = (codes, scales)
     return codes[:m], scales[:m]
 
 
 class W8A8Linear(nn.Module):
-    """int8 weights (per output channel) x int8 activations (per token, dynamic), exact int32 sums.
+    """int8 weights (per output channel) x int8 activations (per token and group of `group_size`
+    input columns, quantized each step), exact int32 sums within a group.
 
     Args:
         q: int8 codes [out, in]; scale: [out] float32 (w = q * scale).
         bias: [out] float32 or None.
+        group_size: activation columns per scale (a multiple of 4).
         lib: a specific build (tests); default the native one.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 lib: Optional[ctypes.CDLL] = None) -> None:
+                 group_size: int = W8A8_GROUP, lib: Optional[ctypes.CDLL] = None) -> None:
         super().__init__()
         self.lib = lib
+        self.group_size = group_size
         self.out_features, self.in_features = q.shape
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("packed", pack_w8a8(self.weight, self.scale, lib=lib), persistent=False)
+        self.register_buffer("packed", pack_w8a8(self.weight, self.scale, group_size, lib=lib), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                   lib: Optional[ctypes.CDLL] = None) -> "W8A8Linear":
+                   group_size: int = W8A8_GROUP, lib: Optional[ctypes.CDLL] = None) -> "W8A8Linear":
         """Quantize a float weight [out, in] per output channel (`quantize_w8a8`)."""
         q, s = quantize_w8a8(weight)
-        return cls(q, s, bias, lib)
+        return cls(q, s, bias, group_size, lib)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in] the codes represent."""
@@ -157,9 +161,10 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        codes, scales = quantize_act(x, *_act_buffers(x.shape[0], self.in_features), lib=self.lib)
+        gs = self.group_size
+        codes, scales = quantize_act(x, gs, *_act_buffers(x.shape[0], self.in_features, gs), lib=self.lib)
         dst, acc = (residual, True) if residual is not None else (out, False)
-        return gemm_w8a8(codes, scales, self.packed, self.out_features, self.bias, dst, acc, lib=self.lib)
+        return gemm_w8a8(codes, scales, self.packed, self.out_features, gs, self.bias, dst, acc, lib=self.lib)
 
     def weight_bytes(self) -> int:
         """Bytes read per forward pass (packed codes, scales, column sums, bias)."""
