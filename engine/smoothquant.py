@@ -24,7 +24,7 @@ per-token scales per group of 64 columns with smoothing (what `W8A8Linear` does)
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -85,22 +85,20 @@ def _factors(absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.
     return absmax.clamp_min(1e-5) ** alpha / wmax ** (1 - alpha)
 
 
-def smoothed_w8a8_copy(model: nn.Module, stats: dict[tuple[int, str], torch.Tensor], alpha: float = ALPHA,
-                       group_size: int | None = None):
+def smoothed_copy(model: nn.Module, stats: dict[tuple[int, str], torch.Tensor], make_linear: Callable,
+                  alpha: float = ALPHA):
     """A new model sharing `model`'s embedding, final norm and LM head, whose decoder layers hold
-    smoothed norms and `W8A8Linear` layers (`model` itself is untouched).
+    the smoothed norms and `make_linear(weight, bias)` of the smoothed weights (`model` itself is
+    untouched). With float layers it computes what `model` computes (the folding is exact).
 
     Args:
-        model: an fp32 LlamaModel (CPU).
+        model: an fp32 LlamaModel.
         stats: `calibration_absmax` of that model.
-        alpha: migration strength (0.5, as the paper's default).
-        group_size: activation columns per scale (default `engine.kernels.cpu.W8A8_GROUP`).
+        make_linear: (weight [out, in] float32, bias [out] or None) -> a linear layer.
+        alpha: migration strength (0.5, the paper's default).
     """
-    from .kernels.cpu import W8A8_GROUP
-    from .kernels.cpu.layers import W8A8Linear
     from .models.llama import DecoderLayer, LlamaModel
 
-    gs = group_size or W8A8_GROUP
     cfg = model.cfg
     hq, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     g = hq // hkv
@@ -109,7 +107,8 @@ def smoothed_w8a8_copy(model: nn.Module, stats: dict[tuple[int, str], torch.Tens
     layers = []
     for i, layer in enumerate(model.layers):
         w = {k: getattr(layer, k).weight.detach().float().clone() for k in LAYER_KINDS}
-        bias = {k: getattr(layer, k).bias for k in LAYER_KINDS}
+        bias = {k: None if getattr(layer, k).bias is None else getattr(layer, k).bias.detach().float().clone()
+                for k in LAYER_KINDS}
         attn_norm, mlp_norm = layer.attn_norm.detach().clone(), layer.mlp_norm.detach().clone()
         s = _factors(stats[(i, "qkv")], w["qkv"], alpha)
         attn_norm /= s
@@ -119,20 +118,26 @@ def smoothed_w8a8_copy(model: nn.Module, stats: dict[tuple[int, str], torch.Tens
         w["gate_up"] *= s
         s = _factors(stats[(i, "down")], w["down"], alpha)
         w["gate_up"][inter:] /= s[:, None]
-        w["down"] *= s
         if bias["gate_up"] is not None:  # the up bias is scaled with its rows
-            b = bias["gate_up"].detach().float().clone()
-            b[inter:] /= s
-            bias["gate_up"] = b
+            bias["gate_up"][inter:] /= s
+        w["down"] *= s
         s_kv = _factors(stats[(i, "o")], w["o"], alpha).view(hkv, g, d).amax(1)  # one per KV channel
         w["qkv"][(hq + hkv) * d:] /= s_kv.reshape(-1)[:, None]
         if bias["qkv"] is not None:
-            b = bias["qkv"].detach().float().clone()
-            b[(hq + hkv) * d:] /= s_kv.reshape(-1)
-            bias["qkv"] = b
+            bias["qkv"][(hq + hkv) * d:] /= s_kv.reshape(-1)
         w["o"] *= s_kv.repeat_interleave(g, 0).reshape(-1)
-        lin = {k: W8A8Linear.from_float(w[k], None if bias[k] is None else bias[k].detach().float(), gs)
-               for k in LAYER_KINDS}
+        lin = {k: make_linear(w[k], bias[k]) for k in LAYER_KINDS}
         layers.append(DecoderLayer(attn_norm, lin["qkv"], lin["o"], mlp_norm, lin["gate_up"], lin["down"]))
     q.layers = nn.ModuleList(layers)
     return q
+
+
+def smoothed_w8a8_copy(model: nn.Module, stats: dict[tuple[int, str], torch.Tensor], alpha: float = ALPHA,
+                       group_size: int | None = None):
+    """`smoothed_copy` with `W8A8Linear` layers (activation groups of `group_size`, default
+    `engine.kernels.cpu.W8A8_GROUP`); the LM head stays in float."""
+    from .kernels.cpu import W8A8_GROUP
+    from .kernels.cpu.layers import W8A8Linear
+
+    gs = group_size or W8A8_GROUP
+    return smoothed_copy(model, stats, lambda w, b: W8A8Linear.from_float(w, b, gs), alpha)

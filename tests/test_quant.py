@@ -29,6 +29,12 @@ from engine.kernels.cpu.layers import CpuLinear, CpuQuantLinear
 # an engine holds the CPU kernel library's layers where the library builds, else the PyTorch ones
 QUANT_LAYERS = (QuantLinear, CpuQuantLinear)
 
+
+def cpu_kernels_available() -> bool:
+    from engine.kernels import cpu
+
+    return cpu.available()
+
 MODEL = "smollm2-135m-instruct"
 KV_BYTES = 64 << 20  # small KV pools: the tests never need more
 BLOCK_BYTES = {"Q8_0": (34, 32, [0]), "Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]),
@@ -313,3 +319,51 @@ def test_greedy_agreement_no_nan_no_degenerate_repetition(llm, engines):
             t = o.outputs[0].token_ids
             assert len(t) == 24
             assert not any(len(set(t[i : i + 8])) == 1 for i in range(len(t) - 7)), (name, t)
+
+
+# ---------------------------------------------------------------- W8A8 (SmoothQuant)
+
+@pytest.fixture(scope="module")
+def calib_stats(llm):
+    from engine.smoothquant import calibration_absmax
+
+    return calibration_absmax(llm)
+
+
+def test_smoothing_is_exact_in_float(llm, calib_stats):
+    """The smoothed model with float layers computes what the original does: the factors folded
+    into the norms, the up rows and the v rows (shared per GQA group) cancel exactly."""
+    from engine.kernels.cpu.layers import CpuLinear
+    from engine.models.llama import Linear
+    from engine.smoothquant import smoothed_copy
+
+    assert set(calib_stats) == {(i, k) for i in range(30) for k in ("qkv", "o", "gate_up", "down")}
+    assert calib_stats[(0, "down")].shape == (1536,) and (calib_stats[(0, "qkv")] > 0).all()
+    make = (lambda w, b: CpuLinear(w, b)) if llm.model.ops.name == "cpu" else (lambda w, b: Linear(w, b))
+    smooth = smoothed_copy(llm.model, calib_stats, make)
+    ids = text_ids(llm, 200)
+    want = llm.score(ids)[0]
+    orig = llm.model
+    llm.model = llm.runner.model = smooth
+    try:
+        got = llm.score(ids)[0]
+    finally:
+        llm.model = llm.runner.model = orig
+    assert (got - want).abs().max().item() < 2e-3
+    assert not torch.equal(smooth.layers[3].attn_norm, orig.layers[3].attn_norm)  # something was moved
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="W8A8 runs on the CPU kernels")
+def test_w8a8_engine_perplexity_within_one_percent(llm, windows, ref_scores):
+    """W8A8 (int8 x int8, activation scales per token and group of 64, SmoothQuant): perplexity of
+    1024 tokens of licence text within 1% of fp32, and batch independence."""
+    from engine import LLM
+
+    w8 = LLM("smollm2-135m-instruct", quantization="w8a8", kv_cache_memory_bytes=KV_BYTES)
+    assert all(type(l).__name__ == "W8A8Linear" for n, l in w8.model.linear_layers() if n != "lm_head")
+    got = w8.score(windows)
+    ppl = lambda lps: float(torch.exp(-torch.cat(lps).double().mean()))  # noqa: E731
+    rel = ppl(got) / ppl(ref_scores) - 1
+    assert 0 < rel < 0.01, rel
+    alone = w8.score(windows[1])[0]
+    assert (alone - got[1]).abs().max().item() < 1e-4  # the same rows whatever else is in the step
