@@ -1,35 +1,37 @@
-"""How close tokenmill gets to this machine's limits: MFU, MBU, KV utilisation and a per-step breakdown.
+"""How close tokenmill gets to this machine's limits: linear layers per batch size, MFU end to end,
+the non-linear share of a decode step, MBU at batch 1, KV utilisation.
 
 Measured in one run, on the same machine state:
 
-1. **Peak**: GFLOP/s of a large fp32 matmul (best of a few, ``--matmul-size``
-   cube) and the bandwidth of a large copy (bytes read + written / s).
-2. **MFU of the linear layers at large batch**: a prefill-heavy run (long
-   prompts of real text, 1 output token, steps of ``max_num_batched_tokens``
-   tokens). FLOPs of the linear layers = 2 x tokens x (q/k/v/o + MLP weights)
-   + 2 x sampled rows x (LM head weights). Two figures: end to end (FLOPs /
-   wall of the whole generate / peak) and linear-only (FLOPs / time spent in
-   ``aten::linear`` as torch.profiler attributes it / peak).
-3. **MBU of decode at batch 1**: one request; decode step time = (wall with N
-   new tokens - wall with 1) / (N - 1); bytes read per step = all weights as
-   stored + the K and V of the mean context; MBU = bytes / step time /
-   measured copy bandwidth.
-4. **KV cache utilisation**: the engine's mean over steps of used / allocated
-   slots of running sequences (`EngineStats.kv_utilization`) on a batch run.
-5. **Per-step breakdown** on a batch run of ``--batch`` (64) concurrent
-   requests: the engine's own phase timers (schedule / model / sample /
-   detokenize / other) with "model" split by torch.profiler into linear layers
-   (``aten::linear``), attention (everything inside the attention backend's
-   ``forward``, labelled here by wrapping that one bound method of this run's
-   engine; the engine code is untouched) and other model ops (RMSNorm, RoPE,
-   embedding, SiLU, residual adds).
+1. **Peak** (GFLOP/s): the best of a large fp32 `torch.mm` (``--matmul-size`` cube), tokenmill's
+   own linear kernel on the same cube, and every linear-layer rate measured in section 2:
+   a peak below what a kernel reaches in the same run would be a wrong peak (an MFU over
+   100%). **Bandwidth**: a large copy, bytes read + written / s.
+2. **Linear layers per M**: every linear layer of the model (the 120 decoder projections and
+   the LM head) run once on an [M, in] input, for M in 1, 8, 32, 64, 128, 1024: GFLOP/s and
+   its share of the peak; for M = 1 and 8 also the weight bytes streamed per second against
+   the copy bandwidth (at small M a step is bound by reading the weights: the bandwidth
+   bound is 2 M params / (weight bytes / bandwidth) FLOP/s).
+3. **End to end** on the ``in99-out64`` workload (64 prompts of about 99 tokens, 64 new tokens
+   each, greedy, EOS ignored): linear FLOPs of the tokens run (2 x tokens x decoder weights
+   + 2 x sampled rows x LM head) / wall / peak.
+4. **Decode-step breakdown** at batch ``--batch`` (64): the wall time of decode-only steps split
+   into linear layers, attention, the other model ops (embedding, RMSNorm, RoPE, SiLU x up,
+   final norm), sampling, scheduling, input preparation and the rest of the loop. Timers
+   wrap this run's engine objects from outside (the engine's code is untouched); the
+   non-linear share is everything but the linear layers.
+5. **MBU of decode at batch 1**: step time = (wall with N new tokens - wall with 1) / (N - 1);
+   bytes per step = weights read per decode step + the KV of the mean context;
+   MBU = bytes / step time / copy bandwidth. For each of ``--schemes``.
+6. **KV cache utilisation** of the batch run.
 
-Every figure is printed next to the machine load (load average and cores kept
-busy by other processes), as in `benchmarks.hf_compare`.
+Every figure is printed next to the machine load (load average and cores kept busy by
+other processes), as in `benchmarks.hf_compare`.
 
 Usage::
 
-    python -m benchmarks.efficiency [--quick] [--batch 64] [--output-json F]
+    python -m benchmarks.efficiency [--quick] [--batch 64] [--schemes fp32,int8,gguf,w8a8]
+                                    [--output-json F]
 """
 from __future__ import annotations
 
@@ -38,10 +40,12 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # 2 spinning OpenMP threads collapse under contention
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
+import copy  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Optional  # noqa: E402
+from typing import Any, Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -49,118 +53,165 @@ from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_bu
 from benchmarks.throughput import DEFAULT_MODEL, make_llm, stats_delta  # noqa: E402
 from benchmarks.workloads import build_workload  # noqa: E402
 
+LINEAR_MS = (1, 8, 32, 64, 128, 1024)
+SCHEMES = {"fp32": {}, "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
+           "int4": {"quantization": "int4"}, "w8a8": {"quantization": "w8a8"}}
+
 
 # ----------------------------------------------------------------- machine peak
-def peak_matmul_gflops(n: int = 2048, reps: int = 3) -> float:
-    """Best GFLOP/s of an [n x n] @ [n x n] fp32 matmul (2 n^3 FLOPs)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
+def _best_time(fn: Callable[[], Any], reps: int) -> float:
+    fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
+    return best
+
+
+def peak_matmul_gflops(n: int = 2048, reps: int = 3) -> dict[str, float]:
+    """GFLOP/s of an [n x n] @ [n x n] fp32 product (2 n^3 FLOPs): torch.mm, and tokenmill's
+    linear kernel (`engine.kernels.cpu`) where it builds."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = {"torch_mm": 2 * n ** 3 / _best_time(lambda: torch.mm(a, b), reps) / 1e9}
+    from engine.kernels import cpu
+
+    if cpu.available():
+        from engine.kernels.cpu.layers import CpuLinear
+
+        lin, y = CpuLinear(b), torch.empty(n, n)
+        out["tokenmill"] = 2 * n ** 3 / _best_time(lambda: lin(a, out=y), reps) / 1e9
+    return out
 
 
 def peak_copy_gbps(mbytes: int = 256, reps: int = 5) -> float:
     """Best GB/s of a large fp32 copy, counting bytes read plus bytes written."""
     src = torch.randn(mbytes * (1 << 20) // 4)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / best / 1e9
+    return 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), reps) / 1e9
 
 
 # ----------------------------------------------------------------- FLOPs and bytes
-def linear_flops(model: Any, num_tokens: int, num_logit_rows: int) -> float:
-    """FLOPs of every linear layer for a step of num_tokens tokens, num_logit_rows of them through the LM head."""
-    per_token = head = 0
+def linear_params(model: Any) -> tuple[int, int]:
+    """(weights of the decoder's linear layers, weights of the LM head), as multiply-adds per token."""
+    body = head = 0
     for name, lin in model.linear_layers():
         n = lin.in_features * lin.out_features
         if name == "lm_head":
             head += n
         else:
-            per_token += n
-    return 2.0 * (num_tokens * per_token + num_logit_rows * head)
+            body += n
+    return body, head
 
 
-# ----------------------------------------------------------------- profiling
-class _AttentionLabel:
-    """Wrap one backend instance's `forward` in a profiler label (restored on exit; engine code untouched)."""
-
-    def __init__(self, backend: Any, label: str = "tokenmill::attention") -> None:
-        self.backend, self.label = backend, label
-
-    def __enter__(self) -> "_AttentionLabel":
-        orig = self.backend.forward
-        label = self.label
-
-        def forward(*a: Any, **k: Any) -> Any:
-            with torch.profiler.record_function(label):
-                return orig(*a, **k)
-
-        self.backend.forward = forward
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        del self.backend.forward  # back to the class's method
+def linear_flops(model: Any, num_tokens: int, num_logit_rows: int) -> float:
+    """FLOPs of every linear layer for num_tokens tokens, num_logit_rows of them through the LM head."""
+    body, head = linear_params(model)
+    return 2.0 * (num_tokens * body + num_logit_rows * head)
 
 
-def profile_split(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
-    """Run generate under torch.profiler; model time split into linear / attention / other model ops.
+def linear_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2) -> dict[int, dict[str, float]]:
+    """Time all the model's linear layers on [M, in] inputs, for each M (weights as the engine holds
+    them: for the decoder a different matrix each call, so small M streams them from memory)."""
+    layers = [lin for _, lin in model.linear_layers()]
+    wbytes = sum(lin.weight_bytes() for lin in layers)
+    out = {}
+    for m in ms:
+        xs = {k: torch.randn(m, k) for k in {lin.in_features for lin in layers}}
+        ys = [torch.empty(m, lin.out_features) for lin in layers]
 
-    Returns the engine's phase seconds of this run, and the profiler's
-    seconds in aten::linear and in the attention backend.
-    """
-    from torch.profiler import ProfilerActivity, profile
+        def run() -> None:
+            for lin, y in zip(layers, ys):
+                lin(xs[lin.in_features], out=y)
 
-    before = _copy_stats(llm)
-    with _AttentionLabel(llm.runner.backend), profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-    st = stats_delta(before, llm.stats)
-    linear_us = attn_us = 0.0
-    top_ops: list[tuple[str, float]] = []
-    for ev in prof.key_averages():
-        if ev.key == "aten::linear":
-            linear_us += ev.cpu_time_total
-        elif ev.key == "tokenmill::attention":
-            attn_us += ev.cpu_time_total
-        if ev.key.startswith("aten::"):
-            top_ops.append((ev.key, ev.self_cpu_time_total / 1e6))
-    top_ops.sort(key=lambda x: -x[1])
-    return {"wall_s": wall, "stats": st, "linear_s": linear_us / 1e6, "attention_s": attn_us / 1e6,
-            "top_self_ops_s": top_ops[:8]}
+        t = _best_time(run, reps)
+        flops = 2.0 * m * sum(lin.in_features * lin.out_features for lin in layers)
+        out[m] = {"seconds": t, "gflops": flops / t / 1e9, "weight_gbps": wbytes / t / 1e9}
+    return out
 
 
-def _copy_stats(llm: Any) -> Any:
-    import copy
+# ----------------------------------------------------------------- timers around one engine
+class StepTimers:
+    """Wall time per category, counted only in decode-only steps (when `decode_only`), by wrapping
+    this engine's linear layers, attention backend, model ops, sampler, scheduler and runner.
+    Instance attributes shadow the class methods; `close()` removes them."""
 
-    return copy.copy(llm.stats)
+    def __init__(self, llm: Any, decode_only: bool = True) -> None:
+        self.t: dict[str, float] = collections.defaultdict(float)
+        self.decode_only = decode_only
+        self.in_decode_step = False
+        self.steps = 0
+        self._undo: list[tuple[Any, str]] = []
+        m = llm.model
+        for _, lin in m.linear_layers():
+            self._wrap(lin, "forward", "linear layers")
+        self._wrap(llm.backend, "forward", "attention")
+        for name in ("rms_norm", "rope_", "silu_mul"):
+            self._wrap(m.ops, name, "other model ops")
+        self._wrap(llm.sampler, "__call__", "sampler")
+        self._wrap(llm.scheduler, "schedule", "scheduler")
+        self._wrap(llm.runner, "prepare_scheduled", "input preparation")
+        self._wrap(m, "forward", "model forward")
+        run = llm.runner.run
 
+        def run_step(inputs: Any) -> Any:
+            self.in_decode_step = inputs.num_decodes == inputs.num_tokens
+            return run(inputs)
 
-def breakdown_table(prof: dict[str, Any]) -> dict[str, float]:
-    """Fractions of loop time: linear, attention, other model ops, sampler, scheduler, detokenize, other Python."""
-    st = prof["stats"]
-    ph = st.breakdown()
-    loop = max(st.time_total_s, 1e-9)
-    linear = min(prof["linear_s"], ph["model"])
-    attention = min(prof["attention_s"], ph["model"] - linear)
-    return {
-        "linear layers": linear / loop,
-        "attention": attention / loop,
-        "other model ops": max(0.0, ph["model"] - linear - attention) / loop,
-        "sampler": ph["sample"] / loop,
-        "scheduler": ph["schedule"] / loop,
-        "detokenize + stop checks": ph["detokenize"] / loop,
-        "other Python": ph["other"] / loop,
-    }
+        llm.runner.run = run_step
+        self._undo.append((llm.runner, "run"))
+        step = llm._step
+
+        def timed_step() -> Any:
+            t0 = time.perf_counter()
+            self.in_decode_step = False
+            r = step()
+            if self.in_decode_step or not self.decode_only:
+                self.t["step"] += time.perf_counter() - t0
+                self.steps += 1
+            else:  # a step with prefill: drop what it added
+                for k in list(self._pending):
+                    self.t[k] -= self._pending[k]
+            self._pending.clear()
+            return r
+
+        self._pending: dict[str, float] = collections.defaultdict(float)
+        llm._step = timed_step
+        self._undo.append((llm, "_step"))
+
+    def _wrap(self, obj: Any, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            dt = time.perf_counter() - t0
+            self.t[label] += dt
+            self._pending[label] += dt
+            return r
+
+        setattr(obj, attr, timed)
+        self._undo.append((obj, attr))
+
+    def close(self) -> None:
+        for obj, attr in reversed(self._undo):
+            try:
+                delattr(obj, attr)
+            except AttributeError:
+                pass
+
+    def fractions(self) -> dict[str, float]:
+        """Shares of the counted steps' wall time; the model forward's remainder (embedding, final
+        norm, buffers) joins "other model ops"."""
+        t = self.t
+        step = max(t["step"], 1e-12)
+        inner = t["linear layers"] + t["attention"] + t["other model ops"]
+        other_model = t["other model ops"] + max(0.0, t["model forward"] - inner)
+        known = t["model forward"] + t["sampler"] + t["scheduler"] + t["input preparation"]
+        out = {"linear layers": t["linear layers"], "attention": t["attention"], "other model ops": other_model,
+               "sampler": t["sampler"], "scheduler": t["scheduler"], "input preparation": t["input preparation"],
+               "rest of the loop (stop checks, detokenize, Python)": max(0.0, step - known)}
+        return {k: v / step for k, v in out.items()}
 
 
 # ----------------------------------------------------------------- main
@@ -170,122 +221,154 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--batch", type=int, default=None, help="concurrent requests of the breakdown run (64)")
     p.add_argument("--matmul-size", type=int, default=None, help="cube of the peak matmul (2048; quick 1024)")
+    p.add_argument("--schemes", default="fp32,int8,gguf", help=f"MBU at batch 1 for these ({','.join(SCHEMES)})")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad:
+        p.error(f"unknown scheme(s) {bad}; choose from {list(SCHEMES)}")
     q = args.quick
     batch = args.batch or (16 if q else 64)
-    report: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "quick": q}
-    loads = {}
+    report: dict[str, Any] = {"cpu_count": os.cpu_count(), "quick": q}
+    loads: dict[str, Any] = {}
+    busy_during: list[float] = []
 
-    def measure(tag: str) -> tuple[dict[str, Any], BusyMeter]:
-        load = machine_load()
-        loads[tag] = load
-        print(f"[{tag}] {_fmt_load(load)}", flush=True)
-        return load, BusyMeter().start()
+    def measure(tag: str) -> BusyMeter:
+        loads[tag] = machine_load()
+        print(f"[{tag}] {_fmt_load(loads[tag])}", flush=True)
+        return BusyMeter().start()
 
-    print(f"tokenmill efficiency: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs", flush=True)
-
-    # 1. peak
-    _, m = measure("peak")
-    n = args.matmul_size or (1024 if q else 2048)
-    peak = peak_matmul_gflops(n)
-    bw = peak_copy_gbps(128 if q else 256)
-    report["peak"] = {"matmul_gflops": peak, "matmul_size": n, "copy_gbps": bw, "other_busy_during": m.stop()}
-    print(f"peak: fp32 matmul {n}^3 {peak:.1f} GFLOP/s; copy {bw:.1f} GB/s (read + write)", flush=True)
+    def done(m: BusyMeter) -> float:
+        b = m.stop()
+        busy_during.append(b or 0.0)
+        return b
 
     from engine import SamplingParams
+    from engine.kernels import cpu
     from engine.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_model(args.model)
-    rnd = build_workload("random", tok, num_prompts=max(batch, 8), seed=0)
-
-    # 2. MFU at large batch: prefill-heavy (long prompts, one output token each)
     llm = make_llm(args.model, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prefix_caching=False)
+                   num_threads=args.threads)
     model = llm.model
-    nprompt = 4 if q else 16
-    prompts = [p for p in sorted(rnd.prompt_token_ids, key=len, reverse=True)][:nprompt]
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate([prompts[0][:64][::-1]], one, use_tqdm=False)  # warm-up
-    _, m = measure("mfu")
-    prof = profile_split(llm, prompts, [one] * len(prompts))
-    tokens = sum(map(len, prompts))
-    flops = linear_flops(model, tokens, len(prompts))
-    st = prof["stats"]
-    mfu = {"tokens": tokens, "steps": st.num_steps, "mean_batched_tokens": st.mean_batched_tokens,
-           "wall_s": prof["wall_s"], "linear_s": prof["linear_s"],
-           "linear_gflops": flops / max(prof["linear_s"], 1e-9) / 1e9,
-           "mfu_linear": flops / max(prof["linear_s"], 1e-9) / 1e9 / peak,
-           "mfu_end_to_end": flops / prof["wall_s"] / 1e9 / peak, "other_busy_during": m.stop()}
-    report["mfu"] = mfu
-    print(f"MFU at large batch ({tokens} prompt tokens, {st.mean_batched_tokens:.0f} tokens/step): linear layers "
-          f"{mfu['linear_gflops']:.1f} GFLOP/s = {100 * mfu['mfu_linear']:.0f}% of peak; end to end "
-          f"{100 * mfu['mfu_end_to_end']:.0f}% (linear FLOPs / whole wall)", flush=True)
-    if mfu["mfu_linear"] > 1.0:
-        print("  (over 100%: the peak was measured while other processes took more of the CPU than during this "
-              "run; compare figures only from a quiet machine)", flush=True)
+    isa = cpu.isa() if cpu.available() else "none"
+    print(f"tokenmill efficiency: torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
+          f"CPU kernels {isa} ({cpu.get_num_threads() if cpu.available() else 0} threads), "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs", flush=True)
+    report.update(torch_threads=torch.get_num_threads(), kernels_isa=isa)
 
-    # 3. MBU of decode at batch 1
-    llm1 = make_llm(args.model, max_num_seqs=1, enable_prefix_caching=False)
-    ndec = 16 if q else 64
-    prompt = rnd.prompt_token_ids[0][:32]
-    llm1.generate([prompt[::-1]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    _, m = measure("mbu")
-    walls = {}
-    for k in (1, ndec):
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            llm1.generate([prompt], SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True), use_tqdm=False)
-            best = min(best, time.perf_counter() - t0)
-        walls[k] = best
-    step = (walls[ndec] - walls[1]) / (ndec - 1)
-    mean_ctx = len(prompt) + ndec / 2
-    kv_bytes = llm1.model_config.kv_bytes_per_token(llm1.dtype.itemsize) * mean_ctx
-    wbytes = model.weight_bytes()
-    mbu = {"decode_step_s": step, "decode_tok_s": 1 / step, "weight_bytes": wbytes, "kv_bytes": kv_bytes,
-           "achieved_gbps": (wbytes + kv_bytes) / step / 1e9, "mbu": (wbytes + kv_bytes) / step / 1e9 / bw,
-           "other_busy_during": m.stop()}
-    report["mbu"] = mbu
-    print(f"MBU of decode at batch 1: {1e3 * step:.1f} ms/step ({1 / step:.1f} tok/s), reads "
-          f"{wbytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV -> {mbu['achieved_gbps']:.1f} GB/s = "
-          f"{100 * mbu['mbu']:.0f}% of the measured copy bandwidth", flush=True)
+    # 1 + 2. peak and the linear layers per M
+    m = measure("peak")
+    n = args.matmul_size or (1024 if q else 2048)
+    cube = peak_matmul_gflops(n)
+    bw = peak_copy_gbps(128 if q else 256)
+    done(m)
+    m = measure("linear")
+    sweep = linear_sweep(model, (1, 8, 32, 64) if q else LINEAR_MS)
+    done(m)
+    peak = max([*cube.values(), *(r["gflops"] for r in sweep.values())])
+    report["peak"] = {"cube": cube, "matmul_size": n, "peak_gflops": peak, "copy_gbps": bw}
+    print(f"peak: {n}^3 fp32 product torch.mm {cube['torch_mm']:.0f} GFLOP/s, tokenmill "
+          f"{cube.get('tokenmill', float('nan')):.0f}; peak used {peak:.0f} GFLOP/s (the best of everything measured "
+          f"here); copy {bw:.1f} GB/s (read + write)", flush=True)
+    body, head = linear_params(model)
+    wbytes = sum(lin.weight_bytes() for _, lin in model.linear_layers())
+    print(f"linear layers ({len(model.linear_layers())} of them, {(body + head) / 1e6:.1f} M weights, "
+          f"{wbytes / 1e6:.0f} MB as held):")
+    rows = {}
+    for mm, r in sweep.items():
+        line = f"  M={mm:<5} {r['gflops']:7.1f} GFLOP/s = {100 * r['gflops'] / peak:5.1f}% of peak"
+        row = {**r, "of_peak": r["gflops"] / peak}
+        if mm <= 8:
+            bound = 2.0 * mm * (body + head) / (wbytes / (bw / 2 * 1e9)) / 1e9  # reads only: half the copy rate
+            line += (f"; weights streamed at {r['weight_gbps']:.1f} GB/s = {100 * r['weight_gbps'] / (bw / 2):.0f}% "
+                     f"of the copy's read rate ({bw / 2:.1f} GB/s); bandwidth bound {bound:.0f} GFLOP/s")
+            row["bandwidth_bound_gflops"] = bound
+        rows[mm] = row
+        print(line, flush=True)
+    report["linear"] = rows
 
-    # 4 + 5. batch run: KV utilisation and the per-step breakdown
-    llmb = make_llm(args.model, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens)
-    nout = 16 if q else 64
-    params = [SamplingParams(temperature=0.0, max_tokens=nout, ignore_eos=True)] * batch
-    llmb.generate([rnd.prompt_token_ids[0][:64][::-1]], params[0], use_tqdm=False)
-    _, m = measure("breakdown")
-    prof = profile_split(llmb, rnd.prompt_token_ids[:batch], params)
-    st = prof["stats"]
-    split = breakdown_table(prof)
-    report["kv"] = {"kv_utilization": st.kv_utilization, "waste": 1 - st.kv_utilization,
-                    "block_size": llmb.config.block_size}
-    report["breakdown"] = {"batch": batch, "output_tokens_each": nout, "steps": st.num_steps,
-                           "mean_batched_tokens": st.mean_batched_tokens, "loop_s": st.time_total_s,
-                           "wall_s": prof["wall_s"], "fractions": split, "top_self_ops_s": prof["top_self_ops_s"],
-                           "other_busy_during": m.stop()}
+    # 3. end to end on the first workload
+    tok = Tokenizer.from_model(args.model)
+    wl = build_workload("in99-out64", tok, num_prompts=16 if q else None, seed=0,
+                        max_output_tokens=16 if q else None)
+    llm.generate([wl.prompt_token_ids[0][:32][::-1]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    m = measure("end-to-end")
+    before = copy.copy(llm.stats)
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompt_token_ids, wl.sampling_params(), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    busy = done(m)
+    st = stats_delta(before, llm.stats)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    tokens = st.num_prompt_tokens_computed + n_out  # every prompt token and each decode token once
+    flops = linear_flops(model, tokens, n_out)
+    e2e = {"workload": wl.summary(), "wall_s": wall, "tokens": tokens, "output_tokens": n_out,
+           "output_tok_s": n_out / wall, "gflops": flops / wall / 1e9, "mfu": flops / wall / 1e9 / peak,
+           "other_busy_during": busy}
+    report["end_to_end"] = e2e
+    print(f"end to end, {wl.summary()}: {wall:.2f} s, {n_out / wall:.0f} output tok/s, linear FLOPs at "
+          f"{e2e['gflops']:.0f} GFLOP/s = {100 * e2e['mfu']:.0f}% of peak", flush=True)
+
+    # 4 + 6. decode-step breakdown at batch `batch` and KV utilisation
+    rnd = build_workload("in99-out64", tok, num_prompts=batch, seed=1, max_output_tokens=16 if q else None)
+    timers = StepTimers(llm)
+    m = measure("breakdown")
+    before = copy.copy(llm.stats)
+    try:
+        llm.generate(rnd.prompt_token_ids, rnd.sampling_params(), use_tqdm=False)
+    finally:
+        timers.close()
+    busy = done(m)
+    st = stats_delta(before, llm.stats)
+    split = timers.fractions()
+    report["kv"] = {"kv_utilization": st.kv_utilization, "block_size": llm.config.block_size}
+    step_ms = 1e3 * timers.t["step"] / max(timers.steps, 1)
+    report["breakdown"] = {"batch": batch, "decode_steps": timers.steps, "ms_per_decode_step": step_ms,
+                           "fractions": split, "non_linear": 1 - split["linear layers"], "other_busy_during": busy}
     print(f"KV cache utilisation (batch {batch}): {100 * st.kv_utilization:.1f}% of allocated slots used "
-          f"({100 * (1 - st.kv_utilization):.1f}% waste; block size {llmb.config.block_size})")
-    print(f"per-step breakdown, batch {batch}, {nout} output tokens each ({st.num_steps} steps, "
-          f"{st.mean_batched_tokens:.0f} tokens/step, {1e3 * st.time_total_s / max(st.num_steps, 1):.1f} ms/step, "
-          "under torch.profiler):")
+          f"(block size {llm.config.block_size})")
+    print(f"decode-step breakdown, batch {batch} ({timers.steps} decode-only steps, {step_ms:.1f} ms each):")
     for k, v in split.items():
-        print(f"  {k:<26} {100 * v:5.1f}%")
-    print("  top aten ops by self time: " + ", ".join(f"{k} {s:.2f}s" for k, s in prof["top_self_ops_s"][:6]))
+        print(f"  {k:<52} {100 * v:5.1f}%")
+    print(f"  non-linear share (everything but the linear layers)   {100 * (1 - split['linear layers']):5.1f}%",
+          flush=True)
 
-    busy = [loads[k]["other_busy_cores"] or 0.0 for k in loads]
-    busy += [x.get("other_busy_during") or 0.0 for x in (report["peak"], mfu, mbu, report["breakdown"])]
+    # 5. MBU at batch 1, per scheme
+    report["mbu"] = {}
+    ndec = 16 if q else 64
+    prompt = wl.prompt_token_ids[0][:32]
+    for scheme in schemes:
+        llm1 = make_llm(args.model, max_num_seqs=1, enable_prefix_caching=False, num_threads=args.threads,
+                        **SCHEMES[scheme])
+        llm1.generate([prompt[::-1]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        m = measure(f"mbu {scheme}")
+        walls = {}
+        for k in (1, ndec):
+            walls[k] = _best_time(lambda k=k: llm1.generate(
+                [prompt], SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True), use_tqdm=False), 2)
+        busy = done(m)
+        step = (walls[ndec] - walls[1]) / (ndec - 1)
+        from engine.quant import decode_weight_bytes
+
+        kv_bytes = llm1.kv_bytes_per_token * (len(prompt) + ndec / 2)
+        wb = decode_weight_bytes(llm1.model)
+        r = {"decode_step_s": step, "decode_tok_s": 1 / step, "weight_bytes": wb, "kv_bytes": kv_bytes,
+             "achieved_gbps": (wb + kv_bytes) / step / 1e9, "mbu": (wb + kv_bytes) / step / 1e9 / (bw / 2),
+             "other_busy_during": busy}
+        report["mbu"][scheme] = r
+        print(f"MBU of decode at batch 1, {scheme}: {1e3 * step:.2f} ms/step ({1 / step:.0f} tok/s), reads "
+              f"{wb / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV -> {r['achieved_gbps']:.1f} GB/s = "
+              f"{100 * r['mbu']:.0f}% of the copy's read rate", flush=True)
+        del llm1
+
     report["machine_load"] = loads
-    report["max_other_busy_cores"] = max(busy)
+    report["max_other_busy_cores"] = max([b for b in busy_during] + [
+        (ld.get("other_busy_cores") or 0.0) for ld in loads.values()])
     print(f"machine at end: {_fmt_load(machine_load())}")
-    warn_if_busy(max(busy), "peak and engine figures move differently under contention")
+    warn_if_busy(report["max_other_busy_cores"], "peak and engine figures move differently under contention")
     write_json_report(args.output_json, report)
     return 0
 
