@@ -34,7 +34,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 
 from pipeline.storage import (
-    S3FS_RETRIES, StorageError, bucket_of, config_kwargs, no_such_bucket, storage_call, write_deadline_s,
+    S3FS_RETRIES, bucket_of, config_kwargs, no_such_bucket, storage_call, write_deadline_s,
 )
 
 
