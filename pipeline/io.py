@@ -34,7 +34,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 
 from pipeline.storage import (
-    S3FS_RETRIES, bucket_of, config_kwargs, no_such_bucket, storage_call, write_deadline_s,
+    bucket_of, config_kwargs, no_such_bucket, s3fs_retries, storage_call, write_deadline_s,
 )
 
 
@@ -121,7 +121,7 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     except (ValueError, TypeError, ImportError) as exc:
         raise ValueError(f"cannot open {url}: {exc}") from None
     if "s3" in _protocols(fs):
-        fs.retries = S3FS_RETRIES  # s3fs's own retry layer, on top of botocore's attempts (see pipeline.storage)
+        fs.retries = s3fs_retries(storage_options)  # s3fs's own retry layer, on top of botocore's attempts
     return fs, path
 
 
@@ -305,8 +305,16 @@ def create_exclusive(url: str, data: bytes, storage_options: Optional[dict[str, 
 
 
 def write_bytes(url: str, data: bytes, storage_options: Optional[dict[str, Any]] = None) -> None:
-    """Overwrite the file at `url` with `data` in one put (small files whose readers accept either version)."""
+    """Replace the file at `url` with `data`, whole: one put on an object store (a PUT is atomic there),
+    a temp file and a rename on a local disk.
+
+    Raises:
+        StorageError: the write failed.
+    """
     fs, path = filesystem(url, storage_options)
+    if is_local(fs):
+        _atomic_put(url, data, storage_options)
+        return
     so = resolve_storage_options(url, storage_options)
     with storage_call("write", url, so):
         _put(fs, path, data, so)

@@ -2,21 +2,22 @@
 
 Every `s3://` filesystem the pipeline opens gets botocore limits through s3fs
 `config_kwargs` (`DEFAULT_CONFIG_KWARGS`; a `config_kwargs` storage option
-overrides them key by key):
+overrides them key by key, e.g. `--storage-option config_kwargs='{"read_timeout": 30}'`):
 
     connect_timeout  5 s    a TCP connection that does not open in time fails the attempt
-    read_timeout    10 s    a response that stays silent this long fails the attempt
-    retries          3 attempts in botocore's "standard" mode (backoff with jitter, at most 20 s)
+    read_timeout     5 s    a response that stays silent this long fails the attempt
+    retries          3 attempts in botocore's "standard" mode (backoff with jitter)
 
 s3fs retries a timed-out or reset call once more on top (`S3FS_RETRIES` = 2
-calls), and a write (`io` uses `pipe_file`) also has a deadline of its own,
-`write_deadline_s`: aiohttp does not time out a PUT while it waits for its
-`100-continue` answer, so without the deadline a stalled endpoint would hold a
-write forever. With the defaults one operation against a stalled endpoint
-fails within 2 x 3 x 10 s plus backoff, about 70 s (`stall_bound_s`), and the
-job's clean-up after a storage failure (booking the run's cost, releasing its
-lease) uses `QUICK_CONFIG_KWARGS` (one 5 s attempt), so the whole run ends
-within about 90 s.
+calls; its default is 5), and file reads nest that layer twice. A write has
+a deadline of its own (`write_deadline_s`), because aiohttp does not time
+out a PUT while it waits for its `100-continue` answer: without it a
+stalled endpoint held a write forever. With the defaults one operation
+against a silent endpoint fails within `stall_bound_s()` (86 s for a file
+read, 44 s for other calls, 36 s for a small write), and the clean-up after
+such a failure (booking the run's cost, releasing its lease) makes one short
+attempt per call (`quick_options`, about 15 s together), so a stalled job
+ends within about 100 s (84 s measured, a read stalled after the first commit).
 
 `StorageError` names the URL, the operation and the likely cause; `storage_call`
 turns whatever s3fs, botocore, aiohttp or the OS raised into one.
@@ -30,7 +31,7 @@ import socket
 from typing import Any, Iterator, Optional
 
 CONNECT_TIMEOUT_S = 5.0
-READ_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 5.0
 MAX_ATTEMPTS = 3
 S3FS_RETRIES = 2  # s3fs's own layer: calls per operation on timeouts/resets (its default is 5)
 DEFAULT_CONFIG_KWARGS: dict[str, Any] = {
@@ -82,12 +83,18 @@ def _attempts(cfg: dict[str, Any]) -> int:
     return int(retries.get("total_max_attempts") or (retries.get("max_attempts", MAX_ATTEMPTS - 1) + 1))
 
 
-def stall_bound_s(storage_options: Optional[dict[str, Any]] = None) -> float:
-    """Seconds after which one operation against a silent endpoint has failed, for these options."""
+def s3fs_retries(storage_options: Optional[dict[str, Any]] = None) -> int:
+    """Calls s3fs makes per operation on timeouts and resets: 1 when botocore is told to try once."""
+    return 1 if _attempts(config_kwargs(storage_options or {})) == 1 else S3FS_RETRIES
+
+
+def stall_bound_s(storage_options: Optional[dict[str, Any]] = None, file_read: bool = True) -> float:
+    """Seconds after which one operation against a silent endpoint has failed, for these options
+    (a read through a file object nests s3fs's retry layer twice)."""
     cfg = config_kwargs(storage_options or {})
-    attempts = _attempts(cfg)
-    per_call = attempts * (float(cfg.get("read_timeout", 60)) + BACKOFF_ALLOWANCE_S)
-    return S3FS_RETRIES * per_call + 2.0
+    per_call = _attempts(cfg) * (float(cfg.get("read_timeout", 60)) + BACKOFF_ALLOWANCE_S)
+    layers = s3fs_retries(storage_options) ** (2 if file_read else 1)
+    return layers * per_call + 2.0
 
 
 def write_deadline_s(nbytes: int, storage_options: Optional[dict[str, Any]] = None) -> float:
@@ -110,6 +117,10 @@ def bucket_of(url: str) -> Optional[str]:
     if not m or m.group(1) in ("file", "local"):
         return None
     return m.group(2)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _names(exc: BaseException) -> set[str]:
@@ -136,7 +147,7 @@ def explain(exc: BaseException, operation: str, url: str, storage_options: dict[
         return StorageError(
             operation, url,
             f"no answer from {endpoint} within the time limits (read_timeout {cfg.get('read_timeout')} s, "
-            f"{_attempts(cfg)} attempts)",
+            f"{_plural(_attempts(cfg), 'attempt')})",
             f"The store or the network path stalled. {resume} Raise the limits with --storage-option "
             f"config_kwargs='{{\"read_timeout\": 60}}'.", "timeout")
     if names & {"ConnectTimeoutError", "EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
@@ -145,7 +156,7 @@ def explain(exc: BaseException, operation: str, url: str, storage_options: dict[
                f"no connection within connect_timeout {cfg.get('connect_timeout')} s" if "ConnectTimeoutError" in names
                else "host name not found" if "gaierror" in names else "connection failed")
         return StorageError(
-            operation, url, f"cannot connect to {endpoint} ({why}, {_attempts(cfg)} attempts)",
+            operation, url, f"cannot connect to {endpoint} ({why}, {_plural(_attempts(cfg), 'attempt')})",
             "Check the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...) and that the service is up.",
             "connect")
     if names & {"ConnectionClosedError", "ConnectionResetError", "ServerDisconnectedError", "ClientPayloadError",

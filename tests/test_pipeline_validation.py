@@ -144,3 +144,26 @@ def test_empty_input_is_a_zero_row_report_with_no_part_files(tmp_path, capsys):
     assert f"0 rows in {inp}: nothing generated, no part files written" in printed
     assert "part-*.parquet" not in printed
     assert read_metrics(str(tmp_path / "cli"))["rows_total"].to_list() == [0]
+
+
+def test_default_storage_limits_bound_a_stall_under_two_minutes():
+    from pipeline.storage import quick_options, stall_bound_s, write_deadline_s
+
+    assert stall_bound_s() == 86.0 and stall_bound_s(file_read=False) == 44.0
+    assert write_deadline_s(0) == 36.0
+    quick = quick_options({})
+    cleanup = write_deadline_s(0, quick) + stall_bound_s(quick, file_read=False)  # book the cost, drop the lease
+    assert stall_bound_s() + cleanup < 120
+    # a config_kwargs option overrides the defaults key by key
+    assert stall_bound_s({"config_kwargs": {"read_timeout": 20}}) == 4 * 3 * 22 + 2
+
+
+def test_truncate_joins_the_fingerprint_only_when_set(tmp_path):
+    from pipeline import JobSpecChanged
+
+    inp = write_input(tmp_path / "in.parquet")
+    spec = JobSpec(input=inp, output=str(tmp_path / "out"), progress=False, max_tokens=2)
+    assert "truncate" not in spec.fingerprint_fields()  # jobs written before the option resume unchanged
+    run_job(spec.model_copy(update={"truncate": True}), FakeLLM())
+    with pytest.raises(JobSpecChanged, match="truncate: True -> None"):
+        run_job(spec, FakeLLM())
