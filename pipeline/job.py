@@ -171,7 +171,12 @@ class JobSpec(BaseModel):
         return cls(**{**load_spec_file(path)[0], **overrides})
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in FINGERPRINT_FIELDS}
+        """The output-shaping fields, as the job's fingerprint hashes them. Fields added after jobs were
+        already written (`truncate`) count only when set, so those jobs still resume."""
+        fields = {k: getattr(self, k) for k in FINGERPRINT_FIELDS}
+        if not fields["truncate"]:
+            del fields["truncate"]
+        return fields
 
 
 def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

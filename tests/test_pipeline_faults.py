@@ -270,7 +270,7 @@ def test_memory_is_flat_over_50_consecutive_jobs(job_llm, s3_bucket, tmp_path):
     rss = []
     for i in range(50):
         spec = JobSpec(input=f"s3://{s3_bucket}/in/", output=f"s3://{s3_bucket}/out", max_tokens=2,
-                       progress=False, overwrite=True)
+                       progress=False, plan="input")
         report = run_job(spec)
         assert report.rows_ok == 2
         io.remove(spec.output)
