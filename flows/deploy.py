@@ -4,7 +4,8 @@
 
 The file holds JobSpec fields at the top level, or under `spec:` next to an
 optional `deployment:` section (`name`, `cron` (UTC), `tags`,
-`shard_retries`, `retry_delay_s`); command-line options win over the file:
+`shard_retries`, `retry_delay_s`, `storage_secret`); command-line options win
+over the file:
 
     spec:
       input: s3://datasets/prompts/
@@ -20,9 +21,16 @@ optional `deployment:` section (`name`, `cron` (UTC), `tags`,
 runs and executes them in this process until stopped. Each scheduled run
 resumes the job at the same output: done shards are skipped, so a nightly
 run over an unchanged dataset finishes at once, and a changed dataset is
-refused until the spec sets `overwrite: true` or a new output. Keep
-credentials out of the file (they would be stored as flow parameters): the
-serving process's AWS_* environment variables are used by default.
+refused until the spec sets `overwrite: true` or a new output.
+
+Credentials never go in the file: a spec whose `storage_options` hold one is
+refused (flow parameters are stored in Prefect's database). The serving
+process's AWS_* environment variables are used, or `storage_secret: NAME`
+names a Prefect Secret block whose value is a dict of storage options.
+
+The flow runs of a served deployment execute in a new process that loads
+`flows/batch_generate.py` and validates the parameters from JSON; the test
+`tests/test_flow_deploy_server.py` runs this against a real `prefect server`.
 """
 from __future__ import annotations
 
@@ -37,10 +45,20 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
     """The JobSpec and deployment settings (name, cron, ...) from a spec file plus overrides.
 
     Raises:
-        ValueError: no cron schedule given, or invalid spec fields.
+        ValueError: no cron schedule given, invalid spec fields (named, with the file), or
+            credentials in the spec's storage_options.
     """
+    from pydantic import ValidationError
+
+    from flows.batch_generate import refuse_inline_secrets
+    from pipeline.job import spec_errors
+
     fields, rest = load_spec_file(path)
-    spec = JobSpec(**fields)
+    try:
+        spec = JobSpec(**fields)
+    except ValidationError as exc:
+        raise ValueError(f"{path}: invalid job spec:\n  " + "\n  ".join(spec_errors(exc))) from None
+    refuse_inline_secrets(spec)
     dep = dict(rest.get("deployment") or {})
     if name:
         dep["name"] = name
@@ -58,7 +76,7 @@ def serve(path: str, *, name: Optional[str] = None, cron: Optional[str] = None) 
 
     spec, dep = load_deployment(path, name=name, cron=cron)
     params: dict[str, Any] = {"spec": spec.model_dump(mode="json")}
-    for key in ("shard_retries", "retry_delay_s"):
+    for key in ("shard_retries", "retry_delay_s", "storage_secret"):
         if key in dep:
             params[key] = dep[key]
     batch_generate.serve(
@@ -76,7 +94,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cron", help='cron schedule, e.g. "0 2 * * *" (overrides the file)')
     parser.add_argument("--name", help="deployment name (overrides the file)")
     args = parser.parse_args(argv)
-    serve(args.spec_file, name=args.name, cron=args.cron)
+    try:
+        serve(args.spec_file, name=args.name, cron=args.cron)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"flows.deploy: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

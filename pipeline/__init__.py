@@ -7,10 +7,12 @@
 """
 from pipeline.cost import CostReport, TokenCounts, cost_report, format_report
 from pipeline.job import (
+    JobInterrupted,
     JobPlan,
     JobSpec,
     JobSpecChanged,
     ShardResult,
+    abort_job,
     cache_llm,
     done_shards,
     finish_job,
@@ -19,10 +21,13 @@ from pipeline.job import (
     read_metrics,
     run_job,
     run_shards,
+    validate_spec,
 )
+from pipeline.lease import JobLocked, LeaseLost
+from pipeline.storage import StorageError
 
 __all__ = [
-    "CostReport", "JobPlan", "JobSpec", "JobSpecChanged", "ShardResult", "TokenCounts", "cache_llm", "cost_report",
-    "done_shards", "finish_job", "format_report", "get_llm", "prepare_job", "read_metrics", "run_job",
-    "run_shards",
+    "CostReport", "JobInterrupted", "JobLocked", "JobPlan", "JobSpec", "JobSpecChanged", "LeaseLost", "ShardResult",
+    "StorageError", "TokenCounts", "abort_job", "cache_llm", "cost_report", "done_shards", "finish_job",
+    "format_report", "get_llm", "prepare_job", "read_metrics", "run_job", "run_shards", "validate_spec",
 ]

@@ -11,23 +11,35 @@ Every JobSpec field is an option in kebab case (`--max-tokens`,
 `--sampling-option min_tokens=2`, VALUE parsed as JSON when it can be).
 Options override the fields of a `--spec` YAML/JSON file.
 
-Exit codes: 0 done, 1 bad input or failure, 2 the output holds a job with
-another spec (pass --overwrite).
+Errors print in a few lines naming what failed and what to do (`--verbose`
+adds the traceback); warnings print as `tokenmill: warning: ...`. Ctrl-C or
+SIGTERM abandons the shards in flight (nothing partial is committed), books
+the run's cost and prints one line; a second one exits at once.
+
+Exit codes: 0 done, 1 bad input or failure (storage errors included), 2 the
+output holds a job with another spec (pass --overwrite), 3 another run holds
+the output's lease, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import traceback
 import types
 import typing
+import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from pydantic import ValidationError
 
 from pipeline.cost import format_report
-from pipeline.job import JobSpec, JobSpecChanged, read_metrics, run_job
+from pipeline.job import JobInterrupted, JobSpec, JobSpecChanged, read_metrics, run_job, spec_errors
+from pipeline.lease import JobLocked, LeaseLost
+from pipeline.storage import StorageError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DEMO_JOBS: dict[str, dict[str, Any]] = {
@@ -62,6 +74,13 @@ def _scalar_type(annotation: Any) -> Any:
     return annotation
 
 
+def _choices(annotation: Any) -> Optional[list[str]]:
+    """The allowed values of a Literal[...] field, else None."""
+    if typing.get_origin(annotation) is Literal:
+        return [str(a) for a in typing.get_args(annotation)]
+    return None
+
+
 def add_spec_options(parser: argparse.ArgumentParser, required: Sequence[str] = ()) -> None:
     """Add one option per JobSpec field (kebab case); unset options stay None (not given)."""
     parser.add_argument("--spec", help="YAML or JSON file of JobSpec fields; options below override it")
@@ -80,17 +99,30 @@ def add_spec_options(parser: argparse.ArgumentParser, required: Sequence[str] = 
         else:
             typ = base if base in (int, float) else str
             default = None if field.is_required() else field.default
-            shown = f" (default {default})" if default is not None else ""
-            parser.add_argument(flag, dest=name, type=typ, default=None, help=help_text + shown)
+            shown = f" (default {default})" if default is not None and "(default" not in help_text else ""
+            parser.add_argument(flag, dest=name, type=typ, default=None, choices=_choices(field.annotation),
+                                help=help_text + shown)
+
+
+class SpecError(ValueError):
+    """Invalid job options, one line per problem, each naming where the value came from."""
 
 
 def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None) -> JobSpec:
-    """JobSpec from (defaults) <- `base` <- --spec file <- the options given on the command line."""
+    """JobSpec from (defaults) <- `base` <- --spec file <- the options given on the command line.
+
+    Raises:
+        SpecError: invalid fields (each line names the file or option it came from).
+        ValueError, FileNotFoundError: an unreadable --spec file (named).
+    """
     fields: dict[str, Any] = dict(base or {})
+    sources: dict[str, str] = {}
     if getattr(args, "spec", None):
         from pipeline.job import load_spec_file
 
-        fields.update(load_spec_file(args.spec)[0])
+        from_file = load_spec_file(args.spec)[0]
+        fields.update(from_file)
+        sources.update({k: str(args.spec) for k in from_file})
     for name in JobSpec.model_fields:
         value = getattr(args, name, None)
         if value is None:
@@ -98,7 +130,12 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
         if name in _DICT_FLAGS:
             value = {**fields.get(name, {}), **dict(value)}
         fields[name] = value
-    return JobSpec(**fields)
+        sources[name] = "command line"
+    try:
+        return JobSpec(**fields)
+    except ValidationError as exc:
+        raise SpecError("invalid job options:\n  " + "\n  ".join(spec_errors(exc, sources, flag_style=True))) \
+            from None
 
 
 def _print_report(row: dict, out: Any = None) -> None:
@@ -108,16 +145,13 @@ def _print_report(row: dict, out: Any = None) -> None:
 
 
 def _run(spec: JobSpec) -> int:
-    try:
-        report = run_job(spec)
-    except JobSpecChanged as exc:
-        print(f"tokenmill: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"tokenmill: {exc}", file=sys.stderr)
-        return 1
+    report = run_job(spec)
     _print_report(report.as_row())
-    print(f"\noutputs: {spec.output}/part-*.parquet   metrics: {spec.output}/_job/metrics.parquet")
+    if report.rows_total == 0:
+        print(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
+              f"metrics: tokenmill report {spec.output}")
+    else:
+        print(f"\noutputs: {spec.output}/part-*.parquet   metrics: tokenmill report {spec.output}")
     return 0
 
 
@@ -139,18 +173,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     storage = dict(args.storage_options or [])
-    try:
-        metrics = read_metrics(args.url, storage)
-    except FileNotFoundError as exc:
-        print(f"tokenmill: {exc}", file=sys.stderr)
-        return 1
+    metrics = read_metrics(args.url, storage)
     rows = metrics.to_dicts()
     if args.all:
         for i, row in enumerate(rows):
             print(f"\nrun {i + 1} of {len(rows)}")
             print(format_report(row))
     else:
-        print(f"job at {args.url}: {len(rows)} run(s); the latest:")
+        statuses = [r.get("status") or "ok" for r in rows]
+        extra = "".join(f", {statuses.count(k)} {k}" for k in ("failed", "interrupted") if k in statuses)
+        total = sum(r.get("cost_usd") or 0.0 for r in rows)
+        print(f"job at {args.url}: {len(rows)} run(s){extra}; cost of all runs {total:.6f} USD; the latest:")
         print(format_report(rows[-1]))
     return 0
 
@@ -158,31 +191,101 @@ def cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="Offline batch LLM inference: Parquet in, "
                                      "generations and a cost report out.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", "-v", action="store_true", help="print the traceback with an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="run a job (resumes a killed one; --overwrite replaces a changed one)")
+    p_run = sub.add_parser("run", parents=[common],
+                           help="run a job (resumes a killed one; --overwrite replaces a changed one)")
     add_spec_options(p_run)
     p_run.set_defaults(func=cmd_run)
-    p_demo = sub.add_parser("demo", help=f"run a bundled sample job into ./{DEMO_OUTPUT}/ and print the report")
+    p_demo = sub.add_parser("demo", parents=[common],
+                            help=f"run a bundled sample job into ./{DEMO_OUTPUT}/ and print the report")
     p_demo.add_argument("--job", choices=sorted(DEMO_JOBS), default="labelling", help="which sample job")
     add_spec_options(p_demo)
     p_demo.set_defaults(func=cmd_demo)
-    p_rep = sub.add_parser("report", help="print the cost report of a finished job")
+    p_rep = sub.add_parser("report", parents=[common], help="print the cost report of a job (every run: --all)")
     p_rep.add_argument("url", help="the job's output URL")
     p_rep.add_argument("--all", action="store_true", help="every run, not just the latest")
-    p_rep.add_argument("--storage-option", dest="storage_options", type=_kv, action="append", metavar="KEY=VALUE")
+    p_rep.add_argument("--storage-option", dest="storage_options", type=_kv, action="append", metavar="KEY=VALUE",
+                       help="fsspec/s3fs option, as for run")
     p_rep.set_defaults(func=cmd_report)
     return parser
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT), raised in the main thread by the CLI's signal handler; `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """First SIGINT/SIGTERM: raise Interrupted, so the job abandons its shards in flight and books its cost.
+    A second one while that clean-up runs: exit at once."""
+    def again(signum2: int, frame2: Any) -> None:
+        sys.stderr.write("tokenmill: interrupted again: exiting now (this run's cost may not be booked; its lease "
+                         "expires on its own)\n")
+        sys.stderr.flush()
+        os._exit(128 + signum2)
+
+    signal.signal(signal.SIGINT, again)
+    signal.signal(signal.SIGTERM, again)
+    raise Interrupted(signum)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one `tokenmill: warning: ...` line each, without our source line."""
+    print(f"tokenmill: warning: {message}", file=file or sys.stderr)
+
+
+def _fail(message: str, verbose: bool, code: int) -> int:
+    if verbose:
+        traceback.print_exc()
+    print(f"tokenmill: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the `tokenmill` command; returns the exit code (see the module docstring)."""
     args = build_parser().parse_args(argv)
     if args.command == "run" and not args.spec and (args.input is None or args.output is None):
         build_parser().error("run needs --input and --output (or a --spec file that sets them)")
+    verbose = bool(getattr(args, "verbose", False))
+    old_handlers = {}
+    if threading_is_main():
+        old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old_show = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         return args.func(args)
-    except ValidationError as exc:
-        print(f"tokenmill: invalid job options:\n{exc}", file=sys.stderr)
-        return 1
+    except JobInterrupted as exc:
+        print(f"tokenmill: interrupted after {exc.shards_done} of {exc.shards_total} shards; re-run the same "
+              f"command to resume", file=sys.stderr)
+        return 128 + exc.signum
+    except KeyboardInterrupt as exc:
+        print("tokenmill: interrupted before any shard ran; re-run the same command to start again",
+              file=sys.stderr)
+        return 128 + int(getattr(exc, "signum", signal.SIGINT))
+    except JobSpecChanged as exc:
+        return _fail(str(exc), verbose, 2)
+    except JobLocked as exc:
+        return _fail(str(exc), verbose, 3)
+    except (StorageError, LeaseLost) as exc:
+        return _fail(str(exc), verbose, 1)
+    except (FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc), verbose, 1)
+    finally:
+        warnings.showwarning = old_show
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+
+
+def threading_is_main() -> bool:
+    """Signal handlers can only be installed from the main thread."""
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

@@ -51,7 +51,12 @@ class TokenCounts:
 
 @dataclass
 class CostReport:
-    """One row of `_job/metrics.parquet`: a job run's volume, speed and cost."""
+    """One row of the job's metrics (`_job/runs/`): a job run's volume, speed and cost.
+
+    `status` is "ok", "failed" (with `error`) or "interrupted"; a failed or interrupted run's
+    counts are those of the shards it committed, and `discarded_completion_tokens` are the
+    output tokens it generated for shards it did not commit (its wall time still counts).
+    """
 
     job_id: str
     run_id: str
@@ -85,6 +90,9 @@ class CostReport:
     usd_per_1m_output_tokens: Optional[float]
     usd_per_1m_tokens: Optional[float]
     output_token_weight: float
+    status: str = "ok"
+    error: Optional[str] = None
+    discarded_completion_tokens: int = 0
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -122,8 +130,11 @@ def cost_report(
     output_token_weight: float = 4.0,
     ideal_prefix_hit_rate: Optional[float] = None,
     plan: str = "input",
+    status: str = "ok",
+    error: Optional[str] = None,
+    discarded_completion_tokens: int = 0,
 ) -> CostReport:
-    """Build a run's CostReport from its wall time and token counts."""
+    """Build a run's CostReport from its wall time and token counts (see CostReport for `status`)."""
     wall_s = max((finished_at - started_at).total_seconds(), 1e-9)
     device_s = wall_s * device_count
     cost = device_s / 3600.0 * price_per_device_hour
@@ -162,6 +173,9 @@ def cost_report(
         usd_per_1m_output_tokens=_per_1m(output_cost, counts.completion_tokens),
         usd_per_1m_tokens=_per_1m(cost, counts.prompt_tokens + counts.completion_tokens),
         output_token_weight=output_token_weight,
+        status=status,
+        error=error,
+        discarded_completion_tokens=discarded_completion_tokens,
     )
 
 

@@ -9,6 +9,13 @@ them to the different keys polars' own object-store reader expects.
 Atomic write: a file is written under a temporary name and then moved to its
 final name; on S3 the final key appears whole (copy), on a local disk by
 rename. Readers never see half a file.
+
+Limits and errors (see `pipeline.storage`): every `s3://` filesystem gets
+bounded connect/read timeouts and retries (`config_kwargs`, overridable), a
+write has a deadline, and any failure is raised as a `StorageError` naming the
+URL, the operation and the likely cause. Buckets are never created: object
+stores have no folders, so a write never calls `makedirs` there, and
+`check_bucket` names a bucket that does not exist.
 """
 from __future__ import annotations
 
@@ -16,14 +23,19 @@ import io
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import fsspec
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
+
+from pipeline.storage import (
+    bucket_of, config_kwargs, no_such_bucket, s3fs_retries, storage_call, write_deadline_s,
+)
 
 
 # Temp files of atomic writes start with "." so that readers of a folder (pyarrow datasets,
@@ -41,6 +53,8 @@ class InputFile:
         etag: the store's ETag (S3/GCS) or, for local files, the mtime in ns.
         num_rows: rows, from the Parquet footer.
         columns: column names, from the footer.
+        schema: the Arrow schema, from the footer (not part of the job's fingerprint: the
+            other fields already identify the file's content).
     """
 
     path: str
@@ -48,12 +62,20 @@ class InputFile:
     etag: Optional[str]
     num_rows: int
     columns: tuple[str, ...] = ()
+    schema: Optional[pa.Schema] = field(default=None, compare=False, repr=False)
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that identify the file's content (what a job's fingerprint hashes)."""
+        return {"path": self.path, "size": self.size, "etag": self.etag, "num_rows": self.num_rows,
+                "columns": list(self.columns)}
 
 
 def resolve_storage_options(url: str, storage_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Options for fsspec: the given ones, plus AWS environment defaults for s3:// URLs."""
+    """Options for fsspec: the given ones, plus AWS environment defaults and the botocore limits
+    (`pipeline.storage.DEFAULT_CONFIG_KWARGS`, overridden key by key by a `config_kwargs` option) for s3:// URLs."""
     opts = dict(storage_options or {})
     if str(url).startswith(("s3://", "s3a://")):
+        opts["config_kwargs"] = config_kwargs(opts)
         env = os.environ
         if "endpoint_url" not in opts and env.get("AWS_ENDPOINT_URL"):
             opts["endpoint_url"] = env["AWS_ENDPOINT_URL"]
@@ -89,9 +111,54 @@ def polars_storage_options(storage_options: dict[str, Any]) -> dict[str, str]:
 
 
 def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path without protocol) for a URL."""
-    fs, path = url_to_fs(str(url), **resolve_storage_options(url, storage_options))
+    """(filesystem, path without protocol) for a URL.
+
+    Raises:
+        ValueError: an unknown protocol or a bad storage option (the message names the URL).
+    """
+    try:
+        fs, path = url_to_fs(str(url), **resolve_storage_options(url, storage_options))
+    except (ValueError, TypeError, ImportError) as exc:
+        raise ValueError(f"cannot open {url}: {exc}") from None
+    if "s3" in _protocols(fs):
+        fs.retries = s3fs_retries(storage_options)  # s3fs's own retry layer, on top of botocore's attempts
     return fs, path
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for the local file system (which has real folders)."""
+    return bool({"file", "local"} & set(_protocols(fs)))
+
+
+def check_bucket(url: str, storage_options: Optional[dict[str, Any]] = None, operation: str = "check") -> None:
+    """Raise unless the bucket of an object-store URL exists (nothing to check for local paths).
+
+    Raises:
+        StorageError: kind "no-bucket" naming the bucket, or why the check itself failed
+            (cannot connect, timeout, ...). Access denied on the bucket counts as existing:
+            the operation itself will then say what is denied.
+    """
+    bucket = bucket_of(url)
+    if bucket is None:
+        return
+    fs, _ = filesystem(url, storage_options)
+    if is_local(fs):
+        return
+    so = resolve_storage_options(url, storage_options)
+    try:
+        with storage_call(operation, url, so, passthrough=(FileNotFoundError, PermissionError)):
+            if "s3" in _protocols(fs):
+                fs.call_s3("head_bucket", Bucket=bucket)
+            elif not fs.exists(bucket):
+                raise FileNotFoundError(bucket)
+    except FileNotFoundError:
+        raise no_such_bucket(operation, url, bucket) from None
+    except PermissionError:
+        return
 
 
 def _full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -116,36 +183,48 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
         ValueError: a file that is not Parquet (the message names it).
     """
     fs, path = filesystem(url, storage_options)
+    so = resolve_storage_options(url, storage_options)
     path = path.rstrip("/")
     _invalidate(fs, path)
-    if fs.isfile(path):
-        infos = [fs.info(path)]
-    else:
-        found = fs.find(path, detail=True)
-        infos = [
-            info for p, info in sorted(found.items())
-            if p.endswith(".parquet") and not any(part.startswith(("_", ".")) for part in p[len(path):].split("/"))
-        ]
+    with storage_call("list", url, so, passthrough=(FileNotFoundError,)):
+        try:
+            if fs.isfile(path):
+                infos = [fs.info(path)]
+            else:
+                found = fs.find(path, detail=True)
+                infos = [
+                    info for p, info in sorted(found.items())
+                    if p.endswith(".parquet")
+                    and not any(part.startswith(("_", ".")) for part in p[len(path):].split("/"))
+                ]
+        except FileNotFoundError:
+            infos = []
     if not infos:
+        check_bucket(url, storage_options, "list")
         raise FileNotFoundError(f"no Parquet files at {url}")
     files = []
     for info in infos:
         full = _full_url(fs, info["name"])
-        with fs.open(info["name"], "rb") as f:
+        with storage_call("read", full, so), fs.open(info["name"], "rb") as f:
             try:
                 pf = pq.ParquetFile(f)
             except pa.ArrowInvalid as exc:  # e.g. "Parquet magic bytes not found", without the file's name
                 raise ValueError(f"{full} is not a Parquet file ({exc})") from None
             num_rows, columns = pf.metadata.num_rows, tuple(pf.schema_arrow.names)
+            schema = pf.schema_arrow
         files.append(InputFile(path=full, size=int(info["size"]), etag=_etag(info),
-                               num_rows=num_rows, columns=columns))
+                               num_rows=num_rows, columns=columns, schema=schema))
     return files
 
 
 def read_rows(url: str, offset: int, length: int, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
-    """Rows [offset, offset+length) of one Parquet file, reading only the row groups that hold them."""
+    """Rows [offset, offset+length) of one Parquet file, reading only the row groups that hold them.
+
+    Raises:
+        StorageError: the read failed (names the URL and the cause).
+    """
     fs, path = filesystem(url, storage_options)
-    with fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         groups, start, first_start = [], 0, None
         for g in range(pf.metadata.num_row_groups):
@@ -166,7 +245,7 @@ def read_rows(url: str, offset: int, length: int, storage_options: Optional[dict
 def read_schema(url: str, storage_options: Optional[dict[str, Any]] = None) -> pl.Schema:
     """The polars schema of one Parquet file (footer only)."""
     fs, path = filesystem(url, storage_options)
-    with fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
         return pl.from_arrow(pq.ParquetFile(f).schema_arrow.empty_table()).schema
 
 
@@ -175,22 +254,78 @@ def join(url: str, *parts: str) -> str:
     return "/".join([str(url).rstrip("/"), *parts])
 
 
+def _put(fs: fsspec.AbstractFileSystem, path: str, data: bytes, so: dict[str, Any], exclusive: bool = False) -> None:
+    """Write `data` at `path`: under the write deadline on object stores, creating folders only on a local disk."""
+    if is_local(fs):
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(path, "xb" if exclusive else "wb") as f:
+            f.write(data)
+    elif isinstance(fs, AsyncFileSystem):
+        fs.pipe_file(path, data, mode="create" if exclusive else "overwrite",
+                     timeout=write_deadline_s(len(data), so))
+    else:
+        if exclusive and fs.exists(path):
+            raise FileExistsError(path)
+        fs.pipe_file(path, data)
+
+
 def _atomic_put(url: str, data: bytes, storage_options: Optional[dict[str, Any]]) -> None:
     fs, path = filesystem(url, storage_options)
+    so = resolve_storage_options(url, storage_options)
     parent = path.rsplit("/", 1)[0]
     tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
-    fs.makedirs(parent, exist_ok=True)
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
+    with storage_call("write", url, so):
+        _put(fs, tmp, data, so)
+        try:
+            fs.mv(tmp, path)
+        except BaseException:
+            try:
+                fs.rm(tmp)
+            except Exception:  # noqa: BLE001 - a temp file left behind is skipped by readers, cleared by --overwrite
+                pass
+            raise
+
+
+def create_exclusive(url: str, data: bytes, storage_options: Optional[dict[str, Any]] = None) -> bool:
+    """Create the file at `url` holding `data` only if it does not exist (a conditional put on S3:
+    `If-None-Match: *`; `O_EXCL` on a local disk). Returns False when it already exists.
+
+    Raises:
+        StorageError: the write failed for another reason.
+    """
+    fs, path = filesystem(url, storage_options)
+    so = resolve_storage_options(url, storage_options)
     try:
-        fs.mv(tmp, path)
-    except Exception:
-        fs.rm(tmp)
-        raise
+        with storage_call("write", url, so, passthrough=(FileExistsError,)):
+            _put(fs, path, data, so, exclusive=True)
+    except FileExistsError:
+        return False
+    _invalidate(fs, path)
+    return True
+
+
+def write_bytes(url: str, data: bytes, storage_options: Optional[dict[str, Any]] = None) -> None:
+    """Replace the file at `url` with `data`, whole: one put on an object store (a PUT is atomic there),
+    a temp file and a rename on a local disk.
+
+    Raises:
+        StorageError: the write failed.
+    """
+    fs, path = filesystem(url, storage_options)
+    if is_local(fs):
+        _atomic_put(url, data, storage_options)
+        return
+    so = resolve_storage_options(url, storage_options)
+    with storage_call("write", url, so):
+        _put(fs, path, data, so)
 
 
 def write_parquet_atomic(df: pl.DataFrame, url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
-    """Write `df` as one Parquet file at `url`, whole or not at all (temp name, then move)."""
+    """Write `df` as one Parquet file at `url`, whole or not at all (temp name, then move).
+
+    Raises:
+        StorageError: the write failed (names the URL and the cause); nothing appears at `url`.
+    """
     buf = io.BytesIO()
     df.write_parquet(buf, compression="zstd")
     _atomic_put(url, buf.getvalue(), storage_options)
@@ -199,7 +334,7 @@ def write_parquet_atomic(df: pl.DataFrame, url: str, storage_options: Optional[d
 def read_parquet(url: str, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
     """Read one Parquet file through fsspec."""
     fs, path = filesystem(url, storage_options)
-    with fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
         return pl.read_parquet(f)
 
 
@@ -212,16 +347,21 @@ def read_json(url: str, storage_options: Optional[dict[str, Any]] = None) -> Opt
     """The JSON at `url`, or None when it does not exist."""
     fs, path = filesystem(url, storage_options)
     _invalidate(fs, path)
-    if not fs.exists(path):
+    try:
+        with storage_call("read", url, resolve_storage_options(url, storage_options),
+                          passthrough=(FileNotFoundError,)):
+            data = fs.cat_file(path)
+    except FileNotFoundError:
         return None
-    with fs.open(path, "rb") as f:
-        return json.loads(f.read())
+    return json.loads(data)
 
 
 def exists(url: str, storage_options: Optional[dict[str, Any]] = None) -> bool:
+    """Whether a file or folder exists at `url`."""
     fs, path = filesystem(url, storage_options)
     _invalidate(fs, path)
-    return fs.exists(path)
+    with storage_call("check", url, resolve_storage_options(url, storage_options)):
+        return fs.exists(path)
 
 
 def _invalidate(fs: fsspec.AbstractFileSystem, path: str) -> None:
@@ -236,23 +376,29 @@ def list_names(url: str, storage_options: Optional[dict[str, Any]] = None) -> li
     """Base names of the files directly under a folder/prefix (empty when it does not exist)."""
     fs, path = filesystem(url, storage_options)
     _invalidate(fs, path)
-    if not fs.exists(path):
+    try:
+        with storage_call("list", url, resolve_storage_options(url, storage_options),
+                          passthrough=(FileNotFoundError,)):
+            entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
         return []
-    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    base = path.rstrip("/")
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in entries if p.rstrip("/") != base)
 
 
 def remove(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
     """Delete one file, or a folder recursively, if it exists."""
     fs, path = filesystem(url, storage_options)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    with storage_call("delete", url, resolve_storage_options(url, storage_options)):
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
 
 
 def iter_batches(url: str, columns: list[str], batch_rows: int = 4096,
                  storage_options: Optional[dict[str, Any]] = None) -> Iterator[pl.DataFrame]:
     """The file's `columns` (only those are read), `batch_rows` rows at a time, in file order."""
     fs, path = filesystem(url, storage_options)
-    with fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
             yield pl.from_arrow(pa.Table.from_batches([batch]))
@@ -266,7 +412,7 @@ def read_rows_at(url: str, rows: Sequence[int], storage_options: Optional[dict[s
     fs, path = filesystem(url, storage_options)
     want = sorted(set(rows))
     pieces = []
-    with fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         start, k = 0, 0
         for g in range(pf.metadata.num_row_groups):

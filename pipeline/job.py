@@ -1,28 +1,36 @@
 """A batch job: `JobSpec` and `run_job(spec)`.
 
-A run goes: `prepare_job` (list inputs, plan shards, check or write the
-manifest, find the shards already done) -> `run_shards` (read each shard,
-validate rows, stream them through `LLM.iter_outputs`, commit each shard's
-part file as soon as its last row finishes) -> `finish_job` (append the run's
-cost report to `_job/metrics.parquet`). The Prefect flow calls the same three
-steps with a task per shard.
+A run goes: `prepare_job` (validate every option and the input's columns
+before anything is written, take the output's lease, plan shards, check or
+write the manifest, find the shards already done) -> `run_shards` (read each
+shard, validate rows, stream them through `LLM.iter_outputs`, commit each
+shard's part file as soon as its last row finishes) -> `finish_job` (book the
+run's cost report), or `abort_job` when the run failed or was interrupted
+(book it with that status) -> `JobPlan.close()` (give the lease back). The
+Prefect flow calls the same steps with a task per shard.
 
 Output layout:
 
-    OUTPUT/part-00000.parquet ...     one per shard, written atomically
-    OUTPUT/_job/manifest.json         fingerprint (inputs, spec, model) and shard plan
-    OUTPUT/_job/done/part-00000.json  one marker per committed shard, with its counts
-    OUTPUT/_job/metrics.parquet       one row per run (see pipeline.cost)
+    OUTPUT/part-00000.parquet ...       one per shard, written atomically
+    OUTPUT/_job/manifest.json           fingerprint (inputs, spec, model) and shard plan
+    OUTPUT/_job/done/part-00000.json    one marker per committed shard, with its counts
+    OUTPUT/_job/runs/run-<t>-<id>.parquet  one cost row per run, whatever its status (see pipeline.cost)
+    OUTPUT/_job/lease/lease-NNNNNNNN.json  the running run's lease (see pipeline.lease)
 
 A shard is done when its marker exists; the marker is written after the part
 file, so a run killed between the two recomputes that shard and replaces the
-part with the same rows: every input row appears exactly once.
+part with the same rows: every input row appears exactly once. A run commits
+only while it holds the output's lease, so two runs never compute one shard
+at the same time.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -32,20 +40,23 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Literal, Optional
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
 
 from engine.config import EngineConfig, SamplingParams
 from pipeline import io, manifest
 from pipeline.cost import CostReport, TokenCounts, cost_report
+from pipeline.lease import Lease
 from pipeline.manifest import ShardResult
 from pipeline.planner import PlanStats, Shard, TokenizedRows, plan_input_order, plan_prefix
-from pipeline.schema import InputLayout, build_request, output_schema
+from pipeline.schema import InputLayout, build_request, output_schema, unify_input_columns
+from pipeline.storage import StorageError, mask_secrets, quick_options, storage_call
 
 # JobSpec fields that change what the outputs are; any change refuses a resume.
 FINGERPRINT_FIELDS = (
     "model", "dtype", "quantization", "max_model_len", "seed", "engine_options",
     "max_tokens", "temperature", "top_p", "top_k", "stop", "sampling_options",
     "system_prompt", "chat_template", "n", "id_column", "shard_size", "limit", "plan", "decode_heavy_first",
+    "truncate",
 )
 
 
@@ -71,30 +82,38 @@ class JobSpec(BaseModel):
     input: str = Field(description="Parquet file or folder/prefix: s3://, gs://, file:// or a local path")
     output: str = Field(description="output folder/prefix URL")
 
-    model: str = Field("smollm2-135m-instruct", description="engine model name, .gguf path or HF folder")
-    dtype: str = "auto"
-    device: str = "auto"
-    quantization: Optional[str] = None
-    max_num_seqs: Optional[int] = None
-    max_num_batched_tokens: Optional[int] = None
-    max_model_len: Optional[int] = None
-    kv_cache_memory_bytes: Optional[int] = None
-    enable_prefix_caching: Optional[bool] = None
+    model: str = Field("smollm2-135m-instruct", description="engine model: smollm2-135m-instruct, a .gguf file, "
+                                                            "a Hugging Face folder, or dummy:<shape>")
+    dtype: str = Field("auto", description="weights dtype: auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, "
+                                           "bf16 on CUDA)")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    quantization: Optional[str] = Field(None, description="weight quantization: none | int8 | int4 | gguf "
+                                                          "(default none)")
+    max_num_seqs: Optional[int] = Field(None, description="most requests running at once (engine default 128)")
+    max_num_batched_tokens: Optional[int] = Field(None, description="per-step token budget (engine default 1024)")
+    max_model_len: Optional[int] = Field(None, description="context length in tokens (default: the model's)")
+    kv_cache_memory_bytes: Optional[int] = Field(None, description="bytes for the KV cache (default: a share of "
+                                                                   "free memory)")
+    enable_prefix_caching: Optional[bool] = Field(None, description="reuse KV blocks of shared prefixes "
+                                                                    "(engine default on)")
     seed: int = Field(0, description="engine seed: sampled runs are reproducible")
-    num_threads: Optional[int] = None
+    num_threads: Optional[int] = Field(None, description="torch CPU threads (default: torch's)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig fields")
 
     max_tokens: int = Field(128, description="default new tokens per row")
     temperature: float = Field(0.0, description="default temperature (0 = greedy)")
-    top_p: float = 1.0
-    top_k: int = -1
+    top_p: float = Field(1.0, description="default nucleus mass, in (0, 1]")
+    top_k: int = Field(-1, description="default top-k (-1 = all tokens)")
     stop: list[str] = Field(default_factory=list, description="default stop strings")
     n: int = Field(1, description="completions per row; n > 1 adds a `generations` list column")
     sampling_options: dict[str, Any] = Field(default_factory=dict, description="other SamplingParams fields")
     system_prompt: Optional[str] = Field(None, description="system prompt for every row (a `system` column overrides)")
     chat_template: Optional[bool] = Field(None, description="apply the chat template (default: when the model has one)")
+    truncate: bool = Field(False, description="a row whose prompt + max_tokens exceeds the context stops at the end "
+                                              "of the context (default: such a row is an error row)")
 
-    id_column: str = "id"
+    id_column: str = Field("id", description="the input column holding each row's id (default id; without one, "
+                                             "the row index)")
     shard_size: int = Field(256, ge=1, description="rows per output part file")
     limit: Optional[int] = Field(None, ge=1, description="process only the first N rows")
     plan: Literal["prefix", "input"] = Field(
@@ -105,19 +124,27 @@ class JobSpec(BaseModel):
     shards_in_flight: int = Field(2, ge=1, description="shards fed to the engine at once (memory vs. batch fill)")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, repr=False,
-        description="fsspec/s3fs options (endpoint_url, key, secret, ...); default: AWS environment variables")
+        description="fsspec/s3fs options (endpoint_url, key, secret, config_kwargs, ...); default: AWS environment "
+                    "variables; secrets are masked in JSON dumps")
+    lease_ttl_s: float = Field(60.0, gt=0, description="seconds a run's lease on the output lasts without a "
+                                                       "heartbeat (a dead run's lease expires after it)")
 
     price_per_hour: float = Field(1.0, ge=0, description="USD per device-hour, for the cost report")
     device_name: Optional[str] = Field(None, description="device name in the report (default: the engine's)")
-    device_count: int = Field(1, ge=1)
+    device_count: int = Field(1, ge=1, description="devices the job holds, for the cost report")
     output_token_weight: float = Field(4.0, gt=0, description="cost of one output token in uncached input tokens")
     overwrite: bool = Field(False, description="delete the job outputs already at the output and start over")
-    progress: bool = Field(True, description="show a tqdm progress bar")
+    progress: bool = Field(True, description="show a tqdm progress bar and what the job is doing")
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else (v or [])
+
+    @field_serializer("storage_options", when_used="json")
+    def _mask_secrets(self, v: dict[str, Any]) -> dict[str, Any]:
+        """JSON dumps (Prefect parameters, logs, files) never hold a secret value."""
+        return mask_secrets(v)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `engine.LLM` (unset options are left to the engine)."""
@@ -144,7 +171,12 @@ class JobSpec(BaseModel):
         return cls(**{**load_spec_file(path)[0], **overrides})
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in FINGERPRINT_FIELDS}
+        """The output-shaping fields, as the job's fingerprint hashes them. Fields added after jobs were
+        already written (`truncate`) count only when set, so those jobs still resume."""
+        fields = {k: getattr(self, k) for k in FINGERPRINT_FIELDS}
+        if not fields["truncate"]:
+            del fields["truncate"]
+        return fields
 
 
 def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -153,22 +185,66 @@ def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     The file holds JobSpec fields, either at the top level or under a `spec`
     key; with `spec`, the other top-level keys (e.g. `deployment`) are returned
     as the rest.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not valid YAML/JSON, or not a mapping (the message names the file and the line).
     """
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"spec file {path} not found") from None
     if str(path).endswith(".json"):
-        doc = json.loads(text)
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
     else:
         import yaml
 
-        doc = yaml.safe_load(text)
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"{path}: not valid YAML: {problem}{where}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping of JobSpec fields, got {type(doc).__name__}")
     if "spec" in doc:
+        if not isinstance(doc["spec"], (dict, type(None))):
+            raise ValueError(f"{path}: 'spec' must be a mapping of JobSpec fields, got {type(doc['spec']).__name__}")
         rest = {k: v for k, v in doc.items() if k != "spec"}
         return dict(doc["spec"] or {}), rest
     rest = {k: doc.pop(k) for k in list(doc) if k == "deployment"}
     return doc, rest
+
+
+def spec_errors(exc: ValidationError, sources: Optional[dict[str, str]] = None, flag_style: bool = False) -> list[str]:
+    """One line per problem of a JobSpec ValidationError: where the field came from, its name, what is wrong.
+
+    Args:
+        sources: field name -> where its value came from (a file name, "command line"); fields
+            not in it are named without a source.
+        flag_style: name fields as command-line options (`--max-tokens`) instead of `max_tokens`.
+    """
+    import difflib
+
+    lines = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err.get("loc") else "?"
+        shown = "--" + name.replace("_", "-") if flag_style and (sources or {}).get(name) == "command line" else name
+        where = f"{sources[name]}: " if sources and name in sources and sources[name] != "command line" else ""
+        if err.get("type") == "extra_forbidden":
+            close = difflib.get_close_matches(name, list(JobSpec.model_fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"{where}{shown}: unknown option{hint}")
+        else:
+            value = err.get("input")
+            got = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
+            lines.append(f"{where}{shown}: {err.get('msg', 'invalid')}{got}")
+    return lines
 
 
 # ---------------------------------------------------------------- the engine, once per process
@@ -234,7 +310,14 @@ def engine_lock(llm: Any) -> threading.Lock:
 
 @dataclass
 class JobPlan:
-    """A prepared run: the shard plan and which shards still need to run."""
+    """A prepared run: the shard plan, which shards still need to run, and the run's lease on the output.
+
+    Attributes:
+        columns: the output type of each id / pass-through column (inputs of several files are
+            unified to one type per column, `schema.unify_input_columns`); give it to `run_shards`.
+        lease: this run's hold on the output (None only for plans built without one); `close()`
+            gives it back.
+    """
 
     spec: JobSpec
     job_id: str
@@ -243,6 +326,8 @@ class JobPlan:
     pending: list[Shard]
     started_at: datetime
     stats: PlanStats = field(default_factory=PlanStats)
+    columns: dict[str, pl.DataType] = field(default_factory=dict)
+    lease: Optional[Lease] = None
     rows_total: int = field(init=False)
     rows_skipped: int = field(init=False)
 
@@ -250,6 +335,16 @@ class JobPlan:
         self.rows_total = sum(s.length for s in self.shards)
         pending = {s.index for s in self.pending}
         self.rows_skipped = sum(s.length for s in self.shards if s.index not in pending)
+
+    def close(self, quick: bool = False) -> None:
+        """Give the output's lease back (never raises a StorageError; a lease left behind expires).
+
+        Args:
+            quick: the storage endpoint just failed: try once, with short timeouts.
+        """
+        if self.lease is not None:
+            so = self.spec.storage_options
+            self.lease.release(quick_options(so) if quick else so)
 
 
 def done_shards(spec: JobSpec) -> dict[int, ShardResult]:
@@ -281,7 +376,8 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
     block_size = int(spec.engine_kwargs().get("block_size", EngineConfig.block_size))
     rows = TokenizedRows(files, tokenizer, spec.sampling_params(), id_column=spec.id_column,
                          system_prompt=spec.system_prompt, use_chat_template=use_chat_template(spec, tokenizer),
-                         limit=spec.limit, storage_options=spec.storage_options, max_model_len=max_model_len)
+                         limit=spec.limit, storage_options=spec.storage_options, max_model_len=max_model_len,
+                         truncate=spec.truncate)
     return plan_prefix(rows, files, spec.shard_size, spec.limit, block_size=block_size,
                        decode_heavy_first=spec.decode_heavy_first)
 
@@ -315,33 +411,58 @@ def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> No
                          f"there would be read as input by the next run (a resume); choose an output outside it")
 
 
-def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[int] = None) -> JobPlan:
-    """List inputs, check the manifest (refuse a changed job unless `overwrite`), plan shards.
-
-    A new job (or `overwrite`) is planned (`plan_job`) and its plan written to the
-    manifest; a resumed job reads its plan from the manifest, so the shards are
-    exactly those of the first run. Planning also warns about null and repeated
-    ids (`check_ids`).
-
-    Args:
-        tokenizer: for planning (default: `job_tokenizer(spec)`, loaded only when planning).
-        max_model_len: the engine's context length, for planning (see `plan_job`).
+def validate_spec(spec: JobSpec) -> None:
+    """Check every option a job's spec sets, before anything is read or written: the sampling
+    defaults, the engine options (known names, allowed values, the device being there), the model.
 
     Raises:
-        FileNotFoundError: no input files.
-        JobSpecChanged: the output holds another job (other spec, input or model).
+        ValueError: naming the option and what is allowed.
     """
-    started_at = datetime.now(timezone.utc)
-    so = spec.storage_options
-    # job-level mistakes are refused before anything is written or loaded
-    problem = spec.sampling_params().validate()
+    try:
+        params = spec.sampling_params()
+    except TypeError as exc:  # an unknown sampling_options key
+        known = sorted(f.name for f in dataclasses.fields(SamplingParams))
+        raise ValueError(f"invalid sampling option ({exc}); known: {known}") from None
+    problem = params.validate()
     if problem is not None:
         raise ValueError(f"invalid default sampling parameters: {problem}")
-    out_fs, out_path = io.filesystem(spec.output, so)
-    if out_fs.isfile(out_path):
-        raise ValueError(f"output {spec.output} is a file; give a folder (or prefix) URL")
-    _refuse_output_overlapping_input(spec, out_fs, out_path)
-    files = io.list_input_files(spec.input, so)
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(spec.engine_options) - known)
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+    kw = spec.engine_kwargs()
+    device = str(kw.get("device", "auto"))
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but no CUDA device is available here; "
+                         f"use --device cpu (or auto)")
+    resolved = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        EngineConfig(model=spec.model, **{**kw, "device": resolved})
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"invalid engine option: {exc}") from None
+    from engine.weights import resolve_model
+
+    try:
+        source = resolve_model(spec.model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ValueError(str(exc)) from None
+    if kw.get("quantization") == "gguf" and source.kind != "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
+                         f"{spec.model!r} is a {source.kind} model (use int8 or int4)")
+
+
+def check_inputs(spec: JobSpec, files: list[io.InputFile]) -> dict[str, pl.DataType]:
+    """Check the input files' columns before anything is written; warn about what is unified.
+
+    Returns:
+        The output type of each id / pass-through column (`schema.unify_input_columns`).
+
+    Raises:
+        ValueError: a file without a prompt column, or files that disagree on an output column
+            (the message names the file and the column).
+    """
     for f in files:
         try:
             layout = InputLayout.from_schema(f.columns, spec.id_column)
@@ -349,37 +470,83 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             raise ValueError(f"{f.path}: {exc}") from None
         if not layout.id_in_input:
             warnings.warn(f"{f.path} has no {spec.id_column!r} column; using the row index as the id",
-                          stacklevel=2)
-    digest, doc = manifest.fingerprint(files, spec.fingerprint_fields())
-    previous = manifest.read_manifest(spec.output, so)
-    if spec.overwrite:
-        manifest.clear_output(spec.output, so)
-    elif previous is not None and previous.get("fingerprint") != digest:
-        raise JobSpecChanged(
-            f"{spec.output} already holds a job with a different spec or input "
-            f"({manifest.describe_change(previous, doc)}). Re-run with --overwrite (overwrite=True) to "
-            f"discard its outputs and start over, or choose another output."
-        )
-    elif previous is None and manifest.part_files(spec.output, so):
-        raise JobSpecChanged(
-            f"{spec.output} has part files but no job manifest; re-run with --overwrite to replace them, "
-            f"or choose another output."
-        )
-    if spec.overwrite or previous is None:
-        for message in check_ids(files, spec.id_column, spec.limit, so):
-            warnings.warn(f"{spec.input}: {message}", stacklevel=2)
-        shards, stats = plan_job(spec, files, tokenizer, max_model_len)
-        manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, "plan": stats.to_json(),
-                                              "shards": [s.to_json() for s in shards],
-                                              "created_at": started_at.isoformat()}, so)
-    else:
-        shards = [Shard.from_json(d) for d in previous["shards"]]
-        stats = PlanStats(**previous.get("plan", {}))
+                          stacklevel=3)
+    unified = unify_input_columns(files, spec.id_column)
+    for note in unified.notes:
+        warnings.warn(f"{spec.input}: {note}", stacklevel=3)
+    return unified.types
 
-    done = done_shards(spec)
+
+def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[int] = None) -> JobPlan:
+    """Validate, take the output's lease, check the manifest (refuse a changed job unless `overwrite`), plan.
+
+    Nothing is written before every option, the output location and the input's columns
+    are checked (`validate_spec`, `io.check_bucket`, `check_inputs`). Then the run takes
+    the output's lease (`pipeline.lease`): a second run on the same output refuses. A new
+    job (or `overwrite`) is planned (`plan_job`) and its plan written to the manifest; a
+    resumed job reads its plan from the manifest, so the shards are exactly those of the
+    first run. Planning also warns about null and repeated ids (`check_ids`).
+
+    The caller must end the run with `finish_job` / `abort_job` and `JobPlan.close()`
+    (which gives the lease back); `run_job` does all of that.
+
+    Args:
+        tokenizer: for planning (default: `job_tokenizer(spec)`, loaded only when planning).
+        max_model_len: the engine's context length, for planning (see `plan_job`).
+
+    Raises:
+        ValueError: a bad option, output or input (the message names it).
+        FileNotFoundError: no input files.
+        StorageError: the storage cannot be reached, denies access, or a bucket does not exist.
+        JobLocked: another run holds the output's lease.
+        JobSpecChanged: the output holds another job (other spec, input or model).
+    """
+    started_at = datetime.now(timezone.utc)
+    so = spec.storage_options
+    validate_spec(spec)  # job-level mistakes are refused before anything is read or written
+    io.check_bucket(spec.output, so, "write")
+    out_fs, out_path = io.filesystem(spec.output, so)
+    with storage_call("check", spec.output, io.resolve_storage_options(spec.output, so)):
+        if out_fs.isfile(out_path):
+            raise ValueError(f"output {spec.output} is a file; give a folder (or prefix) URL")
+        _refuse_output_overlapping_input(spec, out_fs, out_path)
+    files = io.list_input_files(spec.input, so)
+    columns = check_inputs(spec, files)
+    digest, doc = manifest.fingerprint(files, spec.fingerprint_fields())
+    run_id = uuid.uuid4().hex[:12]
+    lease = Lease.acquire(spec.output, so, run_id=run_id, ttl_s=spec.lease_ttl_s)
+    try:
+        previous = manifest.read_manifest(spec.output, so)
+        if spec.overwrite:
+            manifest.clear_output(spec.output, so)
+        elif previous is not None and previous.get("fingerprint") != digest:
+            raise JobSpecChanged(
+                f"{spec.output} already holds a job with a different spec or input "
+                f"({manifest.describe_change(previous, doc)}). Re-run with --overwrite (overwrite=True) to "
+                f"discard its outputs and start over, or choose another output."
+            )
+        elif previous is None and manifest.part_files(spec.output, so):
+            raise JobSpecChanged(
+                f"{spec.output} has part files but no job manifest; re-run with --overwrite to replace them, "
+                f"or choose another output."
+            )
+        if spec.overwrite or previous is None:
+            for message in check_ids(files, spec.id_column, spec.limit, so):
+                warnings.warn(f"{spec.input}: {message}", stacklevel=2)
+            shards, stats = plan_job(spec, files, tokenizer, max_model_len)
+            manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, "plan": stats.to_json(),
+                                                  "shards": [s.to_json() for s in shards],
+                                                  "created_at": started_at.isoformat()}, so)
+        else:
+            shards = [Shard.from_json(d) for d in previous["shards"]]
+            stats = PlanStats(**previous.get("plan", {}))
+        done = done_shards(spec)
+    except BaseException as exc:
+        lease.release(quick_options(so) if isinstance(exc, StorageError) and exc.endpoint_failed else so)
+        raise
     pending = [s for s in shards if s.index not in done]
-    return JobPlan(spec=spec, job_id=digest[:16], run_id=uuid.uuid4().hex[:12], shards=shards,
-                   pending=pending, started_at=started_at, stats=stats)
+    return JobPlan(spec=spec, job_id=digest[:16], run_id=run_id, shards=shards, pending=pending,
+                   started_at=started_at, stats=stats, columns=columns, lease=lease)
 
 
 ID_EXAMPLES = 5  # offending rows a warning names
@@ -475,8 +642,16 @@ def _output_row(out: Any, n: int) -> dict:
     return row
 
 
-def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str) -> ShardResult:
-    """Write the shard's part file atomically, then its done marker."""
+def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str, lease: Optional[Lease] = None) -> ShardResult:
+    """Write the shard's part file atomically, then its done marker (after checking the run still holds
+    the output's lease).
+
+    Raises:
+        LeaseLost: another run took the output over; nothing is written.
+        StorageError: the part file or the marker could not be written; the shard is not done.
+    """
+    if lease is not None:
+        lease.check()
     shard, df, layout = state.shard, state.frame, state.layout
     so = spec.storage_options
     if layout.id_in_input:
@@ -507,12 +682,21 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str) -> Shar
     return result
 
 
-def read_shard(shard: Shard, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
-    """The shard's input rows, in shard order (one range read when the rows are consecutive)."""
+def read_shard(shard: Shard, storage_options: Optional[dict[str, Any]] = None,
+               columns: Optional[dict[str, pl.DataType]] = None) -> pl.DataFrame:
+    """The shard's input rows, in shard order (one range read when the rows are consecutive).
+
+    Args:
+        columns: output types of the id / pass-through columns (`JobPlan.columns`); those
+            columns are cast to them, so every part file has one schema.
+    """
     runs = shard.runs()
     if len(runs) == 1:
-        return io.read_rows(shard.file, runs[0][0], runs[0][1], storage_options)
-    return io.read_rows_at(shard.file, shard.rows, storage_options)
+        df = io.read_rows(shard.file, runs[0][0], runs[0][1], storage_options)
+    else:
+        df = io.read_rows_at(shard.file, shard.rows, storage_options)
+    casts = {c: t for c, t in (columns or {}).items() if c in df.columns and df.schema[c] != t}
+    return df.cast(casts) if casts else df
 
 
 def run_shards(
@@ -522,6 +706,8 @@ def run_shards(
     *,
     run_id: str = "",
     on_rows: Optional[Callable[[int, int], None]] = None,
+    columns: Optional[dict[str, pl.DataType]] = None,
+    lease: Optional[Lease] = None,
 ) -> Iterator[ShardResult]:
     """Run `shards` through the engine together; yield each ShardResult as soon as it is committed.
 
@@ -532,8 +718,18 @@ def run_shards(
     shard's part file is written as soon as its last row finishes. Memory
     holds these shards only.
 
+    Stopping early (an exception, an interrupt, closing the iterator) abandons the shards
+    in flight: the engine's iteration is closed, which aborts their requests, and nothing
+    partial is committed.
+
     Args:
         on_rows: called with (rows finished, output tokens) as rows finish (progress bars).
+        columns: output types of the id / pass-through columns (`JobPlan.columns`).
+        lease: the run's lease, checked before each commit (`Lease.check`).
+
+    Raises:
+        LeaseLost: another run took the output over.
+        StorageError: reading a shard or committing one failed.
     """
     tokenizer = llm.tokenizer
     use_chat = use_chat_template(spec, tokenizer)
@@ -551,14 +747,15 @@ def run_shards(
     owners: list[tuple[int, int]] = []  # request index -> (state index, row index)
     for shard in shards:
         t0 = time.perf_counter()
-        df = read_shard(shard, spec.storage_options)
+        df = read_shard(shard, spec.storage_options, columns)
         seeds = shard.dataset_rows()
         layout = InputLayout.from_schema(df.columns, spec.id_column)
         state = _ShardState(shard, df, layout, [None] * df.height, 0, t0)
         row_cols = [c for c in (spec.id_column, "prompt", "messages", *layout.overrides) if c in df.columns]
         for i, row in enumerate(df.select(row_cols).iter_rows(named=True)):
             req = build_request(row, layout, tokenizer, defaults, system_prompt=spec.system_prompt,
-                                use_chat_template=use_chat, max_model_len=max_model_len, vocab_size=vocab_size)
+                                use_chat_template=use_chat, max_model_len=max_model_len, vocab_size=vocab_size,
+                                truncate=spec.truncate)
             if req.error is not None:
                 state.results[i] = _error_row(req.error)
             else:
@@ -576,27 +773,51 @@ def run_shards(
         if errors and on_rows:
             on_rows(errors, 0)
         if state.remaining == 0:
-            yield _commit(spec, state, device, run_id)
+            yield _commit(spec, state, device, run_id, lease)
     if not prompts:
         return
-    for out in llm.iter_outputs(prompts, params, use_tqdm=False):
-        si, ri = owners[int(out.request_id)]
-        state = states[si]
-        row = _output_row(out, spec.n)
-        state.results[ri] = row
-        state.remaining -= 1
-        if on_rows:
-            on_rows(1, row["completion_tokens"])
-        if state.remaining == 0:
-            yield _commit(spec, state, device, run_id)
-            states[si] = None  # type: ignore[call-overload]  # free the shard's rows
+    outputs = llm.iter_outputs(prompts, params, use_tqdm=False)
+    try:
+        for out in outputs:
+            si, ri = owners[int(out.request_id)]
+            state = states[si]
+            row = _output_row(out, spec.n)
+            state.results[ri] = row
+            state.remaining -= 1
+            if on_rows:
+                on_rows(1, row["completion_tokens"])
+            if state.remaining == 0:
+                yield _commit(spec, state, device, run_id, lease)
+                states[si] = None  # type: ignore[call-overload]  # free the shard's rows
+    finally:
+        close = getattr(outputs, "close", None)
+        if close is not None:  # abort the engine's requests now, not when the generator is collected
+            close()
 
 
 # ---------------------------------------------------------------- finishing
 
+RUNS_DIR = "runs"  # OUTPUT/_job/runs/run-<started>-<run_id>.parquet: one cost row per run
+LEGACY_METRICS = "metrics.parquet"  # one file with every run's row (jobs written before the runs/ folder)
+
+
 def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantization: Optional[str],
-               device: str) -> CostReport:
-    """Build this run's cost report and append it to `_job/metrics.parquet`."""
+               device: str, status: str = "ok", error: Optional[str] = None,
+               discarded_completion_tokens: int = 0,
+               storage_options: Optional[dict[str, Any]] = None) -> CostReport:
+    """Build this run's cost report and book it: one Parquet row under `_job/runs/` (one put, so a
+    failing or interrupted run can book its cost too).
+
+    Args:
+        results: the shards this run committed (their rows and tokens are the report's counts).
+        status: "ok", "failed" or "interrupted".
+        error: for a failed run, what failed (one line).
+        discarded_completion_tokens: output tokens generated for shards that were not committed.
+        storage_options: options for the write (default: the spec's).
+
+    Raises:
+        StorageError: the row could not be written.
+    """
     spec = plan.spec
     counts = TokenCounts()
     for r in results:
@@ -606,26 +827,62 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         device_count=spec.device_count, started_at=plan.started_at, finished_at=datetime.now(timezone.utc),
         price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
         rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
-        ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order,
+        ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order, status=status, error=error,
+        discarded_completion_tokens=discarded_completion_tokens,
     )
-    url = manifest.job_url(spec.output, "metrics.parquet")
-    row = pl.DataFrame([report.as_row()])
-    if io.exists(url, spec.storage_options):
-        row = pl.concat([io.read_parquet(url, spec.storage_options), row], how="diagonal_relaxed")
-    io.write_parquet_atomic(row, url, spec.storage_options)
+    name = f"run-{plan.started_at.strftime('%Y%m%dT%H%M%S%fZ')}-{plan.run_id}.parquet"
+    io.write_parquet_atomic(pl.DataFrame([report.as_row()]), manifest.job_url(spec.output, RUNS_DIR, name),
+                            storage_options if storage_options is not None else spec.storage_options)
+    return report
+
+
+def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, model: str,
+              quantization: Optional[str], device: str, discarded_completion_tokens: int = 0) -> Optional[CostReport]:
+    """Book the cost of a run that ended with `exc` (status "interrupted" for KeyboardInterrupt and its
+    subclasses, else "failed") and give the lease back. After a storage failure both use short
+    timeouts. Never raises: a row that cannot be booked is reported as a warning.
+
+    Returns:
+        The booked report, or None when it could not be written.
+    """
+    so = plan.spec.storage_options
+    quick = isinstance(exc, StorageError) and exc.endpoint_failed
+    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    error = None if status == "interrupted" else (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    report = None
+    try:
+        report = finish_job(plan, results, model=model, quantization=quantization, device=device, status=status,
+                            error=error, discarded_completion_tokens=discarded_completion_tokens,
+                            storage_options=quick_options(so) if quick else so)
+    except StorageError as book_exc:
+        warnings.warn(f"this run's cost was not booked ({book_exc.cause}); it ran "
+                      f"{(datetime.now(timezone.utc) - plan.started_at).total_seconds():.1f} s", stacklevel=2)
+    finally:
+        plan.close(quick=quick)
     return report
 
 
 def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
-    """All runs' cost reports of the job at `output` (one row per run).
+    """All runs' cost reports of the job at `output`, one row per run, oldest first (failed and
+    interrupted runs included: their `status` says so).
 
     Raises:
         FileNotFoundError: when the job has no metrics yet.
     """
-    url = io.join(output, "_job", "metrics.parquet")
-    if not io.exists(url, storage_options):
-        raise FileNotFoundError(f"no job metrics at {url}")
-    return io.read_parquet(url, storage_options)
+    frames = []
+    legacy = manifest.job_url(output, LEGACY_METRICS)
+    if io.exists(legacy, storage_options):
+        frames.append(io.read_parquet(legacy, storage_options))
+    runs = manifest.job_url(output, RUNS_DIR)
+    for name in io.list_names(runs, storage_options):
+        if name.startswith("run-") and name.endswith(".parquet"):
+            frames.append(io.read_parquet(io.join(runs, name), storage_options))
+    if not frames:
+        raise FileNotFoundError(f"no job metrics at {manifest.job_url(output)}")
+    df = pl.concat(frames, how="diagonal_relaxed")
+    if "status" in df.columns:
+        df = df.with_columns(pl.col("status").fill_null("ok"))
+    return df.sort("started_at", maintain_order=True)
 
 
 def _windows(shards: list[Shard], k: int) -> Iterator[list[Shard]]:
@@ -641,6 +898,26 @@ def _windows(shards: list[Shard], k: int) -> Iterator[list[Shard]]:
         i = j
 
 
+class JobInterrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C, SIGTERM); its cost is booked and the shards done are kept.
+
+    Attributes:
+        shards_done: shards committed, this run and earlier ones.
+        shards_total: shards in the job.
+        signum: the signal that interrupted it (SIGINT for a plain KeyboardInterrupt).
+    """
+
+    def __init__(self, shards_done: int, shards_total: int, signum: int) -> None:
+        super().__init__(f"interrupted after {shards_done} of {shards_total} shards")
+        self.shards_done, self.shards_total, self.signum = shards_done, shards_total, signum
+
+
+def _say(spec: JobSpec, text: str) -> None:
+    """A progress line on stderr (with the progress bar's `progress` option)."""
+    if spec.progress:
+        print(f"tokenmill: {text}", file=sys.stderr, flush=True)
+
+
 def run_job(
     spec: JobSpec,
     llm: Any = None,
@@ -649,24 +926,26 @@ def run_job(
 ) -> CostReport:
     """Run a whole job in this process: resume done shards, write outputs and the cost report.
 
+    However the run ends, its cost is booked (a `status` of "ok", "failed" or
+    "interrupted") and its lease on the output given back; a failed or interrupted run
+    keeps every shard it committed, and re-running the same spec resumes.
+
     Args:
         spec: the job.
         llm: an `engine.LLM` to use (default: `get_llm(spec)`, loaded once per process).
         on_shard_done: called after each shard commits (progress, tests).
 
     Returns:
-        This run's CostReport (also appended to `OUTPUT/_job/metrics.parquet`).
+        This run's CostReport (also booked under `OUTPUT/_job/runs/`).
+
+    Raises:
+        JobInterrupted: a KeyboardInterrupt (or a subclass carrying `signum`) stopped the run.
+        Everything `prepare_job` raises, and whatever failed the run (e.g. StorageError, LeaseLost).
     """
     plan = prepare_job(spec, tokenizer=llm.tokenizer if llm is not None else None,
                        max_model_len=getattr(llm, "max_model_len", None) if llm is not None else None)
-    if llm is None and plan.pending:
-        llm = get_llm(spec)
     results: list[ShardResult] = []
     bar = None
-    if spec.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=plan.rows_total - plan.rows_skipped, unit="row", desc="tokenmill", dynamic_ncols=True)
     out_tokens = 0
     t0 = time.perf_counter()
 
@@ -677,22 +956,58 @@ def run_job(
             bar.update(rows)
             bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} out tok/s", refresh=False)
 
+    def quantization() -> Optional[str]:
+        return spec.quantization or getattr(getattr(llm, "config", None), "quantization", None)
+
     try:
+        todo = plan.rows_total - plan.rows_skipped
+        if plan.rows_total == 0:
+            _say(spec, f"0 rows in {spec.input}: nothing to generate, no part files")
+        elif plan.pending:
+            _say(spec, f"{todo} rows in {len(plan.pending)} shards to run"
+                       + (f" ({len(plan.shards) - len(plan.pending)} shards done before)" if plan.rows_skipped else ""))
+        if llm is None and plan.pending:
+            if _loaded_llm(spec) is None:
+                _say(spec, f"loading model {spec.model} ...")
+            loading = _loaded_llm(spec) is None
+            t_load = time.perf_counter()
+            llm = get_llm(spec)
+            if loading:
+                _say(spec, f"model loaded in {time.perf_counter() - t_load:.1f} s")
+        if spec.progress and plan.pending:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=todo, unit="row", desc="tokenmill", dynamic_ncols=True, smoothing=0.05)
+        t0 = time.perf_counter()
         for window in _windows(plan.pending, spec.shards_in_flight):
-            for result in run_shards(spec, window, llm, run_id=plan.run_id, on_rows=on_rows):
-                results.append(result)
-                if on_shard_done is not None:
-                    on_shard_done(result)
-    finally:
+            with contextlib.closing(run_shards(spec, window, llm, run_id=plan.run_id, on_rows=on_rows,
+                                               columns=plan.columns, lease=plan.lease)) as committed:
+                for result in committed:
+                    results.append(result)
+                    if on_shard_done is not None:
+                        on_shard_done(result)
         if bar is not None:
             bar.close()
-    return finish_job(plan, results, model=spec.model,
-                      quantization=spec.quantization or getattr(getattr(llm, "config", None), "quantization", None),
-                      device=job_device(plan, results, llm))
+            bar = None
+        report = finish_job(plan, results, model=spec.model, quantization=quantization(),
+                            device=job_device(plan, results, llm))
+    except BaseException as exc:
+        if bar is not None:
+            bar.close()
+        discarded = max(out_tokens - sum(r.counts.completion_tokens for r in results), 0)
+        abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
+                  device=job_device(plan, results, llm, look_up=False), discarded_completion_tokens=discarded)
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, JobInterrupted):
+            done = len(plan.shards) - len(plan.pending) + len(results)
+            raise JobInterrupted(done, len(plan.shards), int(getattr(exc, "signum", signal.SIGINT))) from None
+        raise
+    plan.close()
+    return report
 
 
-def job_device(plan: JobPlan, results: list[ShardResult], llm: Any = None) -> str:
-    """The device name for the report: the spec's, else the engine's, else the one done shards recorded."""
+def job_device(plan: JobPlan, results: list[ShardResult], llm: Any = None, look_up: bool = True) -> str:
+    """The device name for the report: the spec's, else the engine's, else the one done shards recorded
+    (read from storage only with `look_up`)."""
     if plan.spec.device_name:
         return plan.spec.device_name
     for r in results:
@@ -700,7 +1015,8 @@ def job_device(plan: JobPlan, results: list[ShardResult], llm: Any = None) -> st
             return r.device
     if llm is not None and getattr(llm, "device_name", None):
         return str(llm.device_name)
-    for r in done_shards(plan.spec).values():
-        if r.device:
-            return r.device
+    if look_up:
+        for r in done_shards(plan.spec).values():
+            if r.device:
+                return r.device
     return "unknown"

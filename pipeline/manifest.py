@@ -59,7 +59,7 @@ def job_url(output: str, *parts: str) -> str:
 
 def fingerprint(files: list[io.InputFile], spec_fields: dict[str, Any]) -> tuple[str, dict]:
     """(SHA-256 hex, the document hashed) for these input files and output-shaping spec fields."""
-    doc = {"inputs": [asdict(f) for f in files], "spec": spec_fields}
+    doc = {"inputs": [f.identity() for f in files], "spec": spec_fields}
     doc = json.loads(json.dumps(doc, sort_keys=True, default=str))  # as it will read back from JSON
     digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
     return digest, doc
@@ -98,12 +98,15 @@ def part_files(output: str, storage_options: dict[str, Any]) -> list[str]:
     return [n for n in io.list_names(output, storage_options) if n.startswith("part-") and n.endswith(".parquet")]
 
 
-def clear_output(output: str, storage_options: dict[str, Any]) -> None:
-    """Delete a job's part files, temp files of killed writes and its `_job/` folder (nothing else)."""
+def clear_output(output: str, storage_options: dict[str, Any], keep: tuple[str, ...] = ("lease",)) -> None:
+    """Delete a job's part files, temp files of killed writes and its `_job/` folder (nothing else),
+    except the `_job/` entries named in `keep` (the lease of the run doing the clearing)."""
     for name in io.list_names(output, storage_options):
         if (name.startswith("part-") and name.endswith(".parquet")) or name.startswith(io.TEMP_PREFIX):
             io.remove(io.join(output, name), storage_options)
-    io.remove(job_url(output), storage_options)
+    for name in io.list_names(job_url(output), storage_options):
+        if name not in keep:
+            io.remove(job_url(output, name), storage_options)
 
 
 def marker_url(output: str, shard_name: str) -> str:

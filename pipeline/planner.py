@@ -521,7 +521,7 @@ class TokenizedRows:
     Reads only the prompt columns (prompt, messages, overrides), a batch of rows at
     a time; applies the row rules of `schema.build_request` (chat template, system
     prompt, overrides, null id); encodes each batch with one `encode_batch` call. A row that
-    `build_request` rejects, or whose prompt has `max_model_len` tokens or more, yields None:
+    `build_request` rejects, or that breaks the context-length rule (`schema.length_rule`), yields None:
     it becomes an error row when it runs, so its prompt counts in no statistic
     (`ideal_hit_rate`). `seconds` holds the wall time spent once iterated.
     """
@@ -529,16 +529,18 @@ class TokenizedRows:
     def __init__(self, files: list[InputFile], tokenizer: Any, defaults: Any, *, id_column: str = "id",
                  system_prompt: Optional[str] = None, use_chat_template: bool = True,
                  limit: Optional[int] = None, storage_options: Optional[dict] = None,
-                 batch_rows: int = 4096, max_model_len: Optional[int] = None) -> None:
+                 batch_rows: int = 4096, max_model_len: Optional[int] = None, truncate: bool = False) -> None:
         self.files, self.tokenizer, self.defaults = files, tokenizer, defaults
         self.id_column, self.system_prompt, self.use_chat_template = id_column, system_prompt, use_chat_template
         self.limit, self.storage_options, self.batch_rows = limit, storage_options, batch_rows
-        self.max_model_len = max_model_len
+        self.max_model_len, self.truncate = max_model_len, truncate
         self.seconds = 0.0
 
     def __iter__(self) -> Iterator[tuple[Optional[list[int]], int]]:
         from pipeline import io
-        from pipeline.schema import MESSAGES_COLUMN, OVERRIDE_COLUMNS, PROMPT_COLUMN, InputLayout, build_request
+        from pipeline.schema import (
+            MESSAGES_COLUMN, OVERRIDE_COLUMNS, PROMPT_COLUMN, InputLayout, build_request, length_rule,
+        )
 
         left = self.limit
         rec = _TextRecorder(self.tokenizer)
@@ -570,7 +572,11 @@ class TokenizedRows:
                     enc = iter([self.tokenizer.encode(t) for t in good])
                 out = [(list(next(enc)) if t is not None else None, m) for t, m in zip(texts, max_tokens)]
                 if max_len is not None:  # build_request's length rule, on the real token counts
-                    out = [(ids if ids is None or len(ids) < max_len else None, m) for ids, m in out]
+                    checked = []
+                    for ids, m in out:
+                        problem, m = length_rule(len(ids), m, max_len, self.truncate) if ids is not None else ("", m)
+                        checked.append((None if problem is not None else ids, m or 0))
+                    out = checked
                 self.seconds += time.perf_counter() - t0
                 yield from out
                 if left is not None and left <= 0:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import polars as pl
+import pyarrow as pa
 
 from engine.config import SamplingParams
 
@@ -177,6 +178,7 @@ def build_request(
     use_chat_template: bool = True,
     max_model_len: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    truncate: bool = False,
 ) -> RowRequest:
     """Validate one input row and build its prompt token ids and SamplingParams.
 
@@ -189,19 +191,22 @@ def build_request(
         system_prompt: the job's system prompt; a row's `system` replaces it.
         use_chat_template: wrap prompts in the chat template; without it a
             system prompt is prepended as text and `messages` rows are errors.
-        max_model_len: context length in tokens; longer prompts are errors.
+        max_model_len: context length in tokens; longer prompts are errors, and so is a
+            max_tokens that does not fit after the prompt unless `truncate` (`length_rule`).
+        truncate: cut max_tokens to what the context leaves instead of refusing the row.
 
     Returns:
         A RowRequest; never raises for a bad row (any exception becomes `error`).
     """
     try:
         return _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template,
-                              max_model_len, vocab_size)
+                              max_model_len, vocab_size, truncate)
     except Exception as exc:  # noqa: BLE001 - one row's failure must not fail the job
         return RowRequest(error=f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
 
 
-def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template, max_model_len, vocab_size):
+def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template, max_model_len, vocab_size,
+                   truncate=False):
     if layout.id_in_input and layout.id_column in row and row[layout.id_column] is None:
         raise ValueError(f"{layout.id_column} is null")
     overrides: dict[str, Any] = {}
@@ -244,12 +249,117 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
     ids = list(tokenizer.encode(text))
     if not ids:
         raise ValueError("prompt is empty after tokenization")
-    if max_model_len is not None and len(ids) >= max_model_len:
-        raise ValueError(
-            f"prompt is too long: {len(ids)} tokens, and the model's context (max_model_len) is "
-            f"{max_model_len} tokens, which leaves no room for output"
-        )
+    problem, max_tokens = length_rule(len(ids), params.max_tokens, max_model_len, truncate)
+    if problem is not None:
+        raise ValueError(problem)
+    if max_tokens != params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=max_tokens)
     return RowRequest(prompt_token_ids=ids, params=params)
+
+
+def length_rule(n_prompt: int, max_tokens: Optional[int], max_model_len: Optional[int],
+                truncate: bool = False) -> tuple[Optional[str], Optional[int]]:
+    """The context-length rule for one row: (error or None, the max_tokens to run with).
+
+    A prompt must leave room for output (`n_prompt < max_model_len`). Without
+    `truncate`, prompt + max_tokens above the context is an error, as the
+    OpenAI API answers; with it, max_tokens is cut to what the context leaves.
+    """
+    if max_model_len is None:
+        return None, max_tokens
+    if n_prompt >= max_model_len:
+        return (f"prompt is too long: {n_prompt} tokens, and the model's context (max_model_len) is "
+                f"{max_model_len} tokens, which leaves no room for output"), max_tokens
+    room = max_model_len - n_prompt
+    if max_tokens is not None and max_tokens > room:
+        if truncate:
+            return None, room
+        return (f"max_tokens {max_tokens} does not fit the model's context: the prompt has {n_prompt} tokens and "
+                f"the context (max_model_len) is {max_model_len}, which leaves {room}; lower max_tokens, or pass "
+                f"--truncate to stop at the end of the context"), max_tokens
+    return None, max_tokens
+
+
+@dataclass(frozen=True)
+class UnifiedColumns:
+    """The output-shaping input columns (id and pass-through) of a multi-file input, with one type each.
+
+    Attributes:
+        types: column -> the polars dtype every part file gets (each file's values are cast to it).
+        notes: human-readable lines for the types that were widened (empty when every file agrees).
+    """
+
+    types: dict[str, pl.DataType]
+    notes: tuple[str, ...] = ()
+
+
+def unify_input_columns(files: Sequence[Any], id_column: str = "id") -> UnifiedColumns:
+    """Check that the input files agree on the columns that reach the output (the id and the
+    pass-through columns), and give each one type, so that the part files read together.
+
+    Column roles (`prompt`, `messages`, per-row overrides) may differ between files: they do
+    not reach the output, and each row is validated on its own. Types are unified the way
+    `pyarrow.unify_schemas(promote_options="permissive")` does (int32 + int64 -> int64, null
+    -> anything, float + double -> double, int + double -> double, ...).
+
+    Args:
+        files: `io.InputFile`s with their Arrow `schema` (files without one are skipped).
+
+    Raises:
+        ValueError: a file lacks (or adds) an output column that another file has, or a column's
+            types cannot be unified (e.g. Int64 and String); the message names both files and the column.
+    """
+    first: Optional[Any] = None
+    first_cols: tuple[str, ...] = ()
+    fields: dict[str, tuple[pa.Field, str]] = {}  # column -> (unified field, first file)
+    widened: dict[str, list[str]] = {}
+    for f in files:
+        if f.schema is None:
+            continue
+        layout = InputLayout.from_schema(f.columns, id_column)
+        cols = ((id_column,) if layout.id_in_input else ()) + layout.passthrough
+        if first is None:
+            first, first_cols = f, cols
+        elif set(cols) != set(first_cols):
+            extra = sorted(set(cols) - set(first_cols))
+            missing = sorted(set(first_cols) - set(cols))
+            what = (f"has column {extra[0]!r}, which {first.path} lacks" if extra
+                    else f"lacks column {missing[0]!r}, which {first.path} has")
+            raise ValueError(
+                f"{f.path} {what}: every input file must have the same id and pass-through columns, or the part "
+                f"files cannot be read together. Add or drop the column, or run the files as separate jobs.")
+        for c in cols:
+            fld = f.schema.field(c)
+            if c not in fields:
+                fields[c] = (fld, f.path)
+                continue
+            have, origin = fields[c]
+            if have.type == fld.type:
+                continue
+            try:
+                merged = pa.unify_schemas([pa.schema([have]), pa.schema([fld])], promote_options="permissive").field(c)
+            except (pa.ArrowTypeError, pa.ArrowInvalid):
+                raise ValueError(
+                    f"{f.path}: column {c!r} is {_type_name(fld.type)} here but {_type_name(have.type)} in {origin}; "
+                    f"these types cannot be unified, so the part files could not be read together. Cast the column "
+                    f"to one type in every file.") from None
+            widened.setdefault(c, [f"{_type_name(have.type)} in {origin}"])
+            widened[c].append(f"{_type_name(fld.type)} in {f.path}")
+            fields[c] = (merged, origin)
+    if not fields:
+        return UnifiedColumns({})
+    unified = pa.schema([fields[c][0] for c in fields])
+    types = dict(pl.from_arrow(unified.empty_table()).schema)
+    notes = tuple(f"column {c!r} is {', '.join(where)}: unified to {types[c]} in the output"
+                  for c, where in widened.items())
+    return UnifiedColumns(types, notes)
+
+
+def _type_name(t: pa.DataType) -> str:
+    try:
+        return str(pl.from_arrow(pa.schema([pa.field("x", t)]).empty_table()).schema["x"])
+    except Exception:  # noqa: BLE001 - a type polars does not know: Arrow's name
+        return str(t)
 
 
 def output_schema(

@@ -10,7 +10,7 @@ finish_reason="error", never as an exception.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from engine.config import SamplingParams
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -38,14 +38,24 @@ class FakeTokenizer:
 
 
 class FakeLLM:
-    """Generates `max_tokens` tokens spelling the last word of the prompt, repeated."""
+    """Generates `max_tokens` tokens spelling the last word of the prompt, repeated.
 
-    def __init__(self, max_model_len: int = 512, device_name: str = "fake") -> None:
+    Args:
+        delay_s: seconds of sleep before each output (a slow engine, for interrupt and kill tests).
+        on_output: called with the number of outputs yielded so far, before each one is yielded
+            (tests block or raise in it).
+    """
+
+    def __init__(self, max_model_len: int = 512, device_name: str = "fake", delay_s: float = 0.0,
+                 on_output: Optional[Callable[[int], None]] = None) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.device_name = device_name
+        self.delay_s = delay_s
+        self.on_output = on_output
         self.calls = 0
         self.prompts_seen = 0
+        self.outputs = 0
 
     def _one(self, i: int, prompt, params: SamplingParams) -> RequestOutput:
         now = time.time()
@@ -74,8 +84,20 @@ class FakeLLM:
         order = list(range(len(prompts)))
         order = order[1::2] + order[0::2]  # finish out of order
         for i in order:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.on_output is not None:
+                self.on_output(self.outputs)
+            self.outputs += 1
             yield self._one(i, prompts[i], sampling_params[i])
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         outs = list(self.iter_outputs(prompts, sampling_params, use_tqdm))
         return sorted(outs, key=lambda o: int(o.request_id))
+
+
+def run_job_in_child(spec_fields: dict[str, Any], delay_s: float = 0.0) -> None:
+    """Run `pipeline.run_job` on a FakeLLM (for tests that kill a real process at a random point)."""
+    from pipeline import JobSpec, run_job
+
+    run_job(JobSpec(**spec_fields), FakeLLM(delay_s=delay_s))

@@ -7,6 +7,7 @@ loopback port and sets the standard AWS environment variables (endpoint,
 dummy keys, region) that boto3, s3fs and polars read; restores them after.
 `s3_bucket`: a fresh bucket per test, returned as its name.
 `job_llm`: the session's engine, reused by jobs with default engine options.
+`s3_proxy`: a loopback TCP proxy in front of the server that can stall, reset or slow connections.
 """
 from __future__ import annotations
 
@@ -71,3 +72,16 @@ def job_llm(llm):
 
     cache_llm(JobSpec(input="-", output="-"), llm)
     return llm
+
+
+@pytest.fixture
+def s3_proxy(s3_server):
+    """A `tcp_proxy.FaultProxy` in front of the moto server (its `url` is the endpoint to use)."""
+    try:
+        from tests.tcp_proxy import FaultProxy
+    except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+        from tcp_proxy import FaultProxy
+
+    port = int(s3_server.rsplit(":", 1)[1])
+    with FaultProxy(("127.0.0.1", port)) as proxy:
+        yield proxy

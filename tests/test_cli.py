@@ -67,3 +67,82 @@ def test_pipeline_never_imports_prefect():
 
     code = "import sys, pipeline, pipeline.cli; assert 'prefect' not in sys.modules, 'pipeline imported prefect'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_warnings_are_one_line_without_our_source(tmp_path, capsys):
+    from pipeline import JobSpec, cache_llm
+    from pipeline.testing import FakeLLM
+
+    inp = tmp_path / "noid.parquet"
+    pl.DataFrame({"prompt": ["Say yes.", "Say no."]}).write_parquet(inp)
+    spec = JobSpec(input="-", output="-", engine_options={"seed": 7})  # a cache key no other test uses
+    cache_llm(spec, FakeLLM())
+    assert main(["run", "--input", str(inp), "--output", str(tmp_path / "out"), "--no-progress",
+                 "--engine-option", "seed=7"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"tokenmill: warning: file://{inp} has no 'id' column; using the row index as the id"]
+
+
+def test_spec_file_errors_name_the_file_line_and_field(tmp_path, capsys):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("input: in.parquet\noutput: [unclosed\n")
+    assert main(["run", "--spec", str(bad_yaml)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tokenmill: {bad_yaml}: not valid YAML: ") and "at line 3, column 1" in err
+
+    fields = tmp_path / "job.yaml"
+    fields.write_text("input: in.parquet\noutput: out\nmax_token: 8\ntemperature: hot\n")
+    assert main(["run", "--spec", str(fields), "--shard-size", "0"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill: invalid job options:",
+        f"  {fields}: temperature: Input should be a valid number, unable to parse string as a number (got 'hot')",
+        "  --shard-size: Input should be greater than or equal to 1 (got 0)",
+        f"  {fields}: max_token: unknown option; did you mean 'max_tokens'?",
+    ]
+
+
+def test_errors_are_short_unless_verbose(tmp_path, capsys):
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    args = ["run", "--input", str(inp), "--output", "s3://bucket/out", "--storage-option",
+            "endpoint_url=http://127.0.0.1:9", "--storage-option", "key=x", "--storage-option", "secret=y"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["tokenmill: cannot write s3://bucket/out: cannot connect to http://127.0.0.1:9 (connection "
+                   "refused, 3 attempts)",
+                   "  Check the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...) and that the "
+                   "service is up."]
+    assert main(args + ["--verbose"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "EndpointConnectionError" in err
+
+
+def test_every_run_option_is_described():
+    parser = build_parser()
+    run = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    undocumented = [a.option_strings[0] for a in run._actions if a.option_strings and not (a.help or "").strip()]
+    assert undocumented == []
+    plan = next(a for a in run._actions if "--plan" in a.option_strings)
+    assert plan.choices == ["prefix", "input"]
+    quant = next(a for a in run._actions if "--quantization" in a.option_strings)
+    assert "int8 | int4 | gguf" in quant.help
+
+
+def test_progress_says_what_the_job_is_doing_while_the_model_loads(tmp_path, capsys, monkeypatch):
+    import engine
+
+    from pipeline import JobSpec, run_job
+    from pipeline.testing import FakeLLM
+
+    monkeypatch.setattr(engine, "LLM", lambda model, **kw: FakeLLM())
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3], "prompt": ["A.", "B.", "C."]}).write_parquet(inp)
+    spec = JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, shard_size=2,
+                   engine_options={"seed": 11}, plan="input")
+    run_job(spec)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("tokenmill: ")]
+    assert lines[0] == "tokenmill: 3 rows in 2 shards to run"
+    assert lines[1] == "tokenmill: loading model smollm2-135m-instruct ..."
+    assert lines[2].startswith("tokenmill: model loaded in ")
+    assert err.index("model loaded") < err.index("3/3")  # the progress bar starts after the model is loaded

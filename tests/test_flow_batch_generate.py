@@ -4,6 +4,7 @@ Runs on Prefect's temporary local API (no server configured), one per session.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -159,3 +160,70 @@ def test_deploy_serves_spec_file_on_cron(tmp_path, monkeypatch):
         deploy.load_deployment(str(json_file))
     spec, dep = deploy.load_deployment(str(json_file), cron="*/5 * * * *")
     assert spec.input == "in.parquet" and dep["cron"] == "*/5 * * * *"
+
+
+def _stored_flow_run_parameters() -> list[dict]:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return [r.parameters for r in client.read_flow_runs()]
+
+
+def test_flow_refuses_inline_secrets_and_stores_none(prefect_api, s3_bucket, tmp_path):
+    from flows import batch_generate
+
+    inp = upload_dataset(s3_bucket, tmp_path)
+    spec = JobSpec(input=inp, output=f"s3://{s3_bucket}/out", max_tokens=2, progress=False,
+                   storage_options={"key": "AKIAINLINE", "secret": "inline-s3cr3t"})
+    with pytest.raises(ValueError) as exc:
+        batch_generate(spec, shard_retries=0)
+    assert str(exc.value).startswith("spec.storage_options holds credentials (key, secret); flow parameters are "
+                                     "stored in Prefect's database")
+    assert "storage_secret='NAME'" in str(exc.value)
+    stored = json.dumps(_stored_flow_run_parameters())
+    assert "inline-s3cr3t" not in stored and "AKIAINLINE" not in stored
+    assert '"secret": "**********"' in stored  # the refused run was recorded, masked
+    assert io.list_names(spec.output) == []
+
+
+def test_flow_takes_storage_options_from_a_secret_block(prefect_api, job_llm, s3_server, s3_bucket, tmp_path,
+                                                        monkeypatch):
+    from prefect.blocks.system import Secret
+
+    from flows import batch_generate
+
+    inp = upload_dataset(s3_bucket, tmp_path)
+    Secret(value={"endpoint_url": s3_server, "key": "AKIAFLOWTEST", "secret": "flow-s3cr3t"}).save(
+        "tokenmill-test-s3", overwrite=True)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)  # without the block the job could not reach the store at all
+    spec = JobSpec(input=inp, output=f"s3://{s3_bucket}/out", max_tokens=2, shard_size=3, progress=False)
+    report = batch_generate(spec, shard_retries=0, storage_secret="tokenmill-test-s3")
+    assert report["rows_ok"] == 9 and report["status"] == "ok"
+    so = {"endpoint_url": s3_server, "key": "x", "secret": "y"}
+    names = [n for n in io.list_names(spec.output, so) if n.startswith("part-")]
+    ids = [i for n in names for i in io.read_parquet(io.join(spec.output, n), so)["id"].to_list()]
+    assert sorted(ids) == sorted(f"q{i}" for i in range(9))
+    stored = json.dumps(_stored_flow_run_parameters())
+    assert "flow-s3cr3t" not in stored and "AKIAFLOWTEST" not in stored and "tokenmill-test-s3" in stored
+
+
+def test_deploy_refuses_credentials_in_the_spec_file_and_names_bad_fields(tmp_path, capsys):
+    from flows import deploy
+
+    leaky = tmp_path / "leaky.yaml"
+    leaky.write_text("spec:\n  input: s3://b/in/\n  output: s3://b/out/\n  storage_options:\n"
+                     "    client_kwargs: {aws_secret_access_key: abc}\ndeployment:\n  cron: '0 2 * * *'\n")
+    with pytest.raises(ValueError, match=r"holds credentials \(client_kwargs.aws_secret_access_key\)"):
+        deploy.load_deployment(str(leaky))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spec:\n  input: in.parquet\n  output: out\n  shard_size: many\ndeployment:\n  cron: '* * * * *'\n")
+    assert deploy.main([str(bad)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"flows.deploy: {bad}: invalid job spec:",
+        "  shard_size: Input should be a valid integer, unable to parse string as an integer (got 'many')"]
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("spec:\n  input: in.parquet\n  output: out\ndeployment:\n  cron: '0 2 * * *'\n"
+                  "  storage_secret: tokenmill-s3\n")
+    spec, dep = deploy.load_deployment(str(ok))
+    assert dep["storage_secret"] == "tokenmill-s3" and spec.storage_options == {}

@@ -1,0 +1,216 @@
+"""One job per output: a lease under `OUTPUT/_job/lease/` that a second concurrent run refuses on.
+
+    OUTPUT/_job/lease/lease-00000003.json   {"owner", "run_id", "acquired_at", "heartbeat_at", "expires_at", ...}
+
+A run takes the lease before it touches anything else under `_job/` and
+gives it back when it ends, however it ends. The lease file of generation
+`g` is created only if absent (a conditional put, `If-None-Match: *`, on S3;
+`O_EXCL` on a local disk), so of two runs racing for the same generation
+exactly one wins. The holder is the highest generation present.
+
+- Held: a live lease (its `expires_at`, UTC seconds, is in the future) makes
+  `Lease.acquire` raise `JobLocked`, naming the owner and when it expires.
+- Expired: a run that died without giving the lease back (killed, machine
+  lost) stops renewing it; once `expires_at` has passed, the next run creates
+  generation `g + 1` (again create-if-absent, so one taker wins) and deletes
+  the older files.
+- Heartbeat: the holder rewrites its own file every `ttl_s / 4` seconds with a
+  new `expires_at = now + ttl_s`. A holder that finds a higher generation, or
+  that could not renew before its own expiry (storage down), has lost the
+  lease: `check()` then raises `LeaseLost`, and the job commits nothing more.
+
+Expiry compares the owner's clock (written in the file) with the reader's:
+machines sharing an output should keep their clocks within a small fraction
+of `ttl_s` (NTP does).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from pipeline import io
+from pipeline.storage import StorageError
+
+DEFAULT_TTL_S = 60.0
+LEASE_DIR = "lease"
+_PREFIX, _SUFFIX = "lease-", ".json"
+
+
+class JobLocked(RuntimeError):
+    """Another run holds the output's lease (its owner and expiry are in the message and `holder`)."""
+
+    def __init__(self, message: str, holder: Optional[dict[str, Any]] = None) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
+
+
+class LeaseLost(RuntimeError):
+    """This run's lease expired or was taken over; it must not commit anything more."""
+
+
+def lease_dir(output: str) -> str:
+    """URL of the folder holding the lease files."""
+    return io.join(output, "_job", LEASE_DIR)
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+
+
+def _generations(output: str, so: dict[str, Any]) -> list[int]:
+    gens = []
+    for name in io.list_names(lease_dir(output), so):
+        if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
+            try:
+                gens.append(int(name[len(_PREFIX):-len(_SUFFIX)]))
+            except ValueError:
+                continue
+    return sorted(gens)
+
+
+def _url(output: str, gen: int) -> str:
+    return io.join(lease_dir(output), f"{_PREFIX}{gen:08d}{_SUFFIX}")
+
+
+def describe_holder(doc: dict[str, Any], now: Optional[float] = None) -> str:
+    """"run R (owner host:pid, heartbeat 3 s ago, expires in 57 s)" for messages."""
+    now = time.time() if now is None else now
+    beat = now - float(doc.get("heartbeat_at", now))
+    left = float(doc.get("expires_at", now)) - now
+    return (f"run {doc.get('run_id', '?')} (owner {doc.get('owner', '?')}, last heartbeat {beat:.0f} s ago, "
+            f"expires in {max(left, 0):.0f} s)")
+
+
+class Lease:
+    """This run's hold on an output; see the module docstring.
+
+    Use `Lease.acquire(...)`, then `check()` before each commit and `release()` at the end.
+    """
+
+    def __init__(self, output: str, storage_options: dict[str, Any], run_id: str, generation: int,
+                 ttl_s: float, doc: dict[str, Any]) -> None:
+        self.output, self.storage_options, self.run_id = output, storage_options, run_id
+        self.generation, self.ttl_s, self.doc = generation, ttl_s, doc
+        self.lost: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        return _url(self.output, self.generation)
+
+    @classmethod
+    def acquire(cls, output: str, storage_options: Optional[dict[str, Any]] = None, *, run_id: str,
+                ttl_s: float = DEFAULT_TTL_S, heartbeat: bool = True) -> "Lease":
+        """Take the output's lease, or raise.
+
+        Args:
+            ttl_s: seconds the lease stays valid without a heartbeat (a dead run's lease expires after it).
+            heartbeat: renew it from a background thread every `ttl_s / 4` seconds.
+
+        Raises:
+            JobLocked: another run holds a live lease (the message names it and says when it expires).
+            StorageError: the lease could not be read or written.
+        """
+        so = dict(storage_options or {})
+        for _ in range(5):
+            gens = _generations(output, so)
+            nxt = 0
+            if gens:
+                top = gens[-1]
+                holder = io.read_json(_url(output, top), so)
+                if holder is None:  # released or taken over between the listing and the read
+                    continue
+                now = time.time()
+                if float(holder.get("expires_at", 0)) > now:
+                    raise JobLocked(
+                        f"{output} is being written by another {describe_holder(holder, now)}. Only one run may "
+                        f"write an output at a time: wait for it to finish, or, if it died, re-run after its "
+                        f"lease expires.", holder)
+                nxt = top + 1
+            now = time.time()
+            doc = {"owner": f"{socket.gethostname()}:{os.getpid()}", "run_id": run_id, "generation": nxt,
+                   "ttl_s": ttl_s, "acquired_at": now, "heartbeat_at": now, "expires_at": now + ttl_s,
+                   "expires_at_utc": _iso(now + ttl_s)}
+            if io.create_exclusive(_url(output, nxt), json.dumps(doc).encode(), so):
+                lease = cls(output, so, run_id, nxt, ttl_s, doc)
+                for g in gens:  # a dead run's lease, now superseded
+                    try:
+                        io.remove(_url(output, g), so)
+                    except StorageError:
+                        pass
+                if heartbeat:
+                    lease._start()
+                return lease
+        raise JobLocked(f"{output}: could not take the lease (other runs keep racing for it); try again")
+
+    # ------------------------------------------------------------ holding
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._beat_loop, name=f"tokenmill-lease-{self.run_id}", daemon=True)
+        self._thread.start()
+
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self.renew()
+            except StorageError:
+                pass  # retried at the next beat; check() fails once the lease has expired unrenewed
+            if self.lost == "released":
+                # released while this renewal was in flight (a slow store): do not leave a live lease behind
+                try:
+                    io.remove(self.url, self.storage_options)
+                except StorageError:
+                    pass
+            if self.lost:
+                return
+
+    def renew(self) -> None:
+        """Extend the lease by `ttl_s` from now (the heartbeat); marks it lost if another run took over.
+
+        Raises:
+            StorageError: the lease file could not be read or written.
+        """
+        if self.lost:
+            return
+        if any(g > self.generation for g in _generations(self.output, self.storage_options)):
+            self.lost = "another run took the output over after this run's lease expired"
+            return
+        now = time.time()
+        doc = {**self.doc, "heartbeat_at": now, "expires_at": now + self.ttl_s, "expires_at_utc": _iso(now + self.ttl_s)}
+        io.write_bytes(self.url, json.dumps(doc).encode(), self.storage_options)
+        self.doc = doc
+
+    def check(self) -> None:
+        """Raise unless this run still holds the lease (call before each commit).
+
+        Raises:
+            LeaseLost: the lease was taken over, or expired without a heartbeat (storage unreachable).
+        """
+        if self.lost is None and time.time() > float(self.doc["expires_at"]):
+            self.lost = f"this run could not renew its lease for {self.ttl_s:.0f} s (storage unreachable?)"
+        if self.lost is not None:
+            raise LeaseLost(f"{self.output}: {self.lost}; this run stops without committing more. "
+                            f"Re-run the same command to resume.")
+
+    def release(self, storage_options: Optional[dict[str, Any]] = None) -> None:
+        """Stop the heartbeat and delete this run's lease file (if it is still ours). Never raises a
+        StorageError: a lease that cannot be deleted expires after `ttl_s`.
+
+        Args:
+            storage_options: options for the delete (e.g. quick limits after a storage failure).
+        """
+        held = self.lost is None
+        self.lost = self.lost or "released"  # a renewal still in flight removes what it wrote (_beat_loop)
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        if held:
+            try:
+                io.remove(self.url, storage_options if storage_options is not None else self.storage_options)
+            except StorageError:
+                pass

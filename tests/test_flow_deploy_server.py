@@ -1,0 +1,119 @@
+"""`python -m flows.deploy` against a real `prefect server` process: serve, `prefect deployment run`, completion.
+
+A served deployment runs each flow run in a new process that loads
+flows/batch_generate.py and validates the parameters from JSON (a parameter
+model that only works in-process fails there), so this test starts everything
+as separate processes, as a user would: the server, the serving process, and
+the `prefect deployment run --watch` command. About 40-60 s on 2 busy cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from pipeline import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, r.read()
+    except OSError:
+        return None, b""
+
+
+def _post(url: str, body: dict):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _wait(what: str, ok, timeout: float, procs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        for p in procs:
+            assert p.poll() is None, f"{what}: a process exited early:\n{p.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.stdout.read() if proc.stdout else ""
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    """A `prefect server start` process on a free loopback port; the environment its clients need."""
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PYTHONPATH": os.pathsep.join(
+               [str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                             str(port)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        _wait("the Prefect server", lambda: _get(f"{env['PREFECT_API_URL']}/health")[0] == 200, 120, [proc])
+        yield env
+    finally:
+        _stop(proc)
+
+
+def test_served_deployment_runs_to_completion(prefect_server, tmp_path):
+    env = prefect_server
+    api = env["PREFECT_API_URL"]
+    inp = tmp_path / "prompts.parquet"
+    pl.DataFrame({"id": ["a", "b", "c"], "prompt": ["Say yes.", "Say no.", "Say hi."]}).write_parquet(inp)
+    out = tmp_path / "labels"
+    spec_file = tmp_path / "nightly.yaml"
+    spec_file.write_text(
+        f"spec:\n  input: {inp}\n  output: {out}\n  max_tokens: 2\n  progress: false\n"
+        f"deployment:\n  name: nightly-test\n  cron: '0 2 * * *'\n  shard_retries: 0\n")
+    serve = subprocess.Popen([sys.executable, "-m", "flows.deploy", str(spec_file)], env=env, cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait("the deployment", lambda: _get(f"{api}/deployments/name/batch-generate/nightly-test")[0] == 200,
+              120, [serve])
+        run = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "batch-generate/nightly-test",
+                              "--watch", "--watch-timeout", "300"], env=env, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=330)
+        log = _stop(serve)
+    finally:
+        _stop(serve)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + log[-3000:]
+    assert "Flow run finished successfully in 'Completed'" in run.stdout
+    assert "Validation of flow parameters failed" not in log
+
+    runs = _post(f"{api}/flow_runs/filter", {"limit": 5})
+    assert [r["state_type"] for r in runs] == ["COMPLETED"]
+    assert runs[0]["parameters"]["spec"]["output"] == str(out)
+
+    parts = sorted(out.glob("part-*.parquet"))
+    ids = [i for p in parts for i in pl.read_parquet(p)["id"].to_list()]
+    assert sorted(ids) == ["a", "b", "c"]
+    m = read_metrics(str(out))
+    assert m["status"].to_list() == ["ok"] and m["rows_ok"].to_list() == [3]

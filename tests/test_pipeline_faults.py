@@ -1,0 +1,282 @@
+"""Runs that die, race or are interrupted: one job per output, cost booked always, exactly-once after kills.
+
+Concurrent runs, failed and interrupted runs run in this process on a stand-in
+engine; SIGINT/SIGTERM go to a real `tokenmill run` process; the random kills
+are SIGKILLs of forked processes at seeded random times, each followed by a
+resume; the memory test runs 50 jobs on the real engine in this process.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from pipeline import JobSpec, done_shards, io, read_metrics, run_job
+from pipeline.job import JobInterrupted
+from pipeline.lease import JobLocked, Lease, lease_dir
+from pipeline.testing import FakeLLM
+
+try:
+    from tests.s3_server import job_llm, s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from s3_server import job_llm, s3_bucket, s3_server  # noqa: F401
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_input(path: Path, n: int) -> list[str]:
+    ids = [f"q{i:03d}" for i in range(n)]
+    pl.DataFrame({"id": ids, "prompt": [f"Name thing number {i}." for i in range(n)],
+                  "src": ["t"] * n}).write_parquet(path)
+    return ids
+
+
+def output_ids(output: str, so=None) -> list[str]:
+    names = [n for n in io.list_names(output, so) if n.startswith("part-")]
+    return [i for n in names for i in io.read_parquet(io.join(output, n), so)["id"].to_list()]
+
+
+def spec_for(inp, out, **kw) -> JobSpec:
+    fields = dict(input=str(inp), output=str(out), max_tokens=2, shard_size=3, shards_in_flight=1,
+                  progress=False, plan="input")
+    fields.update(kw)
+    return JobSpec(**fields)
+
+
+# ---------------------------------------------------------------- one job per output
+
+def test_second_concurrent_run_is_refused_and_nothing_is_computed_twice(tmp_path):
+    ids = write_input(tmp_path / "in.parquet", 9)
+    spec = spec_for(tmp_path / "in.parquet", tmp_path / "out")
+    started, go = threading.Event(), threading.Event()
+
+    def hold(n):  # the first run pauses inside the engine until told to go on
+        started.set()
+        assert go.wait(10)
+
+    first_error = []
+
+    def first():
+        try:
+            run_job(spec, FakeLLM(on_output=hold))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            first_error.append(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(10)
+    second = FakeLLM()
+    with pytest.raises(JobLocked) as exc:
+        run_job(spec, second)
+    assert str(exc.value).startswith(f"{spec.output} is being written by another run ")
+    assert f"owner {os.uname().nodename}:{os.getpid()}" in str(exc.value) and "expires in" in str(exc.value)
+    assert second.calls == 0
+    go.set()
+    t.join(10)
+    assert not first_error
+    again = FakeLLM()
+    report = run_job(spec, again)
+    assert again.prompts_seen == 0 and report.rows_skipped == 9
+    assert read_metrics(spec.output)["rows_ok"].to_list() == [9, 0]  # every row computed once, booked once
+    assert sorted(output_ids(spec.output)) == ids
+    assert io.list_names(lease_dir(spec.output)) == []  # both runs gave the lease back
+
+
+def test_a_dead_runs_lease_blocks_until_it_expires(tmp_path):
+    write_input(tmp_path / "in.parquet", 3)
+    spec = spec_for(tmp_path / "in.parquet", tmp_path / "out")
+    dead = Lease.acquire(spec.output, run_id="deadbeef", ttl_s=1.0, heartbeat=False)  # never renewed, never released
+    with pytest.raises(JobLocked, match="run deadbeef"):
+        run_job(spec, FakeLLM())
+    time.sleep(1.1)
+    report = run_job(spec, FakeLLM())
+    assert report.rows_ok == 3
+    assert not io.exists(dead.url)  # the taker removed the expired lease
+
+
+def test_overwrite_keeps_the_lease_of_the_run_doing_it(tmp_path):
+    write_input(tmp_path / "in.parquet", 3)
+    spec = spec_for(tmp_path / "in.parquet", tmp_path / "out")
+    run_job(spec, FakeLLM())
+    seen = []
+
+    def look(n):
+        seen.append(io.list_names(lease_dir(spec.output)))
+
+    run_job(spec.model_copy(update={"overwrite": True}), FakeLLM(on_output=look))
+    assert seen and all(len(names) == 1 for names in seen)
+
+
+# ---------------------------------------------------------------- cost booked always
+
+def test_failed_and_interrupted_runs_book_their_cost(tmp_path):
+    ids = write_input(tmp_path / "in.parquet", 9)
+    spec = spec_for(tmp_path / "in.parquet", tmp_path / "out", price_per_hour=3600.0)
+
+    def explode(n):
+        if n == 4:
+            raise RuntimeError("engine exploded")
+
+    with pytest.raises(RuntimeError, match="engine exploded"):
+        run_job(spec, FakeLLM(on_output=explode))
+
+    def interrupt(n):
+        if n == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(JobInterrupted) as exc:
+        run_job(spec, FakeLLM(on_output=interrupt))
+    assert (exc.value.shards_done, exc.value.shards_total, exc.value.signum) == (2, 3, signal.SIGINT)
+    report = run_job(spec, FakeLLM())
+
+    m = read_metrics(spec.output)
+    assert m["status"].to_list() == ["failed", "interrupted", "ok"]
+    assert m["error"].to_list() == ["engine exploded", None, None]
+    assert m["rows_ok"].to_list() == [3, 3, 3] and m["rows_skipped"].to_list() == [0, 3, 6]
+    assert m["completion_tokens"].to_list() == [6, 6, 6]
+    # output generated for a row of a shard that was not committed: row 3 (failed run), row 6 (interrupted)
+    assert m["discarded_completion_tokens"].to_list() == [2, 2, 0]
+    for row in m.iter_rows(named=True):
+        assert row["wall_s"] > 0 and row["cost_usd"] == pytest.approx(row["wall_s"])  # 3600 USD/h = 1 USD/s
+    assert report.cost_usd == m["cost_usd"].to_list()[-1]
+    assert sorted(output_ids(spec.output)) == ids
+
+
+# ---------------------------------------------------------------- SIGINT / SIGTERM
+
+CHILD = textwrap.dedent("""
+    import sys
+    from pipeline import JobSpec, cache_llm
+    from pipeline.testing import FakeLLM
+    if sys.argv[1] == "fake":
+        cache_llm(JobSpec(input="-", output="-"), FakeLLM(delay_s=0.15))
+    from pipeline.cli import main
+    sys.exit(main(sys.argv[2:]))
+""")
+
+
+def start_cli(engine: str, args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", CHILD, engine, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_marker(output: Path, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not (output / "_job" / "done" / "part-00000.json").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no shard committed in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("engine,signum,code", [("fake", signal.SIGTERM, 143), ("fake", signal.SIGINT, 130),
+                                                ("real", signal.SIGINT, 130)])
+def test_interrupt_prints_one_line_commits_nothing_partial_and_resumes(tmp_path, job_llm, engine, signum, code):
+    ids = write_input(tmp_path / "in.parquet", 12)
+    out = tmp_path / "out"
+    args = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(out), "--shard-size", "3",
+            "--shards-in-flight", "1", "--max-tokens", "24" if engine == "real" else "2", "--plan", "input",
+            "--no-progress"]
+    proc = start_cli(engine, args)
+    wait_for_marker(out, proc)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr
+    n_done = len(done_shards(spec_for(tmp_path / "in.parquet", out)))
+    assert 1 <= n_done < 4
+    assert stderr.splitlines() == [f"tokenmill: interrupted after {n_done} of 4 shards; re-run the same command "
+                                   f"to resume"]
+    assert sorted(p.name for p in out.glob("part-*")) == [f"part-{i:05d}.parquet" for i in range(n_done)]
+    assert not list(out.glob(".tmp-*"))
+    m = read_metrics(str(out))
+    assert m["status"].to_list() == ["interrupted"] and m["rows_ok"].to_list() == [3 * n_done]
+
+    from pipeline.cli import main
+
+    assert main(args) == 0  # the same command resumes (here on this process's engine)
+    got = [i for p in sorted(out.glob("part-*")) for i in pl.read_parquet(p)["id"].to_list()]
+    assert got == ids
+    assert read_metrics(str(out))["status"].to_list() == ["interrupted", "ok"]
+
+
+# ---------------------------------------------------------------- killed at random points
+
+def _kill_context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["pipeline.job", "pipeline.testing", "s3fs"])
+    return ctx
+
+
+def test_kill_at_random_points_then_resume_gives_every_id_exactly_once(s3_bucket, s3_server, tmp_path):
+    """10 seeds: SIGKILL a run (a real process) at a random moment, resume, check every id appears once."""
+    from pipeline.testing import run_job_in_child
+
+    so = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
+    ids = write_input(tmp_path / "in.parquet", 18)
+    io.write_bytes(f"s3://{s3_bucket}/in/a.parquet", (tmp_path / "in.parquet").read_bytes(), so)
+    ctx = _kill_context()
+    outcomes = []
+    for seed in range(10):
+        spec = JobSpec(input=f"s3://{s3_bucket}/in/", output=f"s3://{s3_bucket}/out{seed}", max_tokens=2,
+                       shard_size=3, shards_in_flight=1, progress=False, storage_options=so, lease_ttl_s=0.5)
+        child = ctx.Process(target=run_job_in_child, args=(spec.model_dump(), 0.01))
+        child.start()
+        time.sleep(random.Random(seed).uniform(0.05, 0.6))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        killed_with = len(done_shards(spec))
+        deadline = time.monotonic() + 5
+        while True:  # the killed run's lease expires after lease_ttl_s
+            try:
+                report = run_job(spec, FakeLLM())
+                break
+            except JobLocked:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        got = output_ids(spec.output, so)
+        assert sorted(got) == ids and len(got) == 18, (seed, killed_with)
+        assert sorted(done_shards(spec)) == list(range(6))
+        assert report.rows_skipped == 3 * killed_with
+        outcomes.append(killed_with)
+    assert len(set(outcomes)) > 1, outcomes  # the kills did land at different points
+
+
+# ---------------------------------------------------------------- memory over many jobs
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_memory_is_flat_over_50_consecutive_jobs(job_llm, s3_bucket, tmp_path):
+    import gc
+
+    write_input(tmp_path / "in.parquet", 2)
+    io.write_bytes(f"s3://{s3_bucket}/in/a.parquet", (tmp_path / "in.parquet").read_bytes())
+    rss = []
+    for i in range(50):
+        spec = JobSpec(input=f"s3://{s3_bucket}/in/", output=f"s3://{s3_bucket}/out", max_tokens=2,
+                       progress=False, plan="input")
+        report = run_job(spec)
+        assert report.rows_ok == 2
+        io.remove(spec.output)
+        gc.collect()
+        rss.append(_rss_bytes())
+    warm = rss[9]
+    growth = (max(rss[10:]) - warm) / warm
+    assert growth < 0.01, [f"{r / 2**20:.1f}" for r in rss]
+    assert threading.active_count() < 20  # no heartbeat thread left behind per job

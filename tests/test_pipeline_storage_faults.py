@@ -1,0 +1,182 @@
+"""Storage that stalls, resets, slows, refuses or is not there: bounded time, clear errors, nothing lost.
+
+The job talks to a moto S3 server over HTTP through s3fs, through a loopback TCP
+proxy (`tcp_proxy.FaultProxy`) that the tests switch between pass, stall, reset
+and slow. Timeouts are scaled down (1 s) so that each scenario takes seconds.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import boto3
+import polars as pl
+import pytest
+
+from pipeline import JobSpec, done_shards, io, read_metrics, run_job
+from pipeline.lease import JobLocked
+from pipeline.storage import StorageError, stall_bound_s
+from pipeline.testing import FakeLLM
+
+try:
+    from tests.s3_server import s3_bucket, s3_proxy, s3_server  # noqa: F401  (pytest fixtures)
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: F401
+
+FAST = {"connect_timeout": 1, "read_timeout": 1, "retries": {"total_max_attempts": 2, "mode": "standard"}}
+IDS = [f"r{i:02d}" for i in range(12)]
+
+
+def upload(bucket: str, tmp_path, endpoint: str) -> str:
+    """12 rows in one Parquet file at s3://bucket/in/; returns the prefix."""
+    local = tmp_path / "in.parquet"
+    pl.DataFrame({"id": IDS, "prompt": [f"Label item {i}" for i in range(12)],
+                  "topic": [f"t{i % 3}" for i in range(12)]}).write_parquet(local)
+    boto3.client("s3", endpoint_url=endpoint).upload_file(str(local), bucket, "in/a.parquet")
+    return f"s3://{bucket}/in/"
+
+
+def part_names(output: str, so=None) -> list[str]:
+    return [n for n in io.list_names(output, so) if n.startswith("part-")]
+
+
+def read_parts(output: str, so=None) -> pl.DataFrame:
+    return pl.concat([io.read_parquet(io.join(output, n), so) for n in part_names(output, so)])
+
+
+def spec_for(inp: str, out: str, so: dict, **kw) -> JobSpec:
+    fields = dict(input=inp, output=out, max_tokens=3, shard_size=3, shards_in_flight=1, progress=False,
+                  storage_options=so, lease_ttl_s=2.0)
+    fields.update(kw)
+    return JobSpec(**fields)
+
+
+def run_when_free(spec: JobSpec, llm, wait_s: float = 6.0):
+    """run_job, waiting while a lease left behind by a failed run has not expired yet."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return run_job(spec, llm)
+        except JobLocked:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
+
+def test_stalled_endpoint_fails_within_the_bound_commits_nothing_partial_and_resumes(s3_bucket, s3_server, s3_proxy,
+                                                                                   tmp_path):
+    so = {"endpoint_url": s3_proxy.url, "config_kwargs": FAST}
+    spec = spec_for(upload(s3_bucket, tmp_path, s3_server), f"s3://{s3_bucket}/out", so)
+
+    def stall_after_first_commit(result):
+        if result.index == 0:
+            s3_proxy.mode = "stall"
+
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as exc, pytest.warns(UserWarning, match="cost was not booked"):
+        run_job(spec, FakeLLM(), on_shard_done=stall_after_first_commit)
+    elapsed = time.monotonic() - t0
+    # one stalled operation, then clean-up with one short attempt per call
+    assert elapsed < stall_bound_s(so) + 10, elapsed
+    # shards 0 and 1 share a prefix group, so they run in one engine call: the stall hits part 1's write
+    assert exc.value.kind == "timeout"
+    assert str(exc.value).startswith(f"cannot write s3://{s3_bucket}/out/part-00001.parquet: no answer from "
+                                     f"{s3_proxy.url} within the time limits (read_timeout 1 s, 2 attempts)")
+    assert "Re-run the same command to resume" in str(exc.value)
+
+    s3_proxy.mode = "pass"
+    # nothing half-written was committed: the only part file is shard 0's, with its marker
+    assert part_names(spec.output, so) == ["part-00000.parquet"] and list(done_shards(spec)) == [0]
+    llm = FakeLLM()
+    report = run_when_free(spec, llm)
+    assert llm.prompts_seen == 9 and report.rows_skipped == 3 and report.rows_ok == 9
+    ids = read_parts(spec.output, so)["id"].to_list()
+    assert sorted(ids) == IDS and len(ids) == 12
+
+
+def test_connections_reset_mid_job_are_retried(s3_bucket, s3_server, s3_proxy, tmp_path):
+    so = {"endpoint_url": s3_proxy.url, "config_kwargs": {**FAST, "retries": {"total_max_attempts": 3}}}
+    spec = spec_for(upload(s3_bucket, tmp_path, s3_server), f"s3://{s3_bucket}/out", so)
+    clean = spec.model_copy(update={"output": f"s3://{s3_bucket}/clean"})
+    run_job(clean, FakeLLM())
+
+    def reset_after_commit(result):
+        s3_proxy.reset_next(2)  # the next two connection events are reset (RST); attempt 3 gets through
+
+    report = run_job(spec, FakeLLM(), on_shard_done=reset_after_commit)
+    assert s3_proxy.resets >= 6  # resets really happened after several commits
+    assert report.rows_ok == 12 and report.status == "ok"
+    timings = ["ttft_s", "latency_s"]
+    faulty, reference = read_parts(spec.output, so).drop(timings), read_parts(clean.output, so).drop(timings)
+    assert faulty.equals(reference)  # the same rows, in the same part files, as a run without faults
+    assert sorted(faulty["id"].to_list()) == IDS
+
+
+def test_slow_connections_are_not_timeouts(s3_bucket, s3_server, s3_proxy, tmp_path):
+    """Bytes trickle (256 bytes every 5 ms) but never stop for a read timeout: the job completes."""
+    so = {"endpoint_url": s3_proxy.url, "config_kwargs": FAST}
+    spec = spec_for(upload(s3_bucket, tmp_path, s3_server), f"s3://{s3_bucket}/out", so)
+    s3_proxy.slow_chunk, s3_proxy.slow_delay_s, s3_proxy.mode = 256, 0.005, "slow"
+    report = run_job(spec, FakeLLM())
+    s3_proxy.mode = "pass"
+    assert report.rows_ok == 12
+    assert sorted(read_parts(spec.output, so)["id"].to_list()) == IDS
+
+
+def test_denied_write_names_the_object_books_a_failed_run_and_resumes(s3_bucket, s3_server, tmp_path):
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    spec = spec_for(upload(s3_bucket, tmp_path, s3_server), f"s3://{s3_bucket}/out", {}, price_per_hour=3600.0)
+    policy = {"Version": "2012-10-17", "Statement": [{
+        "Effect": "Deny", "Principal": "*", "Action": "s3:PutObject",
+        "Resource": f"arn:aws:s3:::{s3_bucket}/out/part-00002.parquet"}]}
+    s3.put_bucket_policy(Bucket=s3_bucket, Policy=json.dumps(policy))
+    with pytest.raises(StorageError) as exc:
+        run_job(spec, FakeLLM())
+    assert exc.value.kind == "denied"
+    assert str(exc.value).startswith(f"cannot write s3://{s3_bucket}/out/part-00002.parquet: access denied")
+    assert "bucket policy" in str(exc.value)
+    assert part_names(spec.output) == ["part-00000.parquet", "part-00001.parquet"]
+    assert [n for n in io.list_names(spec.output) if n.startswith(".")] == []  # the temp file was removed
+    failed = read_metrics(spec.output).row(0, named=True)
+    assert failed["status"] == "failed" and "access denied" in failed["error"]
+    assert (failed["rows_ok"], failed["rows_skipped"]) == (6, 0)
+    assert failed["cost_usd"] == pytest.approx(failed["wall_s"]) and failed["cost_usd"] > 0
+
+    s3.delete_bucket_policy(Bucket=s3_bucket)
+    report = run_job(spec, FakeLLM())
+    assert (report.rows_skipped, report.rows_ok) == (6, 6)
+    metrics = read_metrics(spec.output)
+    assert metrics["status"].to_list() == ["failed", "ok"] and metrics["rows_ok"].sum() == 12
+    assert sorted(read_parts(spec.output)["id"].to_list()) == IDS
+
+
+def test_wrong_port_fails_fast_with_a_short_message(s3_bucket, s3_server, tmp_path):
+    inp = upload(s3_bucket, tmp_path, s3_server)
+    spec = spec_for(inp, f"s3://{s3_bucket}/out", {"endpoint_url": "http://127.0.0.1:9"})
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as exc:
+        run_job(spec, FakeLLM())
+    assert time.monotonic() - t0 < 10
+    text = str(exc.value)
+    assert exc.value.kind == "connect" and len(text.splitlines()) == 2
+    assert text.startswith(f"cannot write s3://{s3_bucket}/out: cannot connect to http://127.0.0.1:9 "
+                           f"(connection refused, 3 attempts)")
+    assert io.list_names(f"s3://{s3_bucket}/out") == []
+
+
+@pytest.mark.parametrize("region", ["us-east-1", "eu-west-1"])
+def test_missing_buckets_are_named_and_never_created(s3_bucket, s3_server, tmp_path, monkeypatch, region):
+    monkeypatch.setenv("AWS_DEFAULT_REGION", region)
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    before = sorted(b["Name"] for b in s3.list_buckets()["Buckets"])
+    inp = upload(s3_bucket, tmp_path, s3_server)
+    with pytest.raises(StorageError) as exc:
+        run_job(spec_for(inp, "s3://typo-bucket-x/labels/", {}), FakeLLM())
+    assert str(exc.value).splitlines() == [
+        "cannot write s3://typo-bucket-x/labels/: bucket 'typo-bucket-x' does not exist",
+        "  tokenmill never creates buckets: check the URL for a typo, or create the bucket first."]
+    with pytest.raises(StorageError, match="cannot list s3://no-such-input/p/: bucket 'no-such-input' does not "
+                                           "exist"):
+        run_job(spec_for("s3://no-such-input/p/", f"s3://{s3_bucket}/out", {}), FakeLLM())
+    assert sorted(b["Name"] for b in s3.list_buckets()["Buckets"]) == before
+    assert io.list_names(f"s3://{s3_bucket}/out") == []

@@ -1,0 +1,169 @@
+"""Validation before any write: bad options, mixed input schemas, max_tokens past the context, empty input."""
+from __future__ import annotations
+
+import os
+
+import polars as pl
+import pytest
+
+from pipeline import JobSpec, read_metrics, run_job
+from pipeline.job import prepare_job
+from pipeline.testing import FakeLLM
+
+
+def write_input(path, n: int = 4, **columns) -> str:
+    df = pl.DataFrame({"id": list(range(n)), "prompt": [f"Say {i}." for i in range(n)], **columns})
+    df.write_parquet(path)
+    return str(path)
+
+
+def parts(out) -> list[str]:
+    return sorted(p for p in os.listdir(out) if p.startswith("part-")) if os.path.isdir(out) else []
+
+
+BAD_OPTIONS = [
+    ({"quantization": "int9"}, "invalid engine option: quantization must be None|int8|int4|gguf, got 'int9'"),
+    ({"dtype": "fp8"}, "invalid engine option: dtype must be auto|float32|bfloat16|float16, got 'fp8'"),
+    ({"model": "smollm-nope", "plan": "input"}, "unknown model 'smollm-nope': expected 'smollm2-135m-instruct', "
+                                                "a .gguf file"),
+    ({"model": "smollm-nope"}, "unknown model 'smollm-nope'"),
+    ({"engine_options": {"block_sz": 32}}, "unknown engine option(s) ['block_sz']; known: ['attention_backend', "
+                                           "'block_size'"),
+    ({"sampling_options": {"top_q": 0.5}}, "invalid sampling option"),
+    ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|int8|fp8_e4m3"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD_OPTIONS, ids=[str(b) for b, _ in BAD_OPTIONS])
+def test_bad_option_is_refused_before_anything_is_written_and_the_fix_runs(tmp_path, bad, message):
+    """A refused option leaves no `_job/`, so the corrected command is not refused as 'a different spec'."""
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as exc:
+        prepare_job(JobSpec(input=inp, output=str(out), progress=False, **bad))
+    assert message in str(exc.value)
+    assert not out.exists()
+    report = run_job(JobSpec(input=inp, output=str(out), progress=False, max_tokens=2), FakeLLM())
+    assert report.rows_ok == 4 and parts(out) == ["part-00000.parquet"]
+
+
+def test_cuda_device_without_cuda_is_refused_before_writing(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: device='cuda' is valid here")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="device 'cuda' was asked for, but no CUDA device is available"):
+        prepare_job(JobSpec(input=write_input(tmp_path / "in.parquet"), output=str(out), device="cuda"))
+    assert not out.exists()
+
+
+def test_mixed_id_types_are_refused_naming_the_file_and_column(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    write_input(d / "a.parquet")
+    pl.DataFrame({"id": ["x", "y"], "prompt": ["Hi.", "Yo."]}).write_parquet(d / "b.parquet")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as exc:
+        run_job(JobSpec(input=str(d), output=str(out), progress=False), FakeLLM())
+    assert str(exc.value).startswith(f"file://{d}/b.parquet: column 'id' is String here but Int64 in "
+                                     f"file://{d}/a.parquet; these types cannot be unified")
+    assert not out.exists()
+
+
+def test_missing_passthrough_column_is_refused_naming_the_file_and_column(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    write_input(d / "a.parquet", topic=["a", "b", "c", "d"])
+    write_input(d / "b.parquet")
+    with pytest.raises(ValueError) as exc:
+        run_job(JobSpec(input=str(d), output=str(tmp_path / "out"), progress=False), FakeLLM())
+    assert str(exc.value).startswith(f"file://{d}/b.parquet lacks column 'topic', which file://{d}/a.parquet has")
+    assert not (tmp_path / "out").exists()
+
+
+def test_castable_types_are_unified_said_so_and_the_parts_read_together(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    pl.DataFrame({"id": pl.Series([0, 1], dtype=pl.Int32), "prompt": ["A.", "B."],
+                  "note": pl.Series([None, None], dtype=pl.Null)}).write_parquet(d / "a.parquet")
+    pl.DataFrame({"id": [2, 3], "prompt": ["C.", "D."], "note": ["x", "y"],
+                  "max_tokens": [1, 2]}).write_parquet(d / "b.parquet")  # an override column in one file only
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning) as caught:
+        run_job(JobSpec(input=str(d), output=str(out), progress=False, max_tokens=3), FakeLLM())
+    notes = sorted(str(w.message) for w in caught)
+    assert notes == [f"{d}: column 'id' is Int32 in file://{d}/a.parquet, Int64 in file://{d}/b.parquet: unified "
+                     f"to Int64 in the output",
+                     f"{d}: column 'note' is Null in file://{d}/a.parquet, String in file://{d}/b.parquet: unified "
+                     f"to String in the output"]
+    df = pl.read_parquet(f"{out}/part-*.parquet")  # raised SchemaError before
+    assert df.schema["id"] == pl.Int64 and df.schema["note"] == pl.String
+    assert df.sort("id")["id"].to_list() == [0, 1, 2, 3]
+    assert df.sort("id")["note"].to_list() == [None, None, "x", "y"]
+    assert df.sort("id")["completion_tokens"].to_list() == [3, 3, 1, 2]
+
+
+def test_max_tokens_past_the_context_is_an_error_row_unless_truncate(tmp_path):
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3], "prompt": ["Short one.", "Another.", "Third."],
+                  "max_tokens": [None, 10**12, 5]}).write_parquet(inp)
+    out = tmp_path / "out"
+    llm = FakeLLM(max_model_len=512)
+    report = run_job(JobSpec(input=str(inp), output=str(out), progress=False, max_tokens=4), llm)
+    df = pl.read_parquet(f"{out}/part-*.parquet").sort("id")
+    prompt_len = len(llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Another."}])))
+    assert df["error"].to_list() == [
+        None,
+        f"max_tokens 1000000000000 does not fit the model's context: the prompt has {prompt_len} tokens and the "
+        f"context (max_model_len) is 512, which leaves {512 - prompt_len}; lower max_tokens, or pass --truncate to "
+        f"stop at the end of the context",
+        None]
+    assert df["completion_tokens"].to_list() == [4, 0, 5] and (report.rows_ok, report.rows_error) == (2, 1)
+
+    out2 = tmp_path / "truncated"
+    run_job(JobSpec(input=str(inp), output=str(out2), progress=False, max_tokens=4, truncate=True), FakeLLM())
+    df2 = pl.read_parquet(f"{out2}/part-*.parquet").sort("id")
+    assert df2["error"].null_count() == 3
+    assert df2["completion_tokens"].to_list()[1] == min(512 - prompt_len, len("Another.0 ") * 64)
+    assert df2["finish_reason"].to_list() == ["length"] * 3
+
+
+def test_empty_input_is_a_zero_row_report_with_no_part_files(tmp_path, capsys):
+    from pipeline.cli import main
+
+    inp = tmp_path / "empty.parquet"
+    pl.DataFrame({"id": pl.Series([], dtype=pl.Int64), "prompt": pl.Series([], dtype=pl.String)}).write_parquet(inp)
+    out = tmp_path / "out"
+    llm = FakeLLM()
+    report = run_job(JobSpec(input=str(inp), output=str(out), progress=False), llm)
+    assert (report.rows_total, report.rows_ok, report.rows_error) == (0, 0, 0)
+    assert llm.calls == 0 and parts(out) == []
+    assert main(["run", "--input", str(inp), "--output", str(tmp_path / "cli"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"0 rows in {inp}: nothing generated, no part files written" in printed
+    assert "part-*.parquet" not in printed
+    assert read_metrics(str(tmp_path / "cli"))["rows_total"].to_list() == [0]
+
+
+def test_default_storage_limits_bound_a_stall_under_two_minutes():
+    from pipeline.storage import quick_options, stall_bound_s, write_deadline_s
+
+    assert stall_bound_s() == 86.0 and stall_bound_s(file_read=False) == 44.0
+    assert write_deadline_s(0) == 36.0
+    quick = quick_options({})
+    cleanup = write_deadline_s(0, quick) + stall_bound_s(quick, file_read=False)  # book the cost, drop the lease
+    assert stall_bound_s() + cleanup < 120
+    # a config_kwargs option overrides the defaults key by key
+    assert stall_bound_s({"config_kwargs": {"read_timeout": 20}}) == 4 * 3 * 22 + 2
+
+
+def test_truncate_joins_the_fingerprint_only_when_set(tmp_path):
+    from pipeline import JobSpecChanged
+
+    inp = write_input(tmp_path / "in.parquet")
+    spec = JobSpec(input=inp, output=str(tmp_path / "out"), progress=False, max_tokens=2)
+    assert "truncate" not in spec.fingerprint_fields()  # jobs written before the option resume unchanged
+    run_job(spec.model_copy(update={"truncate": True}), FakeLLM())
+    with pytest.raises(JobSpecChanged, match="truncate: True -> None"):
+        run_job(spec, FakeLLM())
