@@ -87,8 +87,8 @@ class JobSpec(BaseModel):
     dtype: str = Field("auto", description="weights dtype: auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, "
                                            "bf16 on CUDA)")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    quantization: Optional[str] = Field(None, description="weight quantization: none | int8 | int4 | gguf "
-                                                          "(default none)")
+    quantization: Optional[str] = Field(None, description="weight quantization: none | int8 | int4 | gguf | "
+                                                          "w8a8 (int8 x int8 arithmetic, CPU) (default none)")
     max_num_seqs: Optional[int] = Field(None, description="most requests running at once (engine default 128)")
     max_num_batched_tokens: Optional[int] = Field(None, description="per-step token budget (engine default 1024)")
     max_model_len: Optional[int] = Field(None, description="context length in tokens (default: the model's)")
@@ -97,7 +97,8 @@ class JobSpec(BaseModel):
     enable_prefix_caching: Optional[bool] = Field(None, description="reuse KV blocks of shared prefixes "
                                                                     "(engine default on)")
     seed: int = Field(0, description="engine seed: sampled runs are reproducible")
-    num_threads: Optional[int] = Field(None, description="torch CPU threads (default: torch's)")
+    num_threads: Optional[int] = Field(None, description="CPU threads of torch and the C kernels (default: the "
+                                                         "CPUs this process may use)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig fields")
 
     max_tokens: int = Field(128, description="default new tokens per row")
