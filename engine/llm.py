@@ -97,15 +97,16 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     if quantization is not None:
         from .quant import quantized_copy
 
-        if quantization == "w8a8" and not use_c:
-            raise ValueError("quantization='w8a8' runs on the CPU kernels only: fp32 on the CPU, "
-                             "cpu_kernels=True and a C compiler (see engine.kernels.cpu)")
+        if quantization == "w8a8" and not (use_c or device.startswith("cuda")):
+            raise ValueError("quantization='w8a8' runs on the CPU kernels (fp32 on the CPU, cpu_kernels=True and "
+                             "a C compiler: see engine.kernels.cpu) or on CUDA (Triton)")
         # the same argument tuple as LLM.__init__'s float load, so both hit one cache entry
         base, tokenizer = _load_model(source, dtype, device, seed, None, 32, cpu_kernels)
         if quantization == "w8a8":  # SmoothQuant, calibrated on text the fp32 model writes itself
             from .smoothquant import calibration_absmax, smoothed_w8a8_copy
 
-            calib = LLM(_model_string(source), dtype="float32", device="cpu", seed=seed, cpu_kernels=True,
+            dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            calib = LLM(_model_string(source), dtype=dtype_name, device=device, seed=seed, cpu_kernels=cpu_kernels,
                         kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
             return smoothed_w8a8_copy(base, calibration_absmax(calib)), tokenizer
         gguf_path = source.path if quantization == "gguf" else None

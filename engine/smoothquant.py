@@ -134,10 +134,20 @@ def smoothed_copy(model: nn.Module, stats: dict[tuple[int, str], torch.Tensor], 
 
 def smoothed_w8a8_copy(model: nn.Module, stats: dict[tuple[int, str], torch.Tensor], alpha: float = ALPHA,
                        group_size: int | None = None):
-    """`smoothed_copy` with `W8A8Linear` layers (activation groups of `group_size`, default
+    """`smoothed_copy` with W8A8 layers: the CPU kernel library's `W8A8Linear` on the CPU, the
+    Triton `W8A8TritonLinear` on CUDA (activation groups of `group_size`, default
     `engine.kernels.cpu.W8A8_GROUP`); the LM head stays in float."""
     from .kernels.cpu import W8A8_GROUP
-    from .kernels.cpu.layers import W8A8Linear
 
     gs = group_size or W8A8_GROUP
-    return smoothed_copy(model, stats, lambda w, b: W8A8Linear.from_float(w, b, gs), alpha)
+    if model.device.type == "cuda":
+        from .kernels.w8a8_gemm import W8A8TritonLinear
+
+        def make(w, b):
+            return W8A8TritonLinear.from_float(w, b, gs, model.dtype)
+    else:
+        from .kernels.cpu.layers import W8A8Linear
+
+        def make(w, b):
+            return W8A8Linear.from_float(w, b, gs)
+    return smoothed_copy(model, stats, make, alpha)
