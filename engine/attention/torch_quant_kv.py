@@ -21,7 +21,7 @@ import torch
 from ..kernels import cpu as _cpu
 from . import cpu_kernel
 from .base import AttentionMetadata
-from .torch_ref import TorchAttentionBackend, _sdpa
+from .torch_ref import TorchAttentionBackend, _kv_write_fast, _sdpa
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -99,7 +99,7 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
         `encode`), else `encode` + index_copy_."""
         if (self.kv_cache_dtype == "int8" and self.use_cpu_kernel and k_cache.device.type == "cpu"
                 and k.dtype == torch.float32 and cpu_kernel.available()):
-            _cpu.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            _kv_write_fast(k, v, k_cache, v_cache, meta)
             return
         k_cache.index_copy_(1, meta.slot_mapping, self.encode(k))
         v_cache.index_copy_(1, meta.slot_mapping, self.encode(v))

@@ -19,6 +19,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float)
     return o[0]
 
 
+def _kv_write_fast(k, v, k_cache, v_cache, meta) -> None:
+    """`engine.kernels.cpu.kv_write` with the step's raw call made once (first layer) and reused."""
+    call = meta.cache.get("kv_write") if meta.cache is not None else None
+    t, hkv, d = k.shape
+    if (call is None or k.stride(0) != call[1] or v.stride(0) != call[2] or k.stride(2) != 1 or v.stride(2) != 1
+            or k.stride(1) != d or v.stride(1) != d or not k_cache.is_contiguous()):
+        _cpu.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.cache is not None and k.stride(1) == d and v.stride(1) == d and k.stride(2) == 1 and v.stride(2) == 1:
+            meta.cache["kv_write"] = (_cpu._lib(None).tm_kv_write, k.stride(0), v.stride(0))
+        return
+    fn, ldk, ldv = call
+    row = k_cache.shape[2]
+    is_int8 = k_cache.dtype == torch.int8
+    fn(k.data_ptr(), ldk, v.data_ptr(), ldv, t, hkv, row - 4 if is_int8 else row, meta.slot_mapping.data_ptr(),
+       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], int(is_int8))
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Decode tokens in one batched, masked matmul; each prefill chunk through SDPA.
 
@@ -194,7 +211,7 @@ class TorchAttentionBackend(AttentionBackend):
         """New K/V rows into the cache: one C call on the CPU (fp32), else two index_copy_."""
         if (self.use_cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
                 and k.dtype == torch.float32 and cpu_kernel.available()):
-            _cpu.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            _kv_write_fast(k, v, k_cache, v_cache, meta)
             return
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
@@ -235,8 +252,13 @@ class TorchAttentionBackend(AttentionBackend):
         return plan
 
     def _kernel_serves(self, q, k_cache, meta) -> bool:
-        return self.use_cpu_kernel and meta.slot_mapping.device.type == "cpu" and \
-            cpu_kernel.supports(q, k_cache, meta.block_size)
+        """Whether the C kernel serves this step (decided on its first layer: every layer's
+        tensors have the same dtypes and shapes)."""
+        ok = meta.cache.get("kernel_serves")
+        if ok is None:
+            ok = meta.cache["kernel_serves"] = (self.use_cpu_kernel and meta.slot_mapping.device.type == "cpu"
+                                                and cpu_kernel.supports(q, k_cache, meta.block_size))
+        return ok
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
         self._write_kv(k, v, k_cache, v_cache, meta)

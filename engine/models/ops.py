@@ -54,7 +54,9 @@ class TorchOps:
 
 
 class CpuOps:
-    """The C kernels of `engine.kernels.cpu` (fp32, CPU)."""
+    """The C kernels of `engine.kernels.cpu` (fp32, CPU). Tensors the kernels read as given (fp32
+    CPU rows with a contiguous last dim) go straight to the C function; anything else through
+    the library's checked wrappers, which raise a clear error."""
 
     name = "cpu"
 
@@ -63,23 +65,41 @@ class CpuOps:
 
         self.k = cpu
         self.lib = lib
+        raw = cpu._lib(lib)
+        self._norm, self._rope, self._silu = raw.tm_rms_norm, raw.tm_rope, raw.tm_silu_mul
+
+    @staticmethod
+    def _rows(t: torch.Tensor) -> bool:
+        return t.dtype is torch.float32 and t.is_cpu and t.dim() == 2 and t.stride(1) == 1
 
     def rms_norm(self, x, w, eps, out=None):
+        m, k = x.shape
+        if self._rows(x) and w.is_contiguous() and w.numel() == k and (out is None or (
+                self._rows(out) and out.shape[0] == m and out.shape[1] == k)):
+            y = torch.empty(m, k) if out is None else out
+            self._norm(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), y.stride(0), m, k, eps)
+            return y
         return self.k.rms_norm(x, w, eps, out, lib=self.lib)
 
     def rope_(self, q, k, positions, cos, sin):
-        hq, d = q.shape[1], q.shape[2]
-        t = q.shape[0]
+        t, hq, d = q.shape
+        hkv = k.shape[1]
         # q and k heads side by side in one fused qkv row: one pass over both
         if (k.data_ptr() == q.data_ptr() + hq * d * q.element_size() and q.stride(0) == k.stride(0)
-                and q.stride(1) == d and k.stride(1) == d):
-            self.k.rope_(q.as_strided((t, (hq + k.shape[1]) * d), (q.stride(0), 1)), hq + k.shape[1], d,
-                         positions, cos, sin, lib=self.lib)
+                and q.stride(1) == d and k.stride(1) == d and q.stride(2) == 1 and q.dtype is torch.float32
+                and positions.dtype is torch.int64 and positions.is_contiguous() and cos.dtype is torch.float32
+                and cos.is_contiguous() and sin.is_contiguous()):
+            self._rope(q.data_ptr(), q.stride(0), t, hq + hkv, d, positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
             return
         for x in (q, k):
             self.k.rope_(x.reshape(t, -1), x.shape[1], d, positions, cos, sin, lib=self.lib)
 
     def silu_mul(self, gu, out=None):
+        m, n2 = gu.shape
+        if self._rows(gu) and (out is None or (self._rows(out) and out.shape[0] == m and out.shape[1] == n2 // 2)):
+            y = torch.empty(m, n2 // 2) if out is None else out
+            self._silu(gu.data_ptr(), gu.stride(0), y.data_ptr(), y.stride(0), m, n2 // 2)
+            return y
         return self.k.silu_mul(gu, out, lib=self.lib)
 
 

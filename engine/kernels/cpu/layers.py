@@ -23,7 +23,19 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import W8A8_GROUP, gemm_f32, gemm_q, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act
+from . import W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_f32, gemm_q, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act
+
+_F32 = torch.float32
+
+
+def _fast_ok(x: torch.Tensor, k: int, y: Optional[torch.Tensor], n: int) -> bool:
+    """Whether x [m, k] and y [m, n] (or None) are what the kernels read as given (fp32 CPU
+    rows with a contiguous last dim): the layers then call the C function directly; anything
+    else goes through the checked wrappers, which raise a clear error."""
+    if not (x.dtype is _F32 and x.is_cpu and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1):
+        return False
+    return y is None or (y.dtype is _F32 and y.is_cpu and y.dim() == 2 and y.shape[0] == x.shape[0]
+                         and y.shape[1] == n and y.stride(1) == 1)
 
 
 class CpuLinear(nn.Module):
@@ -43,12 +55,22 @@ class CpuLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self.out_features, self.in_features = self.weight.shape
         self.register_buffer("packed", pack_f32(self.weight.data, lib=lib), persistent=False)
+        # the hot path's raw call: the packed panels are never replaced after construction
+        self._call = (_lib(lib).tm_gemm_f32, self.packed.data_ptr(),
+                      None if self.bias is None else self.bias.data_ptr())
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if residual is not None:
-            return gemm_f32(x, self.packed, self.out_features, self.bias, residual, True, lib=self.lib)
-        return gemm_f32(x, self.packed, self.out_features, self.bias, out, False, lib=self.lib)
+        y = residual if residual is not None else out
+        n, k = self.out_features, self.in_features
+        if _fast_ok(x, k, y, n):
+            m = x.shape[0]
+            if y is None:
+                y = torch.empty(m, n)
+            fn, w, b = self._call
+            fn(x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k, residual is not None)
+            return y
+        return gemm_f32(x, self.packed, n, self.bias, y, residual is not None, lib=self.lib)
 
     def weight_bytes(self) -> int:
         """Bytes read per forward pass: the packed panels (padding columns included) and the bias."""
@@ -76,6 +98,8 @@ class CpuQuantLinear(nn.Module):
                              persistent=False)
         self.bias = None if q.bias is None else nn.Parameter(q.bias.float().contiguous(), requires_grad=False)
         self.source = q  # the reference layer (dequantize(), byte accounting of the original layout)
+        self._call = (_lib(lib).tm_gemm_q, W_Q8 if q.bits == 8 else W_Q4, int(self.has_min), self.packed.data_ptr(),
+                      None if self.bias is None else self.bias.data_ptr())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -88,9 +112,18 @@ class CpuQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        dst, acc = (residual, True) if residual is not None else (out, False)
-        return gemm_q(x, self.packed, self.out_features, self.padded_in, self.bits, self.group_size, self.has_min,
-                      self.bias, dst, acc, lib=self.lib)
+        y = residual if residual is not None else out
+        n, k = self.out_features, self.in_features
+        if _fast_ok(x, k, y, n):
+            m = x.shape[0]
+            if y is None:
+                y = torch.empty(m, n)
+            fn, kind, has_min, w, b = self._call
+            fn(kind, has_min, x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k, self.padded_in,
+               self.group_size, residual is not None)
+            return y
+        return gemm_q(x, self.packed, n, self.padded_in, self.bits, self.group_size, self.has_min,
+                      self.bias, y, residual is not None, lib=self.lib)
 
     def weight_bytes(self) -> int:
         """Bytes read per forward pass (packed codes, scales, mins, bias)."""
@@ -146,6 +179,8 @@ class W8A8Linear(nn.Module):
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("packed", pack_w8a8(self.weight, self.scale, group_size, lib=lib), persistent=False)
+        lib_ = _lib(lib)
+        self._call = (lib_.tm_quantize_act, lib_.tm_gemm_w8a8, self.packed.data_ptr())
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     @classmethod
@@ -162,9 +197,21 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         gs = self.group_size
-        codes, scales = quantize_act(x, gs, *_act_buffers(x.shape[0], self.in_features, gs), lib=self.lib)
-        dst, acc = (residual, True) if residual is not None else (out, False)
-        return gemm_w8a8(codes, scales, self.packed, self.out_features, gs, self.bias, dst, acc, lib=self.lib)
+        y = residual if residual is not None else out
+        n, k = self.out_features, self.in_features
+        codes, scales = _act_buffers(x.shape[0], k, gs)
+        if _fast_ok(x, k, y, n):
+            m = x.shape[0]
+            if y is None:
+                y = torch.empty(m, n)
+            quant, gemm, w = self._call
+            kp = codes.shape[1]
+            quant(x.data_ptr(), x.stride(0), m, k, kp, gs, codes.data_ptr(), scales.data_ptr())
+            gemm(codes.data_ptr(), scales.data_ptr(), kp, gs, w, None if self.bias is None else self.bias.data_ptr(),
+                 y.data_ptr(), y.stride(0), m, n, residual is not None)
+            return y
+        codes, scales = quantize_act(x, gs, codes, scales, lib=self.lib)
+        return gemm_w8a8(codes, scales, self.packed, n, gs, self.bias, y, residual is not None, lib=self.lib)
 
     def weight_bytes(self) -> int:
         """Bytes read per forward pass (packed codes, scales, column sums, bias)."""
