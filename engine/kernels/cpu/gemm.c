@@ -193,7 +193,7 @@ static inline void store_tile(const float *tile, int mr, int ncols, float *y, in
 #define KSPLIT(mr) ((mr) == 1 ? 4 : (mr) <= 3 ? 2 : 1)
 
 TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
-                       float *restrict tile) {
+                       float *restrict tile, const char *pf, int64_t pf_len) {
     const int ks = KSPLIT(mr);
     vf acc[4][TM_MR][2];
 #pragma GCC unroll 4
@@ -202,6 +202,7 @@ TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t
         for (int r = 0; r < mr; ++r) acc[s][r][0] = acc[s][r][1] = V_ZERO();
     int64_t kk = 0;
     for (; kk + ks <= k; kk += ks) {
+        if (kk * 64 < pf_len) __builtin_prefetch(pf + kk * 64, 0, 2); /* the next panel, a line per step */
 #pragma GCC unroll 4
         for (int s = 0; s < ks; ++s) {
             const float *bk = b + (kk + s) * TM_NR;
@@ -265,7 +266,7 @@ TM_INLINE void load_codes(const int kind, const unsigned char *c, vf *b0, vf *b1
  * dequantized in registers, w = q * s (+ m), then used by all mr rows. k <= ng * gs is the
  * number of real rows of K (the last group may be padded). */
 TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a,
-                     int64_t lda, const char *restrict b, float *restrict tile) {
+                     int64_t lda, const char *restrict b, float *restrict tile, const char *pf, int64_t pf_len) {
     const int ks = KSPLIT(mr);
     const int64_t row_bytes = kind == TM_W_Q4 ? TM_NR / 2 : TM_NR;
     const int64_t gb = q_group_bytes(kind, has_min, gs);
@@ -286,6 +287,8 @@ TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k,
         const int64_t n = k - g0 < gs ? k - g0 : gs;
         int64_t kk = 0;
         for (; kk + ks <= n; kk += ks) {
+            const int64_t pk = (g0 + kk) * 32; /* half a line per step: codes are 1 byte or half */
+            if (pk < pf_len) __builtin_prefetch(pf + pk, 0, 2);
 #pragma GCC unroll 4
             for (int s = 0; s < ks; ++s) {
                 vf b0, b1;
@@ -341,7 +344,9 @@ TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k,
 #else /* plain C: the compiler vectorizes the j loops */
 
 static void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
-                    float *restrict tile) {
+                    float *restrict tile, const char *pf, int64_t pf_len) {
+    (void)pf;
+    (void)pf_len;
     float acc[TM_MR][TM_NR];
     memset(acc, 0, sizeof acc);
     for (int64_t kk = 0; kk < k; ++kk) {
@@ -355,7 +360,9 @@ static void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t ld
 }
 
 static void ukr_q(const int kind, const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a,
-                  int64_t lda, const char *restrict b, float *restrict tile) {
+                  int64_t lda, const char *restrict b, float *restrict tile, const char *pf, int64_t pf_len) {
+    (void)pf;
+    (void)pf_len;
     float acc[TM_MR][TM_NR];
     float w[TM_NR];
     memset(acc, 0, sizeof acc);
@@ -404,18 +411,19 @@ typedef struct {
 #define UKR_CASE(MR)                                                                                   \
     case MR:                                                                                           \
         if (c->kind == TM_W_F32)                                                                       \
-            ukr_f32(MR, c->k, a, c->ldx, (const float *)bp, tile);                                     \
+            ukr_f32(MR, c->k, a, c->ldx, (const float *)bp, tile, pf, pf_len);                         \
         else if (c->kind == TM_W_Q8 && c->has_min)                                                     \
-            ukr_q(TM_W_Q8, 1, MR, c->k, c->gs, a, c->ldx, bp, tile);                                   \
+            ukr_q(TM_W_Q8, 1, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                       \
         else if (c->kind == TM_W_Q8)                                                                   \
-            ukr_q(TM_W_Q8, 0, MR, c->k, c->gs, a, c->ldx, bp, tile);                                   \
+            ukr_q(TM_W_Q8, 0, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                       \
         else if (c->has_min)                                                                           \
-            ukr_q(TM_W_Q4, 1, MR, c->k, c->gs, a, c->ldx, bp, tile);                                   \
+            ukr_q(TM_W_Q4, 1, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                       \
         else                                                                                           \
-            ukr_q(TM_W_Q4, 0, MR, c->k, c->gs, a, c->ldx, bp, tile);                                   \
+            ukr_q(TM_W_Q4, 0, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                       \
         break;
 
-static void run_tile(const gemm_ctx *c, int mr, const float *a, const char *bp, float *tile) {
+static void run_tile(const gemm_ctx *c, int mr, const float *a, const char *bp, float *tile, const char *pf,
+                     int64_t pf_len) {
     switch (mr) {
         UKR_CASE(1)
         UKR_CASE(2)
@@ -449,9 +457,15 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
         const int64_t n0 = p * TM_NR;
         const int ncols = c->n - n0 < TM_NR ? (int)(c->n - n0) : TM_NR;
         const float *bias = c->bias ? c->bias + n0 : NULL;
-        for (int64_t r = m0; r < m1; r += TM_MR) {
+        /* each tile of this panel prefetches its share of the next panel of the chunk, so the
+         * next panel's first tile finds it in cache instead of waiting on memory */
+        const int64_t ntiles = (m1 - m0 + TM_MR - 1) / TM_MR;
+        const int64_t share = (c->panel_bytes + ntiles - 1) / ntiles;
+        for (int64_t r = m0, t = 0; r < m1; r += TM_MR, ++t) {
             const int mr = m1 - r < TM_MR ? (int)(m1 - r) : TM_MR;
-            run_tile(c, mr, c->x + r * c->ldx, bp, tile);
+            const char *pf = bp + c->panel_bytes + t * share;
+            const int64_t pf_len = p + 1 < p1 ? share : 0;
+            run_tile(c, mr, c->x + r * c->ldx, bp, tile, pf, pf_len);
             store_tile(tile, mr, ncols, c->y + r * c->ldy + n0, c->ldy, bias, c->accumulate);
         }
     }
@@ -466,8 +480,9 @@ static void gemm_run(gemm_ctx *c) {
     const int64_t mblocks = cdiv(c->m, mc);
     c->mc = mc;
     c->npanels = cdiv(c->n, TM_NR);
-    /* about 8 chunks per thread (dynamic scheduling evens out speed differences) */
-    const int64_t target = threads > 1 ? 8 * threads : 1;
+    /* about 4 chunks per thread: enough for the dynamic scheduling to even out speed
+     * differences, few enough that a chunk's panels prefetch one another */
+    const int64_t target = threads > 1 ? 4 * threads : 1;
     int64_t per_mb = cdiv(target, mblocks);
     if (per_mb > c->npanels) per_mb = c->npanels;
     c->group = cdiv(c->npanels, per_mb);
