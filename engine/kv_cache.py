@@ -163,11 +163,18 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # zeros, not empty: padded decode gathers read slot 0, which must be finite
-        self.layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        # zeros, not empty: padded decode gathers read slot 0, which must be finite. On the CPU
+        # in huge pages: decode reads a few blocks scattered over each layer's pool, and with
+        # 4 KiB pages every block is a TLB miss (engine/kernels/cpu/memory.py)
+        if torch.device(device).type == "cpu":
+            from .kernels.cpu.memory import huge_zeros
+
+            def zeros() -> torch.Tensor:
+                return huge_zeros(tuple(shape), dtype)
+        else:
+            def zeros() -> torch.Tensor:
+                return torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

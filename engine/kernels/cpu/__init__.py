@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from . import build
+from .memory import huge_empty
 
 W_F32, W_Q8, W_Q4 = 0, 1, 2
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
@@ -133,7 +134,7 @@ def pack_f32(w: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor
     lib = _lib(lib)
     _check2d("w", w, torch.float32)
     n, k = w.shape
-    buf = torch.empty(lib.tm_pack_f32_size(n, k), dtype=torch.uint8)
+    buf = huge_empty(lib.tm_pack_f32_size(n, k))
     lib.tm_pack_f32(w.data_ptr(), w.stride(0), n, k, buf.data_ptr())
     return buf
 
@@ -185,7 +186,7 @@ def pack_q(codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor]
     codes = codes.contiguous()
     scale = scale.float().contiguous()
     mn = None if min is None else min.float().contiguous()
-    buf = torch.empty(lib.tm_pack_q_size(kind, int(mn is not None), n, kpad, group_size), dtype=torch.uint8)
+    buf = huge_empty(lib.tm_pack_q_size(kind, int(mn is not None), n, kpad, group_size))
     rc = lib.tm_pack_q(kind, codes.data_ptr(), scale.data_ptr(), None if mn is None else mn.data_ptr(), n, kpad,
                        group_size, buf.data_ptr())
     if rc:
@@ -257,7 +258,7 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP
     scale = scale.float().contiguous()
     if scale.shape != (n,):
         raise ValueError(f"scale must be [{n}], got {tuple(scale.shape)}")
-    buf = torch.empty(lib.tm_pack_w8a8_size(n, k, group_size), dtype=torch.uint8)
+    buf = huge_empty(lib.tm_pack_w8a8_size(n, k, group_size))
     if lib.tm_pack_w8a8(q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, group_size, buf.data_ptr()):
         raise ValueError(f"group_size must be a positive multiple of 4, got {group_size}")
     return buf
