@@ -85,7 +85,8 @@ class CpuOps:
         t, hq, d = q.shape
         hkv = k.shape[1]
         # q and k heads side by side in one fused qkv row: one pass over both
-        if (k.data_ptr() == q.data_ptr() + hq * d * q.element_size() and q.stride(0) == k.stride(0)
+        # (one token: the row stride is never used, and torch may report any value for it)
+        if (k.data_ptr() == q.data_ptr() + hq * d * q.element_size() and (t == 1 or q.stride(0) == k.stride(0))
                 and q.stride(1) == d and k.stride(1) == d and q.stride(2) == 1 and q.dtype is torch.float32
                 and positions.dtype is torch.int64 and positions.is_contiguous() and cos.dtype is torch.float32
                 and cos.is_contiguous() and sin.is_contiguous()):
