@@ -260,6 +260,8 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token()
     same token."""
     from types import SimpleNamespace
 
+    import torch
+
     from engine.sampler import Sampler
 
     probs = torch.tensor([0.5, 0.0, 0.2, 0.15, 0.15, 0.0])
