@@ -148,7 +148,22 @@ class StepTimers:
         self._wrap(llm.backend, "forward", "attention")
         for name in ("rms_norm", "rope_", "silu_mul"):
             self._wrap(m.ops, name, "other model ops")
-        self._wrap(llm.sampler, "__call__", "sampler")
+        sampler = llm.sampler  # a call goes through the type's __call__: wrap the object itself
+
+        class _TimedSampler:
+            def __getattr__(_, name: str) -> Any:
+                return getattr(sampler, name)
+
+            def __call__(_, *a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                r = sampler(*a, **k)
+                dt = time.perf_counter() - t0
+                self.t["sampler"] += dt
+                self._pending["sampler"] += dt
+                return r
+
+        llm.sampler = _TimedSampler()
+        self._sampler = (llm, sampler)
         self._wrap(llm.scheduler, "schedule", "scheduler")
         self._wrap(llm.runner, "prepare_scheduled", "input preparation")
         self._wrap(m, "forward", "model forward")
@@ -194,6 +209,8 @@ class StepTimers:
         self._undo.append((obj, attr))
 
     def close(self) -> None:
+        llm, sampler = self._sampler
+        llm.sampler = sampler
         for obj, attr in reversed(self._undo):
             try:
                 delattr(obj, attr)
