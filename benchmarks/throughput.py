@@ -72,6 +72,15 @@ from benchmarks.workloads import WORKLOADS, Workload, build_workload, parse_work
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ENGINES = ("tokenmill", "hf", "llamacpp")  # "llamacpp" stands for its configurations (llamacpp-<weights>-<mode>)
+# tokenmill rows besides the default: tokenmill-<scheme> runs LLM(quantization=<scheme>) (kv-int8: kv_cache_dtype)
+TOKENMILL_VARIANTS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+                      "gguf": {"quantization": "gguf"}, "w8a8": {"quantization": "w8a8"},
+                      "kv-int8": {"kv_cache_dtype": "int8"}}
+
+
+def is_tokenmill(name: str) -> bool:
+    """Whether a row is one of tokenmill's (the default or a tokenmill-<scheme> variant)."""
+    return name == "tokenmill" or name.startswith("tokenmill-")
 AGREE_FIRST = 8  # greedy agreement: a request agrees when its first this-many tokens are tokenmill's
 
 
@@ -264,8 +273,15 @@ def compare_to_peers(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         empty when tokenmill did not run. A peer that produced no tokens gets no ratio.
     """
     tm = results.get("tokenmill")
-    peers = {k: r for k, r in results.items() if k != "tokenmill" and r.get("output_tok_s", 0) > 0}
-    out: dict[str, Any] = {"ratio_output_tok_s": {}, "ratio_total_tok_s": {}, "best_peer": None, "best_llamacpp": None}
+    peers = {k: r for k, r in results.items() if not is_tokenmill(k) and r.get("output_tok_s", 0) > 0}
+    out: dict[str, Any] = {"ratio_output_tok_s": {}, "ratio_total_tok_s": {}, "best_peer": None, "best_llamacpp": None,
+                           "variants_to_best_peer": {}}
+    if peers:
+        top = max(peers, key=lambda n: peers[n]["output_tok_s"])
+        for k, r in results.items():
+            if is_tokenmill(k) and k != "tokenmill":
+                out["variants_to_best_peer"][k] = {"best_peer": top,
+                                                   "ratio_output_tok_s": r["output_tok_s"] / peers[top]["output_tok_s"]}
     if tm is None or not peers:
         return out
     for k, r in peers.items():
@@ -321,6 +337,8 @@ def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
             continue
         lines.append(f">>> tokenmill / {label} ({b['engine']}, {b['output_tok_s']:.1f} output tok/s): "
                      f"{b['ratio_output_tok_s']:.2f}x output tok/s, {b['ratio_total_tok_s']:.2f}x total tok/s")
+    for eng, v in cmp["variants_to_best_peer"].items():
+        lines.append(f">>> {eng} / BEST PEER ({v['best_peer']}): {v['ratio_output_tok_s']:.2f}x output tok/s")
     for eng, r in results.items():
         if eng.startswith("llamacpp") and "steps" in r:
             wall = max(r["wall_s"], 1e-9)
@@ -346,7 +364,8 @@ def parse_engines(spec: str, llamacpp_weights: Sequence[str] = llamacpp_peer.WEI
                   llamacpp_parallel: Sequence[int] = llamacpp_peer.DEFAULT_PARALLEL) -> list[str]:
     """Engine row names from a comma list, in order, without repeats.
 
-    ``tokenmill`` and ``hf`` stand for themselves; ``llamacpp`` expands to every
+    ``tokenmill`` and ``hf`` stand for themselves, ``tokenmill-<scheme>`` is tokenmill with a
+    `TOKENMILL_VARIANTS` setting; ``llamacpp`` expands to every
     ``llamacpp-<weights>-<serial|pN>`` of `llamacpp_weights` x `llamacpp_parallel`;
     a row name such as ``llamacpp-f16-p32`` picks that one configuration.
     Raises:
@@ -359,6 +378,8 @@ def parse_engines(spec: str, llamacpp_weights: Sequence[str] = llamacpp_peer.WEI
             names += [c.name for c in llamacpp_peer.all_configs(llamacpp_weights, llamacpp_parallel)]
         elif n in ENGINES:
             names.append(n)
+        elif n.startswith("tokenmill-") and n[len("tokenmill-"):] in TOKENMILL_VARIANTS:
+            names.append(n)
         elif n.startswith("llamacpp-"):
             try:
                 names.append(llamacpp_peer.parse_config_name(n).name)
@@ -367,7 +388,8 @@ def parse_engines(spec: str, llamacpp_weights: Sequence[str] = llamacpp_peer.WEI
         else:
             bad.append(n)
     if bad or not names:
-        raise ValueError(f"unknown engine(s) {bad}; choose from {list(ENGINES)} or llamacpp-<q4_1|f16>-<serial|pN>")
+        raise ValueError(f"unknown engine(s) {bad}; choose from {list(ENGINES)}, llamacpp-<q4_1|f16>-<serial|pN> or "
+                         f"tokenmill-<{'|'.join(TOKENMILL_VARIANTS)}>")
     return list(dict.fromkeys(names))
 
 
@@ -421,10 +443,11 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                 load = wait_for_quiet(wait_quiet_s)
                 log(f"[{wl.name}] {eng}: {_fmt_load(load)}")
                 meter = BusyMeter().start()
-                if eng == "tokenmill":
+                if is_tokenmill(eng):
                     t0 = time.perf_counter()
-                    llm = make_llm(model, **engine_kwargs)
-                    load_s.setdefault("tokenmill", time.perf_counter() - t0)
+                    kw = {**engine_kwargs, **TOKENMILL_VARIANTS.get(eng[len("tokenmill-"):], {})}
+                    llm = make_llm(model, **kw)
+                    load_s.setdefault(eng, time.perf_counter() - t0)
                     r = run_tokenmill(llm, wl)
                     del llm
                 elif eng == "hf":
@@ -456,7 +479,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="all", help="|".join(WORKLOADS) + "|all, or a comma list")
     p.add_argument("--engines", default="tokenmill,hf,llamacpp",
-                   help="comma list: tokenmill, hf, llamacpp (all its configurations), llamacpp-<q4_1|f16>-<serial|pN>")
+                   help="comma list: tokenmill, tokenmill-<int8|int4|gguf|w8a8|kv-int8>, hf, llamacpp (all its "
+                        "configurations), llamacpp-<q4_1|f16>-<serial|pN>")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default per workload)")
     p.add_argument("--quick", action="store_true", help="few prompts, outputs capped at 32 tokens (smoke run)")
     p.add_argument("--seed", type=int, default=0)

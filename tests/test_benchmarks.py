@@ -182,6 +182,12 @@ def test_ratios_name_every_peer_and_the_best_one_not_the_weakest(tok):
     assert ">>> tokenmill / BEST PEER (hf" in table and ">>> tokenmill / best llama.cpp (llamacpp-f16-p8" in table
     empty = compare_to_peers({"hf": _fake(30.0, 40.0)})
     assert empty["best_peer"] is None and empty["ratio_output_tok_s"] == {}
+    # tokenmill variants are never peers; each gets its own ratio to the best peer
+    with_w8 = {**results, "tokenmill-w8a8": _fake(480.0, 900.0)}
+    cmp = compare_to_peers(with_w8)
+    assert "tokenmill-w8a8" not in cmp["ratio_output_tok_s"] and cmp["best_peer"]["engine"] == "llamacpp-f16-p32"
+    assert cmp["variants_to_best_peer"]["tokenmill-w8a8"]["ratio_output_tok_s"] == pytest.approx(1.5)
+    assert ">>> tokenmill-w8a8 / BEST PEER (llamacpp-f16-p32): 1.50x" in format_table("x", wl, with_w8)
 
 
 def test_greedy_agreement_counts_common_prefixes():
