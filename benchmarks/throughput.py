@@ -57,6 +57,7 @@ import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -505,6 +506,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="torch and llama.cpp threads (default: torch's own, the cores)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="before each measurement wait up to this long for other processes to go quiet")
+    p.add_argument("--busy-loops", type=int, default=0, metavar="N",
+                   help="run N busy-loop processes beside every measurement (a machine shared with other work)")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
     try:
@@ -532,8 +535,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "kv_cache_dtype": args.kv_cache_dtype}
     llamacpp_options = {"n_batch": args.llamacpp_n_batch, "n_ubatch": args.llamacpp_n_ubatch,
                         "kv_unified": args.llamacpp_kv_unified, "share_prefix": not args.llamacpp_no_shared_prefix}
-    report = run_benchmark(workloads, engines, engine_kwargs, args.hf_batch_size, args.wait_quiet, args.model,
-                           log=lambda s: print(s, flush=True), llamacpp_options=llamacpp_options)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_loops)]
+    if busy:
+        print(f"{len(busy)} busy loop(s) of this benchmark's own run beside every measurement", flush=True)
+    try:
+        report = run_benchmark(workloads, engines, engine_kwargs, args.hf_batch_size, args.wait_quiet, args.model,
+                               log=lambda s: print(s, flush=True), llamacpp_options=llamacpp_options)
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
     print()
     for w in workloads:
         wr = report["workloads"][w.name]
@@ -545,11 +556,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                    for wr in report["workloads"].values() for r in wr["results"].values()] or [0.0])
     print("(busy before/during: cores of this machine kept busy by other processes; 'load 1m' is os.getloadavg; "
           f"agree@{AGREE_FIRST}: greedy requests whose first {AGREE_FIRST} tokens are tokenmill's)")
-    warn_if_busy(busiest)
+    if not busy:
+        warn_if_busy(busiest)
     report.update(machine_load_start=start_load, machine_load_end=machine_load(), max_other_busy_cores=busiest,
                   torch=torch.__version__, torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                   cpu=platform.processor() or platform.machine(), model=args.model, engine_kwargs=engine_kwargs,
-                  hf_batch_size=args.hf_batch_size, quick=args.quick, seed=args.seed)
+                  hf_batch_size=args.hf_batch_size, quick=args.quick, seed=args.seed, busy_loops=args.busy_loops)
     write_json_report(args.output_json, report)
     return 0
 
