@@ -78,23 +78,28 @@ def machine_load(sample_s: float = 1.0) -> dict[str, Any]:
 class BusyMeter:
     """CPU cores kept busy by *other* processes while a measurement runs.
 
-    Machine-wide busy jiffies from /proc/stat minus this process's own CPU time
-    (os.times), over the wall time between ``start`` and ``stop``; None off Linux.
+    Machine-wide busy jiffies from /proc/stat minus this process's own CPU time and
+    that of its waited-for children (os.times: a peer run in a child process is ours),
+    over the wall time between ``start`` and ``stop``; None off Linux.
     """
+
+    @staticmethod
+    def _own_cpu() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
 
     def start(self) -> "BusyMeter":
         self._machine = _cpu_busy_jiffies()
-        t = os.times()
-        self._own = t.user + t.system
+        self._own = self._own_cpu()
         return self
 
     def stop(self) -> Optional[float]:
         after = _cpu_busy_jiffies()
-        t = os.times()
+        own_now = self._own_cpu()
         if self._machine is None or after is None or after[1] <= self._machine[1]:
             return None
         hz = os.sysconf("SC_CLK_TCK")
-        own = (t.user + t.system - self._own) * hz
+        own = (own_now - self._own) * hz
         ncpu = os.cpu_count() or 1
         return round(max(0.0, ncpu * (after[0] - self._machine[0] - own) / (after[1] - self._machine[1])), 2)
 

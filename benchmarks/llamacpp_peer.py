@@ -41,6 +41,8 @@ source; never installed in CI).
 """
 from __future__ import annotations
 
+import os
+
 import ctypes
 import time
 from collections import deque
@@ -114,12 +116,33 @@ def parse_config_name(name: str, **kwargs: Any) -> LlamaCppConfig:
     raise ValueError(f"unknown llama.cpp configuration {name!r}; expected llamacpp-<{'|'.join(WEIGHTS)}>-<serial|pN>")
 
 
-def available() -> Optional[str]:
-    """None if llama-cpp-python imports, else the reason it does not."""
-    try:
-        import llama_cpp  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-        return f"{type(e).__name__}: {e}"
+def available(omp_wait_policy: Optional[str] = None) -> Optional[str]:
+    """None if llama-cpp-python imports, else the reason it does not.
+
+    llama.cpp's threads come from its own OpenMP runtime, which reads OMP_WAIT_POLICY once,
+    when llama_cpp is first imported. tokenmill's benchmarks set PASSIVE for torch; for
+    llama.cpp the first import here sets `omp_wait_policy` instead (None: unset, i.e. its
+    own default of spinning before sleeping) and restores the variable afterwards. Measured
+    here (SmolLM2 Q4_1, one sequence, 2 threads): 185 decode tok/s with its default, 48 with
+    PASSIVE, so PASSIVE would handicap the peer.
+    """
+    import sys
+
+    if "llama_cpp" not in sys.modules:
+        saved = os.environ.get("OMP_WAIT_POLICY")
+        if omp_wait_policy is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        else:
+            os.environ["OMP_WAIT_POLICY"] = omp_wait_policy
+        try:
+            import llama_cpp  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+            return f"{type(e).__name__}: {e}"
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_WAIT_POLICY", None)
+            else:
+                os.environ["OMP_WAIT_POLICY"] = saved
     return None
 
 
@@ -380,3 +403,60 @@ def generate_batched(model: LlamaCppModel, prompts: Sequence[Sequence[int]], out
             "decode_s": decode_s, "sample_s": sample_s, "other_s": max(0.0, wall - decode_s - sample_s),
             "decode_only_tok_s": decode_only_tokens / decode_only_s if decode_only_s > 0 else float("nan"),
             "prefix_tokens_shared": len(prefix), "threads": threads, "config": cfg.describe()}
+
+
+def _child_main() -> None:
+    """The child side of `generate_in_child`: a pickled (path, args, kwargs) on stdin, a pickled
+    ("ok", result) or ("error", message) on stdout."""
+    import pickle
+    import sys
+
+    path, args, kwargs = pickle.load(sys.stdin.buffer)
+    try:
+        with LlamaCppModel(path) as model:
+            out = ("ok", generate_batched(model, *args, **kwargs))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out = ("error", f"{type(e).__name__}: {e}")
+    sys.stdout.buffer.write(pickle.dumps(out))
+    sys.stdout.flush()
+
+
+def generate_in_child(path: str, prompts: Sequence[Sequence[int]], output_lens: Sequence[int], cfg: "LlamaCppConfig",
+                      threads: int, omp_wait_policy: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
+    """`generate_batched` on the GGUF at `path`, in a fresh Python process of its own.
+
+    llama.cpp's threads share the process's OpenMP runtime with torch (the dynamic loader
+    resolves its libgomp to the one torch already loaded), and that runtime reads
+    OMP_WAIT_POLICY once. tokenmill's benchmarks run torch with PASSIVE; llama.cpp is
+    fastest with its own default (measured here, one sequence, 2 threads: 185-190 decode
+    tok/s against 48-53 under PASSIVE). So the peer runs in a child (`python -m
+    benchmarks.llamacpp_peer`, which imports neither torch nor tokenmill) whose environment
+    has `omp_wait_policy` (None: the variable unset). Loading happens before the timed
+    part; the result is `generate_batched`'s dict.
+
+    Raises:
+        RuntimeError: the child failed (its error message) or died.
+    """
+    import pickle
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    if omp_wait_policy is not None:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
+    payload = pickle.dumps((path, ([list(p) for p in prompts], list(output_lens), cfg, threads), kwargs))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.llamacpp_peer"], input=payload, capture_output=True,
+                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        status, out = pickle.loads(proc.stdout)
+    except Exception:  # noqa: BLE001 - no result: report how the child ended
+        raise RuntimeError(f"the llama.cpp child process failed (exit code {proc.returncode}): "
+                           f"{proc.stderr.decode(errors='replace')[-800:]}") from None
+    if status != "ok":
+        raise RuntimeError(f"llama.cpp failed: {out}")
+    return out
+
+
+if __name__ == "__main__":
+    _child_main()

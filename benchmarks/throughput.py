@@ -217,9 +217,13 @@ def run_hf(model: Any, wl: Workload, batch_size: int = 32, warmup: bool = True) 
 
 
 # ----------------------------------------------------------------- llama.cpp
+LLAMACPP_OMP_WAIT_POLICY: Optional[str] = None  # llama.cpp's OpenMP wait policy (None: its own default)
+
+
 def llamacpp_available() -> Optional[str]:
-    """None if llama-cpp-python imports, else the reason it does not."""
-    return llamacpp_peer.available()
+    """None if llama-cpp-python imports, else the reason it does not (imported with llama.cpp's own
+    OpenMP wait policy, `LLAMACPP_OMP_WAIT_POLICY`; see `llamacpp_peer.available`)."""
+    return llamacpp_peer.available(LLAMACPP_OMP_WAIT_POLICY)
 
 
 def llamacpp_gguf(weights: str, log: Any = print) -> Path:
@@ -231,12 +235,13 @@ def llamacpp_gguf(weights: str, log: Any = print) -> Path:
     return src if weights == "q4_1" else f16_gguf_path(src, log=log)
 
 
-def run_llamacpp(model: Any, wl: Workload, cfg: "llamacpp_peer.LlamaCppConfig", threads: int) -> dict[str, Any]:
-    """One llama.cpp configuration on the workload (`llamacpp_peer.generate_batched`; EOS ignored)."""
+def run_llamacpp(path: str, wl: Workload, cfg: "llamacpp_peer.LlamaCppConfig", threads: int) -> dict[str, Any]:
+    """One llama.cpp configuration on the workload, in a process of its own with llama.cpp's own
+    OpenMP wait policy (`llamacpp_peer.generate_in_child`; EOS ignored)."""
     seeds = [wl.request_seed(i) for i in range(wl.num_requests)] if wl.temperature > 0 else None
-    return llamacpp_peer.generate_batched(model, wl.prompt_token_ids, wl.output_lens, cfg, threads,
-                                          temperature=wl.temperature, seeds=seeds,
-                                          shared_prefix_tokens=wl.shared_prefix_tokens)
+    return llamacpp_peer.generate_in_child(path, wl.prompt_token_ids, wl.output_lens, cfg, threads,
+                                           omp_wait_policy=LLAMACPP_OMP_WAIT_POLICY, temperature=wl.temperature,
+                                           seeds=seeds, shared_prefix_tokens=wl.shared_prefix_tokens)
 
 
 # ----------------------------------------------------------------- comparison
@@ -429,7 +434,7 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
             for w in dict.fromkeys(c.weights for c in configs.values()):
                 t0 = time.perf_counter()
                 path = llamacpp_gguf(w, log=log)
-                peers[f"llamacpp-{w}"] = llamacpp_peer.LlamaCppModel(str(path))
+                peers[f"llamacpp-{w}"] = str(path)  # each row loads it in its own process
                 load_s[f"llamacpp-{w}"] = time.perf_counter() - t0
                 log(f"llama.cpp {w}: {path}")
     report: dict[str, Any] = {"workloads": {}, "skipped": skipped, "model_load_s": load_s,
@@ -470,9 +475,7 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                 "output_tokens": wl.num_output_tokens, "shared_prefix_tokens": wl.shared_prefix_tokens,
                 "results": results, "agreement": agreement, **compare_to_peers(results)}
     finally:
-        for k, m in peers.items():
-            if k.startswith("llamacpp"):
-                m.close()
+        pass
     return report
 
 
@@ -506,6 +509,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="torch and llama.cpp threads (default: torch's own, the cores)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="before each measurement wait up to this long for other processes to go quiet")
+    p.add_argument("--llamacpp-omp-wait-policy", default="default", choices=["default", "ACTIVE", "PASSIVE"],
+                   help="llama.cpp's OpenMP wait policy (default: its own; torch runs PASSIVE)")
     p.add_argument("--busy-loops", type=int, default=0, metavar="N",
                    help="run N busy-loop processes beside every measurement (a machine shared with other work)")
     p.add_argument("--output-json", type=Path, default=None)
@@ -518,6 +523,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
+    global LLAMACPP_OMP_WAIT_POLICY
+    LLAMACPP_OMP_WAIT_POLICY = None if args.llamacpp_omp_wait_policy == "default" else args.llamacpp_omp_wait_policy
     from engine.tokenizer import Tokenizer
 
     print(f"tokenmill throughput: torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -561,7 +568,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     report.update(machine_load_start=start_load, machine_load_end=machine_load(), max_other_busy_cores=busiest,
                   torch=torch.__version__, torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                   cpu=platform.processor() or platform.machine(), model=args.model, engine_kwargs=engine_kwargs,
-                  hf_batch_size=args.hf_batch_size, quick=args.quick, seed=args.seed, busy_loops=args.busy_loops)
+                  hf_batch_size=args.hf_batch_size, quick=args.quick, seed=args.seed, busy_loops=args.busy_loops,
+                  llamacpp_omp_wait_policy=args.llamacpp_omp_wait_policy)
     write_json_report(args.output_json, report)
     return 0
 
