@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 WEIGHTS = ("q4_1", "f16")
-DEFAULT_PARALLEL = (1, 8, 32)
+DEFAULT_PARALLEL = (1, 8, 32, 64)
 _CTX_ALIGN = 256  # llama.cpp rounds context sizes up to this
 
 
@@ -70,7 +70,7 @@ class LlamaCppConfig:
     weights: str
     parallel: int
     n_batch: int = 2048
-    n_ubatch: int = 512
+    n_ubatch: int = 256
     kv_unified: bool = False
     share_prefix: bool = True
 

@@ -224,6 +224,13 @@ class TorchAttentionBackend(AttentionBackend):
         if plan is not None:
             return plan
         bd, bs = meta.num_decode_tokens, meta.block_size
+        if not meta.prefill_query_lens:  # decode only: one row per sequence, longest first
+            lens = meta.decode_seq_lens.to(torch.int64)
+            order = torch.argsort(lens, descending=True, stable=True) if bd > 1 else torch.zeros(bd, dtype=torch.int64)
+            tiles = torch.stack((order, torch.ones_like(order)), dim=1)
+            plan = meta.cache["kernel_plan"] = (meta.decode_block_tables.to(torch.int32).contiguous(), None,
+                                                lens.contiguous(), tiles)
+            return plan
         group = q.shape[1] // k_cache.shape[0]
         tile_rows = _cpu.attention_tile_rows(group)
         chunks = list(zip(meta.prefill_query_starts, meta.prefill_query_lens, meta.prefill_seq_lens,
