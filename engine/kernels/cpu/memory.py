@@ -34,7 +34,9 @@ def huge_empty(nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
     buf = torch.frombuffer(mm, dtype=torch.uint8)
     off = (-buf.data_ptr()) % HUGE_PAGE
-    return buf[off: off + nbytes]
+    out = buf[off: off + nbytes]
+    out.zero_()  # fault every page in now (as torch.zeros would): the memory is held from the start, not on first use
+    return out
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
