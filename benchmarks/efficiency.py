@@ -162,7 +162,7 @@ class StepTimers:
                 self._pending["sampler"] += dt
                 return r
 
-        llm.sampler = _TimedSampler()
+        llm.core.sampler = _TimedSampler()
         self._sampler = (llm, sampler)
         self._wrap(llm.scheduler, "schedule", "scheduler")
         self._wrap(llm.runner, "prepare_scheduled", "input preparation")
@@ -175,7 +175,7 @@ class StepTimers:
 
         llm.runner.run = run_step
         self._undo.append((llm.runner, "run"))
-        step = llm._step
+        step = llm.core.step
 
         def timed_step() -> Any:
             t0 = time.perf_counter()
@@ -191,8 +191,8 @@ class StepTimers:
             return r
 
         self._pending: dict[str, float] = collections.defaultdict(float)
-        llm._step = timed_step
-        self._undo.append((llm, "_step"))
+        llm.core.step = timed_step
+        self._undo.append((llm.core, "step"))
 
     def _wrap(self, obj: Any, attr: str, label: str) -> None:
         fn = getattr(obj, attr)
@@ -210,7 +210,7 @@ class StepTimers:
 
     def close(self) -> None:
         llm, sampler = self._sampler
-        llm.sampler = sampler
+        llm.core.sampler = sampler
         for obj, attr in reversed(self._undo):
             try:
                 delattr(obj, attr)

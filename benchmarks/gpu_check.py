@@ -25,7 +25,15 @@ Sections:
 6. ``profile``: ``torch.profiler`` table of one decode step (batch 64) eager
    (per-kernel times), and the wall time of the same step replayed from its
    CUDA graph.
-7. ``quant_gemm`` (runs after section 3): the Triton dequantize-GEMM
+7. ``speculation``: speculative decoding on the target's shape. Greedy
+   throughput at batch 64 (128 prompt, 64 new tokens) with speculation off and
+   with the target as its own draft (acceptance forced to 100%: the check of
+   the verify path), the time of one verification step (64 sequences x
+   (1 + k) tokens, k = 4) against one plain decode step at the same context,
+   and the time of k draft passes of a Llama-3.2-1B-shaped draft
+   (``dummy:llama-3.2-1b``, the path for an 8B target drafted by a 1B model;
+   its random weights accept nothing, so only its cost is reported).
+8. ``quant_gemm`` (runs after section 3): the Triton dequantize-GEMM
    (``engine.kernels.quant_matmul``), int8 per-channel and int4 group 32 with
    min, against torch fp16/bf16 dense matmul on Llama-3-8B shapes (M 1/16/256,
    N 4096/14336, K 4096): microseconds, weight GB/s, max error vs the reference.
@@ -54,6 +62,7 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
@@ -62,7 +71,7 @@ H200_TBPS = 4.8
 H200_BF16_TFLOPS = 790.0
 TOTAL_BUDGET_S = 460.0  # leaves margin under 8 minutes
 SECTIONS = ("kernel_tests", "decode_attention", "prefill_attention", "quant_gemm", "throughput", "hf_peer",
-            "profile")
+            "profile", "speculation")
 
 
 class Log:
@@ -319,30 +328,28 @@ def run_profile(log: Log, args, llm) -> dict:
     vocab = llm.model_config.vocab_size
     b = args.profile_batch
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    reqs = llm._make_requests(_prompts(b, 128, vocab, 3), [params] * b)
-    for r in reqs:
-        for s in r.seqs:
-            llm.scheduler.add(s)
+    reqs = llm.make_requests(_prompts(b, 128, vocab, 3), [params] * b)
+    llm.core.add_requests(reqs)
     res: dict = {"batch": b}
     try:
         for _ in range(8):  # prefill everything, reach pure decode steps
-            llm._step()
+            llm.core.step()
             if not llm.scheduler.waiting and all(s.num_computed_tokens >= s.num_prompt_tokens
                                                  for s in llm.scheduler.running):
                 break
         graphs = llm.runner.cuda_graphs
         for mode in (["graph"] if graphs is not None else []) + ["eager"]:
             llm.runner.cuda_graphs = graphs if mode == "graph" else None
-            llm._step()  # warm (captures the bucket's graph on first use)
+            llm.core.step()  # warm (captures the bucket's graph on first use)
             sync(args.device)
             t = time.perf_counter()
-            llm._step()
+            llm.core.step()
             sync(args.device)
             res[f"{mode}_step_ms"] = (time.perf_counter() - t) * 1e3
             log(f"decode step batch {b} ({mode}): {res[f'{mode}_step_ms']:.2f} ms wall (incl. scheduler/sampler)")
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
         with profile(activities=acts) as prof:
-            llm._step()
+            llm.core.step()
             sync(args.device)
         llm.runner.cuda_graphs = graphs
         sort = "cuda_time_total" if args.device.type == "cuda" else "cpu_time_total"
@@ -350,7 +357,89 @@ def run_profile(log: Log, args, llm) -> dict:
         log("profile of one eager decode step, sorted by " + sort + ":\n" + table)
         res["table"] = table
     finally:
-        llm._abort_all()
+        llm.core.abort_all()
+    return res
+
+
+def _time_step(llm, specs_dec, specs_pre, dev, iters: int) -> float:
+    """Milliseconds of one forward pass over the given chunks (median of iters)."""
+    inputs = llm.runner.prepare(specs_dec, specs_pre)
+    with torch.inference_mode():
+        return bench(lambda: llm.runner.run(inputs), dev, warmup=2, iters=iters) * 1e3
+
+
+def run_speculation(log: Log, args) -> dict:
+    """Speculation on the target's shape: throughput off vs self-draft, verify step vs decode step,
+    and the cost of a 1B-shaped draft's passes."""
+    from engine import LLM, SamplingParams
+    from engine.model_runner import ChunkSpec
+    from engine.spec_decode import DraftModelProposer
+
+    b, ctx, k = args.spec_batch, args.spec_context, 4
+    kw = dict(args.engine_kwargs)
+    kw.update(args.spec_engine_kwargs)
+    res: dict = {"batch": b, "context": ctx, "k": k}
+    llm = None
+    for mode in ("off", "self-draft"):
+        spec = ({"speculative": None} if mode == "off" else
+                {"speculative_config": {"method": "draft_model", "draft_model": "target", "num_speculative_tokens": k}})
+        llm = LLM(args.model, dtype=args.llm_dtype, device=args.device.type, **kw, **spec)
+        vocab = llm.model_config.vocab_size
+        params = SamplingParams(temperature=0, max_tokens=args.spec_new_tokens, ignore_eos=True)
+        llm.generate(_prompts(4, 16, vocab, 7), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        st0 = (llm.stats.num_steps, llm.stats.spec_draft_tokens, llm.stats.spec_accepted_tokens)
+        t = time.perf_counter()
+        outs = llm.generate(_prompts(b, ctx, vocab, 5), params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        row = {"output_tok_s": n_out / wall, "wall_s": wall, "steps": llm.stats.num_steps - st0[0],
+               "draft_tokens": llm.stats.spec_draft_tokens - st0[1],
+               "accepted_tokens": llm.stats.spec_accepted_tokens - st0[2]}
+        res[mode] = row
+        log(f"speculation {mode}: {b} prompts x {args.spec_new_tokens} tokens in {wall:.1f}s -> "
+            f"{row['output_tok_s']:,.0f} output tok/s, {row['steps']} steps, "
+            f"{row['accepted_tokens']} of {row['draft_tokens']} drafted tokens accepted")
+        if mode == "off":
+            del llm
+            gc.collect()
+            if args.device.type == "cuda":
+                torch.cuda.empty_cache()
+    if res["off"]["output_tok_s"] > 0:
+        res["self_draft_over_off"] = res["self-draft"]["output_tok_s"] / res["off"]["output_tok_s"]
+    # one verify step (b x (1 + k) tokens) against one decode step (b x 1), both at context ctx
+    pool, bs = llm.block_pool, llm.config.block_size
+    need = -(-(ctx + k + 1) // bs)
+    tables = [pool.allocate(need) for _ in range(b)]
+    try:
+        toks = _prompts(b, ctx + k + 1, vocab, 9)
+        dec = [ChunkSpec(t, ctx, 1, tb, "last") for t, tb in zip(toks, tables)]
+        ver = [ChunkSpec(t, ctx, 1 + k, tb, "all") for t, tb in zip(toks, tables)]
+        res["decode_step_ms"] = _time_step(llm, dec, [], args.device, args.iters)
+        res["verify_step_ms"] = _time_step(llm, [], ver, args.device, args.iters)
+        log(f"one step at context {ctx}, batch {b}: decode (1 token each) {res['decode_step_ms']:.2f} ms, "
+            f"verify (1 + {k} tokens each) {res['verify_step_ms']:.2f} ms "
+            f"({res['verify_step_ms'] / res['decode_step_ms']:.2f}x for {1 + k}x the tokens)")
+        # a 1B-shaped draft: k passes for the batch (catch-up of one token, then k - 1 single tokens)
+        draft = DraftModelProposer(llm.model, args.spec_draft, llm.num_total_blocks, bs, llm.backend,
+                                   llm.kv_cache.layers[0][0].dtype)
+        seqs = [SimpleNamespace(seq_id=i, token_ids=t[:ctx + 1], num_computed_tokens=ctx, block_table=tb)
+                for i, (t, tb) in enumerate(zip(toks, tables))]
+        draft.propose(seqs, [k] * b)  # warm: its first call prefills every context
+        for s in seqs:
+            draft.computed[s.seq_id] = ctx
+        sync(args.device)
+        t = time.perf_counter()
+        draft.propose(seqs, [k] * b)
+        sync(args.device)
+        res["draft_k_passes_ms"] = (time.perf_counter() - t) * 1e3
+        log(f"draft {args.spec_draft}: {k} tokens for {b} sequences in {res['draft_k_passes_ms']:.2f} ms "
+            f"({res['draft_k_passes_ms'] / res['decode_step_ms']:.2f} target decode steps)")
+    finally:
+        for tb in tables:
+            pool.free(tb)
+    del llm
+    gc.collect()
     return res
 
 
@@ -431,6 +520,9 @@ def configure(args) -> None:
         args.hf_batch, args.hf_max_batches = 2, 1
         args.profile_batch = 2
         args.tests_timeout = 600
+        args.spec_batch, args.spec_context, args.spec_new_tokens = 2, 24, 6
+        args.spec_draft = "dummy:tiny-smoke"
+        args.spec_engine_kwargs = {}
     else:
         args.model = "dummy:llama-3-8b"
         args.llm_dtype, args.llm_torch_dtype = "bfloat16", torch.bfloat16
@@ -448,6 +540,9 @@ def configure(args) -> None:
         args.hf_batch, args.hf_max_batches = 64, 2
         args.profile_batch = 64
         args.tests_timeout = 150
+        args.spec_batch, args.spec_context, args.spec_new_tokens = 64, 128, 64
+        args.spec_draft = "dummy:llama-3.2-1b"
+        args.spec_engine_kwargs = dict(kv_cache_memory_fraction=0.3, max_num_seqs=64)
 
 
 def main(argv=None) -> int:
@@ -510,6 +605,10 @@ def main(argv=None) -> int:
     if llm is not None:
         section("profile", lambda: run_profile(log, args, llm))
         del llm, tp
+    gc.collect()
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    section("speculation", lambda: run_speculation(log, args))
     gc.collect()
     from engine.llm import _load_model
 

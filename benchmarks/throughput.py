@@ -76,7 +76,8 @@ ENGINES = ("tokenmill", "hf", "llamacpp")  # "llamacpp" stands for its configura
 # tokenmill rows besides the default: tokenmill-<scheme> runs LLM(quantization=<scheme>) (kv-int8: kv_cache_dtype)
 TOKENMILL_VARIANTS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
                       "gguf": {"quantization": "gguf"}, "w8a8": {"quantization": "w8a8"},
-                      "kv-int8": {"kv_cache_dtype": "int8"}}
+                      "kv-int8": {"kv_cache_dtype": "int8"},
+                      **{f"spec-{m}": {"speculative": m} for m in ("off", "auto", "ngram", "suffix", "draft_model")}}
 
 
 def is_tokenmill(name: str) -> bool:
@@ -156,6 +157,9 @@ def run_tokenmill(llm: Any, wl: Workload, warmup: bool = True) -> dict[str, Any]
         "cached_tokens": sum(o.num_cached_tokens for o in outs),
         "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
         "ttft_p50_s": _pct(ttft, 0.5), "tpot_mean_s": statistics.fmean(tpot) if tpot else float("nan"),
+        "spec": {"draft_tokens": st.spec_draft_tokens, "accepted_tokens": st.spec_accepted_tokens,
+                 "verifies": st.spec_verifies, "steps_with_drafts": st.num_spec_steps,
+                 "acceptance_rate": st.spec_acceptance_rate},
         "stats": {"steps": st.num_steps, "preemptions": st.num_preemptions,
                   "prompt_tokens_computed": st.num_prompt_tokens_computed,
                   "mean_batched_tokens": st.mean_batched_tokens, "kv_utilization": st.kv_utilization,
@@ -319,7 +323,7 @@ def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
         return "n/a" if x is None else f"{x:.2f}"
 
     def agree(eng: str) -> str:
-        if eng == "tokenmill" and agreement:
+        if agreement and is_tokenmill(eng) and eng not in agreement:
             return "ref"
         a = (agreement or {}).get(eng)
         return f"{a['agree']}/{a['requests']}" if a else "n/a"
@@ -345,6 +349,15 @@ def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
                      f"{b['ratio_output_tok_s']:.2f}x output tok/s, {b['ratio_total_tok_s']:.2f}x total tok/s")
     for eng, v in cmp["variants_to_best_peer"].items():
         lines.append(f">>> {eng} / BEST PEER ({v['best_peer']}): {v['ratio_output_tok_s']:.2f}x output tok/s")
+    off = results.get("tokenmill-spec-off") or results.get("tokenmill")
+    for eng, r in results.items():
+        sp = r.get("spec")
+        if not eng.startswith("tokenmill-spec-") or sp is None:
+            continue
+        ratio = f", {r['output_tok_s'] / off['output_tok_s']:.2f}x speculation off" if off and off is not r else ""
+        lines.append(f"{eng}: {sp['draft_tokens']} tokens drafted, {sp['accepted_tokens']} accepted "
+                     f"({100 * sp['acceptance_rate']:.0f}%), {sp['steps_with_drafts']} of {r['stats']['steps']} "
+                     f"steps verified drafts{ratio}")
     for eng, r in results.items():
         if eng.startswith("llamacpp") and "steps" in r:
             wall = max(r["wall_s"], 1e-9)
@@ -468,8 +481,9 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                 results[eng] = r
             tokens = {k: r.pop("token_ids") for k, r in results.items() if "token_ids" in r}
             agreement = {}
-            if wl.temperature == 0.0 and "tokenmill" in tokens:
-                agreement = {k: greedy_agreement(tokens["tokenmill"], t) for k, t in tokens.items() if k != "tokenmill"}
+            ref = "tokenmill" if "tokenmill" in tokens else next((k for k in tokens if is_tokenmill(k)), None)
+            if wl.temperature == 0.0 and ref is not None:
+                agreement = {k: greedy_agreement(tokens[ref], t) for k, t in tokens.items() if k != ref}
             report["workloads"][wl.name] = {
                 "summary": wl.summary(), "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens,
                 "output_tokens": wl.num_output_tokens, "shared_prefix_tokens": wl.shared_prefix_tokens,
@@ -509,6 +523,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="torch and llama.cpp threads (default: torch's own, the cores)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="before each measurement wait up to this long for other processes to go quiet")
+    p.add_argument("--speculative", default=None, metavar="MODES",
+                   help="comma list of off|auto|ngram|suffix|draft_model: one tokenmill row per mode "
+                        "(tokenmill-spec-<mode>) instead of the plain tokenmill row")
     p.add_argument("--llamacpp-omp-wait-policy", default="default", choices=["default", "ACTIVE", "PASSIVE"],
                    help="llama.cpp's OpenMP wait policy (default: its own; torch runs PASSIVE)")
     p.add_argument("--busy-loops", type=int, default=0, metavar="N",
@@ -521,6 +538,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 [int(x) for x in args.llamacpp_parallel.split(",") if x.strip()])
     except ValueError as e:
         p.error(str(e))
+    if args.speculative:
+        modes = [m.strip() for m in args.speculative.split(",") if m.strip()]
+        bad = [m for m in modes if f"spec-{m}" not in TOKENMILL_VARIANTS]
+        if bad:
+            p.error(f"unknown --speculative mode(s) {bad}")
+        engines = [f"tokenmill-spec-{m}" for m in modes] + [e for e in engines if e != "tokenmill"]
     if args.threads:
         torch.set_num_threads(args.threads)
     global LLAMACPP_OMP_WAIT_POLICY

@@ -46,7 +46,7 @@ from typing import Any, Optional, Sequence
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 LICENSE_DIR = Path("/usr/share/common-licenses")
-WORKLOADS = ("labelling", "synthetic", "random", "in99-out64", "in45-out256")
+WORKLOADS = ("labelling", "synthetic", "synthetic-greedy", "random", "in99-out64", "in45-out256")
 
 # Spec of each workload: token ranges and defaults (issue 5).
 LABELLING_PREFIX_TOKENS = 400  # "about 400": built to within [385, 420]
@@ -59,8 +59,10 @@ RANDOM_INPUT_RANGE = (64, 512)
 RANDOM_OUTPUT_RANGE = (32, 256)
 # Fixed shapes (issue 12): name -> (prompts, prompt token range, new tokens per prompt)
 FIXED_SHAPES = {"in99-out64": (64, (90, 108), 64), "in45-out256": (32, (40, 50), 256)}
-DEFAULT_NUM_PROMPTS = {"labelling": 128, "synthetic": 32, "random": 64, **{n: s[0] for n, s in FIXED_SHAPES.items()}}
-QUICK_NUM_PROMPTS = {"labelling": 16, "synthetic": 4, "random": 8, "in99-out64": 8, "in45-out256": 4}
+DEFAULT_NUM_PROMPTS = {"labelling": 128, "synthetic": 32, "synthetic-greedy": 32, "random": 64,
+                       **{n: s[0] for n, s in FIXED_SHAPES.items()}}
+QUICK_NUM_PROMPTS = {"labelling": 16, "synthetic": 4, "synthetic-greedy": 4, "random": 8, "in99-out64": 8,
+                     "in45-out256": 4}
 QUICK_MAX_OUTPUT = 32  # --quick caps every output length at this
 
 
@@ -289,7 +291,15 @@ def _fixed_shape_builder(name: str) -> Any:
     return build
 
 
-_BUILDERS = {"labelling": build_labelling, "synthetic": build_synthetic, "random": build_random,
+def build_synthetic_greedy(tokenizer: Any, num_prompts: int, seed: int = 0,
+                           max_output_tokens: Optional[int] = None) -> Workload:
+    """`synthetic`'s prompts and output lengths, decoded greedily."""
+    wl = build_synthetic(tokenizer, num_prompts, seed, max_output_tokens)
+    return Workload("synthetic-greedy", wl.prompt_token_ids, wl.output_lens, 0.0, seed)
+
+
+_BUILDERS = {"labelling": build_labelling, "synthetic": build_synthetic, "synthetic-greedy": build_synthetic_greedy,
+             "random": build_random,
              **{name: _fixed_shape_builder(name) for name in FIXED_SHAPES}}
 
 

@@ -59,6 +59,16 @@ class EngineConfig:
             write and decode attention in tokenmill's C kernel library
             (`engine.kernels.cpu`, built on first use); False runs the PyTorch
             reference ops (as does a machine without a C compiler).
+        speculative: speculative decoding: "auto" (the default: drafts from
+            prompt lookup and the job's earlier outputs, as many per sequence as
+            the measured step cost makes worth it, none when the batch already
+            saturates the machine), "ngram" | "suffix" | "draft_model" (that
+            proposer, `num_speculative_tokens` drafts whenever it has some), or
+            None / "off". See `engine.spec_decode`.
+        speculative_config: vLLM-style settings that override `speculative`: a
+            dict of `SpeculativeConfig` fields (method, num_speculative_tokens,
+            prompt_lookup_min, prompt_lookup_max, suffix_max_tokens,
+            suffix_max_depth, draft_model).
 
     Raises:
         ValueError: naming the parameter, for any out-of-range value.
@@ -83,6 +93,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cpu_kernels: bool = True
+    speculative: Optional[str] = "auto"
+    speculative_config: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -114,11 +126,91 @@ class EngineConfig:
                              "use kv_cache_dtype='int8' on CPU")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {[m for m in SPECULATIVE_MODES if m]} or None, "
+                             f"got {self.speculative!r}")
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, dict):
+                raise ValueError(f"speculative_config must be a dict of SpeculativeConfig fields, got "
+                                 f"{type(self.speculative_config).__name__}")
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the bad field
         if not self.enable_chunked_prefill and self.max_model_len is not None and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError(
                 "with enable_chunked_prefill=False, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
+
+
+SPECULATIVE_MODES = ("auto", "ngram", "suffix", "draft_model", "off", None)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding settings (vLLM's `speculative_config` names where they exist).
+
+    Attributes:
+        method: "auto" (adaptive: prompt lookup, then the job-wide suffix index, draft
+            lengths chosen per step for goodput), or one proposer, "ngram" (prompt
+            lookup), "suffix" (the job's earlier texts) or "draft_model", drafting
+            `num_speculative_tokens` whenever it has drafts.
+        num_speculative_tokens: most draft tokens per sequence and step.
+        prompt_lookup_min / prompt_lookup_max: n-gram lengths of prompt lookup.
+        suffix_max_tokens: tokens the job-wide suffix index holds (oldest evicted first).
+        suffix_max_depth: longest context the suffix index matches, in tokens.
+        draft_model: for method "draft_model": "self:<m>" (the target's first m layers
+            with its final norm and LM head, LayerSkip-style), "target" (the target
+            itself: every draft is accepted; for tests), or a model string sharing the
+            target's tokenizer.
+
+    Raises:
+        ValueError: naming the field, for a bad value.
+    """
+
+    method: str = "auto"
+    num_speculative_tokens: int = 6
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    suffix_max_tokens: int = 32768
+    suffix_max_depth: int = 6
+    draft_model: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("auto", "ngram", "suffix", "draft_model"):
+            raise ValueError(f"speculative_config.method must be auto|ngram|suffix|draft_model, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "suffix_max_tokens",
+                     "suffix_max_depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be <= 16, got "
+                             f"{self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model":
+            d = self.draft_model or "self:8"
+            if not isinstance(d, str) or (d.startswith("self:") and not d[5:].isdigit()):
+                raise ValueError(f"speculative_config.draft_model must be 'self:<layers>', 'target' or a model, got {d!r}")
+            self.draft_model = d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        """From a dict of fields; unknown keys are named in the error."""
+        known = {f for f in cls.__dataclass_fields__}
+        bad = sorted(set(d) - known)
+        if bad:
+            raise ValueError(f"unknown speculative_config field(s) {bad}; known: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def resolve(cls, speculative: Optional[str], speculative_config: Optional[dict]) -> Optional["SpeculativeConfig"]:
+        """The settings `EngineConfig.speculative` / `speculative_config` mean (None: off)."""
+        if speculative_config is not None:
+            return cls.from_dict(speculative_config)
+        if speculative in (None, "off"):
+            return None
+        return cls(method=speculative)
 
 
 @dataclass

@@ -17,21 +17,23 @@ import functools
 import math
 import os
 import time
-from typing import Iterable, Iterator, Optional, Sequence as Seq, Union
+from typing import Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
 from .attention import get_backend
 from .attention.torch_quant_kv import TorchQuantKVAttentionBackend
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, SamplingParams, SpeculativeConfig
+from .core import EngineCore
 from .kv_cache import BlockPool, KVCache
 from .metrics import EngineStats
 from .model_runner import ChunkSpec, ModelRunner
 from .models.llama import LlamaModel
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .request import Request, Sequence, SequenceStatus
+from .request import Request, Sequence
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .spec_decode import SpecDecoder
 from .threads import apply_num_threads
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from .weights import DEFAULT_MODEL, load_model_weights, resolve_model
@@ -217,21 +219,37 @@ class LLM:
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.model._rope_tables(self.max_model_len + 1)  # the forward never resizes them on a device
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
-        self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_chunked_prefill)
         if not cfg.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len, cfg.max_num_batched_tokens)
+        self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        spec_cfg = SpeculativeConfig.resolve(cfg.speculative, cfg.speculative_config)
+        self.spec = None
+        if spec_cfg is not None:
+            def draft_factory():
+                from .spec_decode import DraftModelProposer
+
+                return DraftModelProposer(self.model, spec_cfg.draft_model, num_blocks, bs, self.backend, kv_dtype,
+                                          self.sampler)
+
+            self.spec = SpecDecoder(spec_cfg, self.max_model_len, draft_factory,
+                                    profile=lambda n: self.core.profile_step(n))
+        self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill, self.spec)
         if self.device.type == "cuda" and not cfg.enforce_eager and getattr(self.backend, "supports_cuda_graphs", False):
             from .cuda_graph import DecodeCudaGraphs  # decode steps replayed from graphs per batch bucket
 
             self.runner.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_cache.layers, self.backend,
                                                        cfg.max_num_seqs, self.max_model_len, bs)
-        self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
-        self.stats = EngineStats()
+        self.core = EngineCore(self.scheduler, self.runner, self.sampler, self.max_model_len, self.spec)
         self._seq_counter = 0
         self._request_counter = 0
 
     # ------------------------------------------------------------ info
+    @property
+    def stats(self) -> EngineStats:
+        """The engine core's cumulative statistics."""
+        return self.core.stats
+
     @property
     def num_free_blocks(self) -> int:
         """KV blocks not held by any sequence."""
@@ -369,7 +387,7 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
                 )
-        requests = self._make_requests(prompts, params_list)
+        requests = self.make_requests(prompts, params_list)
         pbar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -384,11 +402,10 @@ class LLM:
                     if pbar:
                         pbar.update(1)
                     yield out
-                else:
-                    for s in r.seqs:
-                        self.scheduler.add(s)
-            while self.scheduler.has_unfinished():
-                finished, n_in, n_out = self._step()
+            self.core.add_requests(requests)
+            while self.core.has_unfinished():
+                step = self.core.step()
+                finished, n_in, n_out = step.finished, step.prompt_tokens, step.output_tokens
                 in_tok += n_in
                 out_tok += n_out
                 if pbar:
@@ -403,15 +420,17 @@ class LLM:
         finally:
             if pbar:
                 pbar.close()
-            self._abort_all()
+            self.core.abort_all()
 
     # ------------------------------------------------------------ internals
-    def _abort_all(self) -> None:
-        for s in list(self.scheduler.running):
-            self.scheduler.finish(s)
-        self.scheduler.clear_waiting()
 
-    def _make_requests(self, prompts, params_list: list[SamplingParams]) -> list[Request]:
+    def make_requests(self, prompts, params_list: list[SamplingParams]) -> list[Request]:
+        """Validate and tokenize prompts into Requests for `core.add_requests` (the one place the
+        prompt and parameter rules are checked).
+
+        A bad prompt or parameter gives a Request whose `error` names it (never raises); each
+        valid one gets its n Sequences, seeded (a request without a seed draws from the engine's).
+        """
         vocab = self.tokenizer.vocab_size
         texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str) and p != ""]
         encoded = dict(zip((i for i, _ in texts), self.tokenizer.encode_batch([p for _, p in texts]))) if texts else {}
@@ -466,120 +485,6 @@ class LLM:
                     req.seqs.append(seq)
             reqs.append(req)
         return reqs
-
-    @torch.inference_mode()
-    def _step(self) -> tuple[list[Request], int, int]:
-        """Run one engine step. Returns (requests finished in it, prompt tokens computed, tokens sampled)."""
-        st = self.stats
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        st.time_schedule_s += t1 - t0
-        st.num_preemptions = self.scheduler.num_preemptions
-        finished: list[Request] = []
-        if out.is_empty:
-            # Nothing fits even with nothing running: the head sequence can never be served.
-            if self.scheduler.waiting and not self.scheduler.running:
-                seq = self.scheduler.pop_waiting()
-                req = seq.request
-                req.error = (f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds "
-                             f"{self.num_total_blocks * self.config.block_size}")
-                for s in req.seqs:
-                    if s in self.scheduler.waiting:
-                        self.scheduler.remove_waiting(s)
-                    elif s.status == SequenceStatus.RUNNING:
-                        self.scheduler.finish(s)
-                    s.status = SequenceStatus.FINISHED
-                finished.append(req)
-            st.time_total_s += time.perf_counter() - t0
-            return finished, 0, 0
-        now = time.time()
-        chunks = out.chunks
-        sampling = [c.seq for c in chunks if c.samples]
-        n_prefill = sum(c.num_tokens for c in out.prefills) + sum(
-            c.num_tokens for c in out.decodes if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
-        for c in chunks:
-            m = c.seq.request.metrics
-            if m.scheduled_time is None:
-                m.scheduled_time = now
-        logits = self.runner.execute(out)
-        t2 = time.perf_counter()
-        st.time_model_s += t2 - t1
-        for c in chunks:
-            c.seq.num_computed_tokens += c.num_tokens
-            self.scheduler.register_computed(c.seq)
-        st.num_steps += 1
-        st.num_batched_tokens_sum += out.num_tokens
-        st.num_prompt_tokens_computed += n_prefill
-        st.kv_utilization_sum += self.scheduler.kv_utilization()
-        if not sampling:
-            st.time_total_s += time.perf_counter() - t0
-            return finished, n_prefill, 0
-        tokens, lps = self.sampler(logits, sampling)
-        t3 = time.perf_counter()
-        st.time_sample_s += t3 - t2
-        now = time.time()
-        for seq, tok, lp in zip(sampling, tokens, lps):
-            req = seq.request
-            seq.token_ids.append(tok)
-            if seq.logprobs is not None:
-                seq.logprobs.append(lp)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            self._check_stop(seq, tok)
-            if seq.is_finished:
-                self.scheduler.finish(seq) if seq in self.scheduler.running else None
-                if req.is_finished:
-                    req.metrics.finish_time = time.time()
-                    finished.append(req)
-        st.num_output_tokens += len(sampling)
-        t4 = time.perf_counter()
-        st.time_detok_s += t4 - t3
-        st.time_total_s += t4 - t0
-        return finished, n_prefill, len(sampling)
-
-    def _check_stop(self, seq: Sequence, tok: int) -> None:
-        """Update the text and decide whether `seq` is finished after appending `tok`.
-
-        Order: EOS and stop token ids (their text is not added, as in vLLM),
-        then stop strings in the new text (text cut before the stop string),
-        then max_tokens / max_model_len ("length").
-        """
-        p = seq.request.params
-        n_out = seq.num_output_tokens
-        reason = None
-        stop_reason = None
-        past_min = n_out >= p.min_tokens
-        if past_min and not p.ignore_eos and tok in self.sampler.eos_token_ids:
-            reason = "stop"
-        elif past_min and tok in p.stop_token_ids:
-            reason, stop_reason = "stop", tok
-        if reason is None:
-            new_text = seq.detokenizer.add([tok])
-            if past_min and seq.stop_matcher and new_text:
-                hit = seq.stop_matcher.find(seq.detokenizer.text, len(new_text))
-                if hit is not None:
-                    cut, s = hit
-                    seq.text = seq.detokenizer.text[:cut]
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason, seq.stop_reason = "stop", s
-                    return
-            max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
-            if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
-        if reason is not None:
-            checked = len(seq.detokenizer.text)
-            seq.detokenizer.finish()
-            text = seq.detokenizer.text
-            if seq.stop_matcher and len(text) > checked:  # text held back until now may hold a stop string
-                hit = seq.stop_matcher.find(text, len(text) - checked)
-                if hit is not None:
-                    text, reason, stop_reason = text[: hit[0]], "stop", hit[1]
-            seq.text = text
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-        else:
-            seq.text = seq.detokenizer.text
 
     def _request_output(self, req: Request) -> RequestOutput:
         m = req.metrics

@@ -16,6 +16,9 @@ class EngineStats:
         kv_utilization_sum: sum over steps of used / allocated slots (see `kv_utilization`).
         time_schedule_s, time_model_s, time_sample_s, time_detok_s: seconds in each phase.
         time_total_s: seconds inside the step loop.
+        num_spec_steps: steps that verified speculative drafts.
+        spec_verifies, spec_draft_tokens, spec_accepted_tokens: verified chunks, drafted
+            tokens and accepted ones.
     """
 
     num_steps: int = 0
@@ -29,11 +32,20 @@ class EngineStats:
     time_sample_s: float = 0.0
     time_detok_s: float = 0.0
     time_total_s: float = 0.0
+    num_spec_steps: int = 0
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_utilization(self) -> float:
         """Mean over steps of used token slots / allocated slots of running sequences."""
         return self.kv_utilization_sum / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / drafted speculative tokens (0 when none were drafted)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def mean_batched_tokens(self) -> float:

@@ -34,6 +34,8 @@ class ChunkSpec:
         num_tokens: tokens in the chunk.
         block_table: physical KV blocks of the sequence, covering start + num_tokens.
         logits: "last" (the chunk's last position), "all" (every position) or None.
+        extra: tokens after `token_ids` that the chunk ends with (a speculative draft):
+            the chunk runs token_ids[start:] + extra, num_tokens in all.
     """
 
     token_ids: Sequence[int]
@@ -41,6 +43,7 @@ class ChunkSpec:
     num_tokens: int
     block_table: Sequence[int]
     logits: Optional[str] = None
+    extra: Sequence[int] = ()
 
 
 @dataclass
@@ -123,7 +126,10 @@ class ModelRunner:
             p0, n = c.start, c.num_tokens
             rng = np.arange(p0, p0 + n, dtype=np.int64)
             table = np.asarray(c.block_table, dtype=np.int64)
-            ids.append(np.asarray(c.token_ids[p0: p0 + n], dtype=np.int64))
+            if c.extra:
+                ids.append(np.asarray(list(c.token_ids[p0: p0 + n - len(c.extra)]) + list(c.extra), dtype=np.int64))
+            else:
+                ids.append(np.asarray(c.token_ids[p0: p0 + n], dtype=np.int64))
             pos.append(rng)
             slots.append(table[rng // bs] * bs + rng % bs)
             q_starts.append(row)
@@ -154,10 +160,14 @@ class ModelRunner:
         """`prepare` for a scheduler step: each chunk continues its sequence from `num_computed_tokens`."""
         def spec(c) -> ChunkSpec:
             s = c.seq
+            if c.draft:  # a verification: logits at the last token and at every drafted one
+                return ChunkSpec(s.token_ids, s.num_computed_tokens, c.num_tokens, s.block_table, "all", c.draft)
             return ChunkSpec(s.token_ids, s.num_computed_tokens, c.num_tokens, s.block_table,
                              "last" if c.samples else None)
 
-        return self.prepare([spec(c) for c in out.decodes], [spec(c) for c in out.prefills])
+        verify = [spec(c) for c in out.decodes if c.draft]
+        return self.prepare([spec(c) for c in out.decodes if not c.draft],
+                            verify + [spec(c) for c in out.prefills])
 
     # ------------------------------------------------------------ run
     def run(self, inputs: StepInputs) -> Optional[torch.Tensor]:
@@ -180,8 +190,9 @@ class ModelRunner:
         return logits if inputs.num_logits else None
 
     def execute(self, out: SchedulerOutput) -> Optional[torch.Tensor]:
-        """Prepare and run a scheduler step: [S, vocab] float32 logits, one row per chunk whose
-        `samples` is True, in chunk order (decodes, then prefills); None if S == 0."""
+        """Prepare and run a scheduler step: [S, vocab] float32 logits, in this order: one row per
+        plain decode that samples, then 1 + len(draft) rows per verification chunk (decodes
+        with drafts, in order), then one row per prefill chunk that samples; None if S == 0."""
         return self.run(self.prepare_scheduled(out))
 
     def compute_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

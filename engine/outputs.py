@@ -35,7 +35,9 @@ class RequestMetrics:
     """Timings (seconds, `time.time()` clock) and token counts of one request.
 
     `first_token_time - arrival_time` is the TTFT; `(finish_time -
-    first_token_time) / max(output_tokens - 1, 1)` is the TPOT.
+    first_token_time) / max(output_tokens - 1, 1)` is the TPOT. `spec_draft_tokens`
+    and `spec_accepted_tokens` count speculative tokens drafted for the request and
+    accepted by verification (all its completions).
     """
 
     arrival_time: float
@@ -44,6 +46,8 @@ class RequestMetrics:
     finish_time: Optional[float] = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def ttft(self) -> Optional[float]:

@@ -14,7 +14,7 @@ arXiv 2309.06180; chunked prefill: Agrawal et al. 2023, arXiv 2308.16369.)
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .kv_cache import BlockPool, block_key
@@ -23,15 +23,21 @@ from .request import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `seq`, starting at `seq.num_computed_tokens`."""
+    """`num_tokens` tokens of `seq`, starting at `seq.num_computed_tokens`.
+
+    A verification chunk also carries `draft`: speculative tokens after the sequence's last
+    token, counted in `num_tokens` (1 + len(draft)); `proposer` names where they came from.
+    """
 
     seq: Sequence
     num_tokens: int
+    draft: list = field(default_factory=list)
+    proposer: Optional[str] = None
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -51,6 +57,10 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft) for c in self.decodes)
+
+    @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
@@ -64,15 +74,18 @@ class Scheduler:
         max_num_seqs: most running sequences.
         max_num_batched_tokens: token budget per step.
         enable_chunked_prefill: if False a prompt must fit the budget in one step.
+        spec: an `engine.spec_decode.SpecDecoder`, or None (no speculation). With one, the
+            budget left after decodes and prefill chunks goes to drafts for decoding sequences.
     """
 
     def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True, spec=None) -> None:
         self.pool = block_pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.spec = spec
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order, oldest first
         self.num_preemptions = 0
@@ -151,6 +164,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._want(seq)
         self.num_preemptions += 1
+        if self.spec is not None:
+            self.spec.preempted(seq)
 
     # ------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
@@ -218,7 +233,21 @@ class Scheduler:
             (prefills if seq.is_prefill else decodes).append(chunk)
             scheduled.add(seq.seq_id)
             budget -= n
+
+        # 3. drafts for decoding sequences from what is left of the budget (speculation)
+        if self.spec is not None and decodes:
+            plain = [c for c in decodes if c.num_tokens == 1 and not c.seq.is_prefill]
+            self.spec.attach_drafts(plain, budget, self.max_num_batched_tokens - budget, self._grow)
         return SchedulerOutput(decodes, prefills, preempted)
+
+    def rollback(self, seq: Sequence) -> None:
+        """After a verification: free the blocks past the sequence's computed tokens (they held
+        only drafts, never registered in the prefix cache)."""
+        keep = (seq.num_computed_tokens + self.block_size - 1) // self.block_size
+        if len(seq.block_table) > keep:
+            extra = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.pool.free(extra)
 
     # ------------------------------------------------------------ prefix cache
     def _add_pending(self, seq: Sequence) -> None:

@@ -77,6 +77,8 @@ PRESETS: dict[str, ModelConfig] = {
                                 max_position_embeddings=8192, tie_word_embeddings=True, name="smollm2-135m"),
     "llama-3-8b": ModelConfig(4096, 14336, 32, 32, 8, 128256, rope_theta=500000.0,
                               max_position_embeddings=8192, name="llama-3-8b"),
+    "llama-3.2-1b": ModelConfig(2048, 8192, 16, 32, 8, 128256, rope_theta=500000.0,
+                                max_position_embeddings=8192, tie_word_embeddings=True, name="llama-3.2-1b"),
     "llama-2-7b": ModelConfig(4096, 11008, 32, 32, 32, 32000, rope_theta=10000.0,
                               max_position_embeddings=4096, name="llama-2-7b"),
     "mistral-7b": ModelConfig(4096, 14336, 32, 32, 8, 32000, rope_theta=1000000.0,

@@ -100,7 +100,7 @@ def add_spec_options(parser: argparse.ArgumentParser, required: Sequence[str] = 
             typ = base if base in (int, float) else str
             default = None if field.is_required() else field.default
             shown = f" (default {default})" if default is not None and "(default" not in help_text else ""
-            parser.add_argument(flag, dest=name, type=typ, default=None, choices=_choices(field.annotation),
+            parser.add_argument(flag, dest=name, type=typ, default=None, choices=_choices(base),
                                 help=help_text + shown)
 
 

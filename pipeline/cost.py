@@ -44,6 +44,8 @@ class TokenCounts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def __add__(self, other: "TokenCounts") -> "TokenCounts":
         return TokenCounts(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
@@ -56,6 +58,10 @@ class CostReport:
     `status` is "ok", "failed" (with `error`) or "interrupted"; a failed or interrupted run's
     counts are those of the shards it committed, and `discarded_completion_tokens` are the
     output tokens it generated for shards it did not commit (its wall time still counts).
+    Speculative decoding: drafted and accepted tokens of the committed rows, their ratio
+    (the acceptance rate), and, from the engine's counters over the run when it ran in
+    this process, accepted tokens per verified draft and the share of steps that verified
+    drafts (None when not known).
     """
 
     job_id: str
@@ -93,6 +99,11 @@ class CostReport:
     status: str = "ok"
     error: Optional[str] = None
     discarded_completion_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: Optional[float] = None
+    spec_mean_accepted_per_verify: Optional[float] = None
+    spec_step_share: Optional[float] = None
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -133,8 +144,15 @@ def cost_report(
     status: str = "ok",
     error: Optional[str] = None,
     discarded_completion_tokens: int = 0,
+    engine_steps: Optional[dict] = None,
 ) -> CostReport:
-    """Build a run's CostReport from its wall time and token counts (see CostReport for `status`)."""
+    """Build a run's CostReport from its wall time and token counts (see CostReport for `status`).
+
+    Args:
+        engine_steps: the engine's counters over the run, {"steps", "spec_steps", "spec_verifies",
+            "spec_accepted_tokens"}, or None when not known (e.g. shards run by other processes).
+    """
+    es = engine_steps or {}
     wall_s = max((finished_at - started_at).total_seconds(), 1e-9)
     device_s = wall_s * device_count
     cost = device_s / 3600.0 * price_per_device_hour
@@ -176,6 +194,13 @@ def cost_report(
         status=status,
         error=error,
         discarded_completion_tokens=discarded_completion_tokens,
+        spec_draft_tokens=counts.spec_draft_tokens,
+        spec_accepted_tokens=counts.spec_accepted_tokens,
+        spec_acceptance_rate=(counts.spec_accepted_tokens / counts.spec_draft_tokens
+                              if counts.spec_draft_tokens else None),
+        spec_mean_accepted_per_verify=(es["spec_accepted_tokens"] / es["spec_verifies"]
+                                       if es.get("spec_verifies") else None),
+        spec_step_share=es["spec_steps"] / es["steps"] if es.get("steps") else None,
     )
 
 

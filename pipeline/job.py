@@ -69,8 +69,8 @@ class JobSpec(BaseModel):
 
     Engine options (None means the engine's default): model, dtype, device,
     quantization, max_num_seqs, max_num_batched_tokens, max_model_len,
-    kv_cache_memory_bytes, enable_prefix_caching, seed, num_threads, plus any
-    other EngineConfig field in `engine_options`.
+    kv_cache_memory_bytes, enable_prefix_caching, seed, num_threads, speculative,
+    plus any other EngineConfig field in `engine_options` (e.g. speculative_config).
 
     Sampling defaults (a row's `max_tokens`, `temperature`, `top_p`, `seed`,
     `stop` columns override them): max_tokens, temperature, top_p, top_k,
@@ -99,6 +99,9 @@ class JobSpec(BaseModel):
     seed: int = Field(0, description="engine seed: sampled runs are reproducible")
     num_threads: Optional[int] = Field(None, description="CPU threads of torch and the C kernels (default: the "
                                                          "CPUs this process may use)")
+    speculative: Optional[Literal["auto", "ngram", "suffix", "draft_model", "off"]] = Field(
+        None, description="speculative decoding: auto (the engine default: drafts where the measured step cost "
+                          "makes them pay) | ngram | suffix | draft_model | off")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig fields")
 
     max_tokens: int = Field(128, description="default new tokens per row")
@@ -151,7 +154,8 @@ class JobSpec(BaseModel):
         """Keyword arguments for `engine.LLM` (unset options are left to the engine)."""
         kw: dict[str, Any] = {}
         for name in ("dtype", "device", "quantization", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads"):
+                     "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads",
+                     "speculative"):
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
@@ -608,7 +612,7 @@ class _ShardState:
 
 
 _EMPTY = {"generation": None, "finish_reason": "error", "prompt_tokens": 0, "completion_tokens": 0,
-          "cached_tokens": 0, "ttft_s": None, "latency_s": None}
+          "cached_tokens": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "ttft_s": None, "latency_s": None}
 
 
 def row_seed(job_seed: int, row_index: int) -> int:
@@ -634,6 +638,8 @@ def _output_row(out: Any, n: int) -> dict:
         "prompt_tokens": len(out.prompt_token_ids) if out.prompt_token_ids is not None else (m.prompt_tokens if m else 0),
         "completion_tokens": sum(len(c.token_ids) for c in comps),
         "cached_tokens": int(out.num_cached_tokens or 0),
+        "spec_draft_tokens": int(getattr(m, "spec_draft_tokens", 0) or 0),
+        "spec_accepted_tokens": int(getattr(m, "spec_accepted_tokens", 0) or 0),
         "ttft_s": m.ttft if m else None,
         "latency_s": m.latency if m else None,
         "error": None,
@@ -675,6 +681,8 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str, lease: 
         prompt_tokens=int(gen.get_column("prompt_tokens").sum()),
         cached_tokens=int(gen.get_column("cached_tokens").sum()),
         completion_tokens=int(gen.get_column("completion_tokens").sum()),
+        spec_draft_tokens=int(gen.get_column("spec_draft_tokens").sum()),
+        spec_accepted_tokens=int(gen.get_column("spec_accepted_tokens").sum()),
     )
     result = ShardResult(index=shard.index, rows=shard.length, counts=counts, device=device,
                          seconds=time.perf_counter() - state.started)
@@ -802,10 +810,24 @@ RUNS_DIR = "runs"  # OUTPUT/_job/runs/run-<started>-<run_id>.parquet: one cost r
 LEGACY_METRICS = "metrics.parquet"  # one file with every run's row (jobs written before the runs/ folder)
 
 
+def _engine_steps(llm: Any, since: Optional[dict] = None) -> Optional[dict]:
+    """The engine's step counters (steps, speculative steps, verifies, accepted draft tokens), minus
+    `since` when given; None without an engine that keeps them."""
+    st = getattr(llm, "stats", None)
+    if st is None or not hasattr(st, "num_spec_steps"):
+        return None
+    now = {"steps": st.num_steps, "spec_steps": st.num_spec_steps, "spec_verifies": st.spec_verifies,
+           "spec_accepted_tokens": st.spec_accepted_tokens}
+    if since is None:
+        return now
+    return {k: v - since.get(k, 0) for k, v in now.items()}
+
+
 def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantization: Optional[str],
                device: str, status: str = "ok", error: Optional[str] = None,
                discarded_completion_tokens: int = 0,
-               storage_options: Optional[dict[str, Any]] = None) -> CostReport:
+               storage_options: Optional[dict[str, Any]] = None,
+               engine_steps: Optional[dict] = None) -> CostReport:
     """Build this run's cost report and book it: one Parquet row under `_job/runs/` (one put, so a
     failing or interrupted run can book its cost too).
 
@@ -815,6 +837,7 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         error: for a failed run, what failed (one line).
         discarded_completion_tokens: output tokens generated for shards that were not committed.
         storage_options: options for the write (default: the spec's).
+        engine_steps: the engine's step counters over the run (see `cost.cost_report`).
 
     Raises:
         StorageError: the row could not be written.
@@ -829,7 +852,7 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
         rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
         ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order, status=status, error=error,
-        discarded_completion_tokens=discarded_completion_tokens,
+        discarded_completion_tokens=discarded_completion_tokens, engine_steps=engine_steps,
     )
     name = f"run-{plan.started_at.strftime('%Y%m%dT%H%M%S%fZ')}-{plan.run_id}.parquet"
     io.write_parquet_atomic(pl.DataFrame([report.as_row()]), manifest.job_url(spec.output, RUNS_DIR, name),
@@ -960,6 +983,7 @@ def run_job(
     def quantization() -> Optional[str]:
         return spec.quantization or getattr(getattr(llm, "config", None), "quantization", None)
 
+    stats0 = None
     try:
         todo = plan.rows_total - plan.rows_skipped
         if plan.rows_total == 0:
@@ -975,6 +999,7 @@ def run_job(
             llm = get_llm(spec)
             if loading:
                 _say(spec, f"model loaded in {time.perf_counter() - t_load:.1f} s")
+        stats0 = _engine_steps(llm)
         if spec.progress and plan.pending:
             from tqdm.auto import tqdm
 
@@ -991,7 +1016,7 @@ def run_job(
             bar.close()
             bar = None
         report = finish_job(plan, results, model=spec.model, quantization=quantization(),
-                            device=job_device(plan, results, llm))
+                            device=job_device(plan, results, llm), engine_steps=_engine_steps(llm, stats0))
     except BaseException as exc:
         if bar is not None:
             bar.close()

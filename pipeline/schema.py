@@ -39,6 +39,8 @@ GENERATION_COLUMNS: dict[str, pl.DataType] = {
     "prompt_tokens": pl.Int64(),
     "completion_tokens": pl.Int64(),
     "cached_tokens": pl.Int64(),
+    "spec_draft_tokens": pl.Int64(),
+    "spec_accepted_tokens": pl.Int64(),
     "ttft_s": pl.Float64(),
     "latency_s": pl.Float64(),
     "error": pl.Utf8(),

@@ -262,7 +262,7 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token()
 
     import torch
 
-    from engine.sampler import Sampler
+    from engine.sampler import SampleRow, Sampler
 
     probs = torch.tensor([0.5, 0.0, 0.2, 0.15, 0.15, 0.0])
     logits = probs.clamp_min(1e-30).log()
@@ -270,12 +270,13 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token()
     gen = torch.Generator().manual_seed(7)
     seq = SimpleNamespace(request=SimpleNamespace(params=SamplingParams(temperature=1.0)), generator=gen)
     n = 20000
-    draws = Sampler._sample(logits.repeat(n, 1), [seq] * n)
+    sampler = Sampler(6, [])
+    draws = sampler.draw(logits.repeat(n, 1), [SampleRow(seq)] * n)
     counts = torch.bincount(draws, minlength=6).double()
     assert counts[1] == 0 and counts[5] == 0
     sd = (n * probs.double() * (1 - probs.double())).sqrt()
     assert ((counts - n * probs.double()).abs() <= 4 * sd + 1e-9).all(), counts
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    a = Sampler._sample(logits[None], [SimpleNamespace(request=seq.request, generator=g1)])
-    b = Sampler._sample(logits[None], [SimpleNamespace(request=seq.request, generator=g2)])
+    a = sampler.draw(logits[None].clone(), [SampleRow(SimpleNamespace(request=seq.request, generator=g1))])
+    b = sampler.draw(logits[None].clone(), [SampleRow(SimpleNamespace(request=seq.request, generator=g2))])
     assert torch.equal(a, b)

@@ -52,7 +52,8 @@ def test_run_job_local(local_input, tmp_path):
     assert sorted(p for p in os.listdir(out) if p.startswith("part-")) == [f"part-{i:05d}.parquet" for i in range(5)]
     assert df["id"].to_list() == [f"r{i:03d}" for i in range(12)]
     assert df.columns == ["id", "topic", "score", "generation", "finish_reason", "prompt_tokens",
-                          "completion_tokens", "cached_tokens", "ttft_s", "latency_s", "error"]
+                          "completion_tokens", "cached_tokens", "spec_draft_tokens", "spec_accepted_tokens", "ttft_s",
+                          "latency_s", "error"]
     assert df["topic"].to_list() == dataset(12)["topic"].to_list()
     assert df["score"].to_list() == dataset(12)["score"].to_list()
     assert df["error"].null_count() == 12

@@ -1,0 +1,253 @@
+"""The engine core: the step loop behind the `LLM` facade.
+
+One step: the scheduler picks decode tokens (some turned into verification chunks that
+carry speculative drafts), then prefill chunks, under the token budget; the model runner
+builds the step's inputs once and runs one forward pass; the sampler draws a token for
+each plain row and verifies each draft; new tokens are checked one by one against EOS,
+stop token ids, stop strings and length; blocks past a verification's accepted tokens
+are given back; finished sequences free their blocks.
+
+`add_requests` / `step` / `has_unfinished` / `abort_all` are the public surface: the
+facade, the benchmarks and the pipeline drive the engine through them only.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .metrics import EngineStats
+from .model_runner import ChunkSpec, ModelRunner
+from .request import Request, Sequence, SequenceStatus
+from .sampler import Sampler
+from .scheduler import Scheduler
+
+
+@dataclass
+class StepResult:
+    """What one step did.
+
+    Attributes:
+        finished: requests that finished in it (or were refused: too large for the pool).
+        prompt_tokens: prompt tokens computed.
+        output_tokens: tokens appended to sequences (accepted drafts included).
+    """
+
+    finished: list[Request] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class EngineCore:
+    """Args:
+        scheduler, runner, sampler: the engine's parts.
+        max_model_len: longest sequence in tokens.
+        spec: an `engine.spec_decode.SpecDecoder` or None (the scheduler holds the same one).
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, max_model_len: int,
+                 spec=None) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.spec = spec
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------ public surface
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue every sequence of valid requests (error requests are the caller's to report)."""
+        for r in requests:
+            if r.error is None:
+                for s in r.seqs:
+                    self.scheduler.add(s)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> None:
+        """Drop every running and waiting sequence, freeing their blocks."""
+        for s in list(self.scheduler.running):
+            self.scheduler.finish(s)
+        self.scheduler.clear_waiting()
+
+    def profile_step(self, num_tokens: int) -> float:
+        """Seconds of one forward pass of num_tokens fresh tokens on scratch blocks (for the
+        speculation policy's step-cost model); 0.0 when the pool cannot hold them."""
+        bs = self.runner.block_size
+        pool = self.scheduler.pool
+        need = -(-num_tokens // bs)
+        if need > pool.num_free_blocks:
+            return 0.0
+        blocks = pool.allocate(need)
+        try:
+            spec = ChunkSpec([1 + (i % 997) for i in range(num_tokens)], 0, num_tokens, blocks, "last")
+            inputs = self.runner.prepare([spec], []) if num_tokens == 1 else self.runner.prepare([], [spec])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                self.runner.run(inputs)
+            return time.perf_counter() - t0
+        finally:
+            pool.free(blocks)
+
+    @torch.inference_mode()
+    def step(self) -> StepResult:
+        """Run one engine step."""
+        st = self.stats
+        res = StepResult()
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        st.time_schedule_s += t1 - t0
+        st.num_preemptions = self.scheduler.num_preemptions
+        if out.is_empty:
+            self._refuse_head(res)
+            st.time_total_s += time.perf_counter() - t0
+            return res
+        now = time.time()
+        plain = [c for c in out.decodes if not c.draft]
+        verify = [c for c in out.decodes if c.draft]
+        res.prompt_tokens = sum(c.num_tokens for c in out.prefills) + sum(
+            c.num_tokens for c in plain if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
+        for c in out.chunks:
+            m = c.seq.request.metrics
+            if m.scheduled_time is None:
+                m.scheduled_time = now
+        # rows: plain decodes that sample, then each verification's 1 + k rows, then prefills that
+        # sample (decided before the computed counts move)
+        sample_plain = [c.seq for c in plain if c.samples]
+        sample_pre = [c.seq for c in out.prefills if c.samples]
+        logits = self.runner.execute(out)
+        t2 = time.perf_counter()
+        st.time_model_s += t2 - t1
+        for c in plain + out.prefills:
+            c.seq.num_computed_tokens += c.num_tokens
+            self.scheduler.register_computed(c.seq)
+        st.num_steps += 1
+        st.num_batched_tokens_sum += out.num_tokens
+        st.num_prompt_tokens_computed += res.prompt_tokens
+        st.kv_utilization_sum += self.scheduler.kv_utilization()
+        if logits is None:
+            st.time_total_s += time.perf_counter() - t0
+            return res
+        n_plain, n_ver = len(sample_plain), sum(1 + len(c.draft) for c in verify)
+        seqs = sample_plain + sample_pre
+        if seqs:
+            rows = logits[:n_plain] if not sample_pre else torch.cat((logits[:n_plain], logits[n_plain + n_ver:]))
+            tokens, lps = self.sampler(rows, seqs)
+            for seq, tok, lp in zip(seqs, tokens, lps):
+                res.output_tokens += self._append(seq, [tok], [lp], res)
+        if verify:
+            results = self.sampler.verify(logits[n_plain:n_plain + n_ver], [(c.seq, c.draft) for c in verify])
+            for c, (new, lps, accepted) in zip(verify, results):
+                seq = c.seq
+                seq.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts have K/V
+                m = seq.request.metrics
+                m.spec_draft_tokens += len(c.draft)
+                m.spec_accepted_tokens += accepted
+                st.spec_draft_tokens += len(c.draft)
+                st.spec_accepted_tokens += accepted
+                st.spec_verifies += 1
+                res.output_tokens += self._append(seq, new, lps, res)
+                if self.spec is not None:
+                    self.spec.verified(seq, c.proposer or "", len(c.draft), accepted)
+                if not seq.is_finished:
+                    self.scheduler.rollback(seq)
+                    self.scheduler.register_computed(seq)
+            st.num_spec_steps += 1
+        t3 = time.perf_counter()
+        st.time_sample_s += t3 - t2
+        if self.spec is not None:
+            self.spec.observe_step(out.num_tokens, t3 - t1, bool(verify))
+        st.num_output_tokens += res.output_tokens
+        st.time_total_s += time.perf_counter() - t0
+        return res
+
+    # ------------------------------------------------------------ internals
+    def _refuse_head(self, res: StepResult) -> None:
+        """Nothing fits even with nothing running: the head sequence can never be served."""
+        sch = self.scheduler
+        if not (sch.waiting and not sch.running):
+            return
+        seq = sch.pop_waiting()
+        req = seq.request
+        req.error = (f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds "
+                     f"{sch.pool.num_blocks * sch.block_size}")
+        for s in req.seqs:
+            if s in sch.waiting:
+                sch.remove_waiting(s)
+            elif s.status == SequenceStatus.RUNNING:
+                sch.finish(s)
+            s.status = SequenceStatus.FINISHED
+        res.finished.append(req)
+
+    def _append(self, seq: Sequence, tokens: list[int], lps: list, res: StepResult) -> int:
+        """Append tokens to seq in order, checking stops after each; returns how many were kept."""
+        req = seq.request
+        now = time.time()
+        kept = 0
+        for tok, lp in zip(tokens, lps):
+            seq.token_ids.append(tok)
+            if seq.logprobs is not None:
+                seq.logprobs.append(lp)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            kept += 1
+            self._check_stop(seq, tok)
+            if seq.is_finished:
+                break
+        if seq.is_finished:
+            if seq in self.scheduler.running:
+                self.scheduler.finish(seq)
+            if self.spec is not None:
+                self.spec.finished(seq)
+            if req.is_finished:
+                req.metrics.finish_time = time.time()
+                res.finished.append(req)
+        return kept
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        """Update the text and decide whether `seq` is finished after appending `tok`.
+
+        Order: EOS and stop token ids (their text is not added, as in vLLM),
+        then stop strings in the new text (text cut before the stop string),
+        then max_tokens / max_model_len ("length").
+        """
+        p = seq.request.params
+        n_out = seq.num_output_tokens
+        reason = None
+        stop_reason: Optional[object] = None
+        past_min = n_out >= p.min_tokens
+        if past_min and not p.ignore_eos and tok in self.sampler.eos_token_ids:
+            reason = "stop"
+        elif past_min and tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        if reason is None:
+            new_text = seq.detokenizer.add([tok])
+            if past_min and seq.stop_matcher and new_text:
+                hit = seq.stop_matcher.find(seq.detokenizer.text, len(new_text))
+                if hit is not None:
+                    cut, s = hit
+                    seq.text = seq.detokenizer.text[:cut]
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason, seq.stop_reason = "stop", s
+                    return
+            max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+            if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            checked = len(seq.detokenizer.text)
+            seq.detokenizer.finish()
+            text = seq.detokenizer.text
+            if seq.stop_matcher and len(text) > checked:  # text held back until now may hold a stop string
+                hit = seq.stop_matcher.find(text, len(text) - checked)
+                if hit is not None:
+                    text, reason, stop_reason = text[: hit[0]], "stop", hit[1]
+            seq.text = text
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+        else:
+            seq.text = seq.detokenizer.text

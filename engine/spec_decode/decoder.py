@@ -1,0 +1,190 @@
+"""The speculative decoder: which proposer drafts for which sequence, and how many tokens.
+
+The scheduler calls `attach_drafts` after it has placed the step's decodes and prefill
+chunks: for each decoding sequence it gets a draft (prompt lookup first, then the
+job-wide suffix index, or the draft model), chooses the draft lengths (fixed, or by the
+goodput policy of `policy.py` when adaptive), grows the sequence's blocks for them and
+turns its one-token decode chunk into a (1 + k)-token verification chunk, counted in the
+step's token budget. After the step the engine reports each verification (`verified`),
+the step's size and time (`observe_step`) and finished sequences (`finished`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..config import SpeculativeConfig
+from .base import Proposer
+from .ngram import NgramProposer
+from .policy import AcceptanceTracker, StepCostModel, choose_lengths
+from .suffix import SuffixProposer
+
+
+@dataclass
+class SpecStats:
+    """Cumulative speculation counts of an engine.
+
+    Attributes:
+        steps_with_drafts: steps that verified at least one draft.
+        verifies: drafted chunks verified.
+        draft_tokens / accepted_tokens: drafted tokens, and those accepted.
+        profile_s: seconds spent profiling the step-cost model.
+    """
+
+    steps_with_drafts: int = 0
+    verifies: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    profile_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_per_verify(self) -> float:
+        """Accepted draft tokens per verified chunk."""
+        return self.accepted_tokens / self.verifies if self.verifies else 0.0
+
+
+class SpecDecoder:
+    """Args:
+        cfg: the speculative settings.
+        max_model_len: longest sequence.
+        draft_factory: builds the draft-model proposer (for method "draft_model").
+        profile: runs the start-up profile: a callable (token count) -> seconds of one step.
+    """
+
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int,
+                 draft_factory: Optional[Callable[[], Proposer]] = None,
+                 profile: Optional[Callable[[int], float]] = None) -> None:
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.adaptive = cfg.method == "auto"
+        self.proposers: list[Proposer] = []
+        if cfg.method in ("auto", "ngram"):
+            self.proposers.append(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+        if cfg.method in ("auto", "suffix"):
+            self.proposers.append(SuffixProposer(cfg.suffix_max_tokens, cfg.suffix_max_depth))
+        if cfg.method == "draft_model":
+            if draft_factory is None:
+                raise ValueError("speculative method 'draft_model' needs a draft model")
+            self.proposers.append(draft_factory())
+        self.cost = StepCostModel()
+        self.acceptance = AcceptanceTracker()
+        self.stats = SpecStats()
+        self._profile = profile
+        self._profiled = False
+
+    # ------------------------------------------------------------ scheduling
+    def _cap(self, seq) -> int:
+        """Most draft tokens seq may take: the config's k, its max_tokens and the context left."""
+        p = seq.request.params
+        cap = self.cfg.num_speculative_tokens
+        if p.max_tokens is not None:
+            cap = min(cap, p.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(cap, self.max_model_len - seq.num_tokens - 1))
+
+    def attach_drafts(self, decodes: list, budget: int, step_tokens: int, grow: Callable) -> None:
+        """Turn some of this step's decode chunks into verification chunks (in place).
+
+        Args:
+            decodes: the step's one-token decode chunks (`ScheduledChunk`).
+            budget: token budget left in the step.
+            step_tokens: tokens the step runs without drafts.
+            grow: grow(seq, num_tokens) -> bool, allocating the blocks for num_tokens tokens
+                from the sequence's computed position (the scheduler's own).
+        """
+        for p in self.proposers:
+            p.step()
+        if budget <= 0 or not decodes:
+            return
+        if self.adaptive and not self._profiled:
+            self._run_profile(max(step_tokens, 1))
+        caps = [self._cap(c.seq) for c in decodes]
+        cand = [(i, c) for i, c in enumerate(decodes) if caps[i] > 0]
+        if not cand:
+            return
+        seqs = [c.seq for _, c in cand]
+        props: list[tuple[Optional[Proposer], list[int]]] = [(None, [])] * len(cand)
+        cheap = [p for p in self.proposers if p.cheap]
+        kmax = [caps[i] for i, _ in cand]
+        for p in cheap:  # the first proposer with a draft for a sequence drafts for it
+            want = [j for j, (pp, d) in enumerate(props) if not d]
+            if not want:
+                break
+            got = p.propose([seqs[j] for j in want], [kmax[j] for j in want])
+            for j, d in zip(want, got):
+                if d:
+                    props[j] = (p, d)
+        expensive = [p for p in self.proposers if not p.cheap]
+        if expensive:
+            p = expensive[0]
+            props = [(p, [0] * kmax[j]) if not d else (pp, d) for j, (pp, d) in enumerate(props)]
+        # how many of each draft to run
+        lens = [len(d) for _, d in props]
+        if self.adaptive:
+            rates = [self.acceptance.rate(s.seq_id, pp.name) if pp else 0.0 for s, (pp, _) in zip(seqs, props)]
+            ks = choose_lengths(rates, lens, step_tokens, float(len(decodes)), self.cost.cost, budget)
+        else:
+            ks, left = [], budget
+            for n in lens:
+                ks.append(min(n, left))
+                left -= ks[-1]
+        # blocks for the drafts; a sequence that cannot get them decodes plainly
+        for j, k in enumerate(ks):
+            if k and not grow(seqs[j], 1 + k):
+                ks[j] = 0
+        if expensive:
+            p = expensive[0]
+            idx = [j for j, (pp, _) in enumerate(props) if pp is p and ks[j] > 0]
+            if idx:
+                got = p.propose([seqs[j] for j in idx], [ks[j] for j in idx])
+                for j, d in zip(idx, got):
+                    props[j] = (p, d)
+        for (i, c), (pp, d), k in zip(cand, props, ks):
+            d = list(d[:k])
+            if d:
+                c.draft, c.num_tokens, c.proposer = d, 1 + len(d), pp.name
+
+    def _run_profile(self, base: int) -> None:
+        self._profiled = True
+        if self._profile is None:
+            return
+        t0 = time.perf_counter()
+        for n in sorted({1, 4, 16, base, 2 * base, 4 * base}):
+            if n <= 4096:
+                self.cost.observe(n, self._profile(n))
+        self.stats.profile_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------ feedback
+    def observe_step(self, num_tokens: int, seconds: float, had_drafts: bool) -> None:
+        """A step of num_tokens tokens took `seconds` (model and sampling)."""
+        self.cost.observe(num_tokens, seconds)
+        if had_drafts:
+            self.stats.steps_with_drafts += 1
+
+    def verified(self, seq, proposer: str, drafted: int, accepted: int) -> None:
+        """A verification of seq's draft from `proposer`: `accepted` of `drafted` kept."""
+        self.stats.verifies += 1
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        done = seq.is_finished  # `finished` already ran: keep no per-sequence state for it
+        self.acceptance.observe(seq.seq_id, proposer, drafted, accepted, per_seq=not done)
+        if not done:
+            for p in self.proposers:
+                if p.name == proposer:
+                    p.on_verified(seq, drafted, accepted)
+
+    def finished(self, seq) -> None:
+        """seq finished: the proposers may learn from its tokens."""
+        self.acceptance.forget(seq.seq_id)
+        for p in self.proposers:
+            p.on_finished(seq)
+
+    def preempted(self, seq) -> None:
+        """seq lost its blocks."""
+        for p in self.proposers:
+            p.on_preempted(seq)

@@ -1,0 +1,137 @@
+"""How many tokens to draft for each sequence this step: goodput under a measured step-cost model.
+
+A step's time grows with the tokens it runs, but not in proportion: at small batches a
+step is bound by reading the weights (a few more tokens are almost free), at large
+batches by arithmetic (every token costs its share). Drafting pays while the expected
+accepted tokens it adds are worth more than the time they add. The policy maximises
+goodput, expected generated tokens per second of step time (SmartSpec, Liu et al. 2024,
+arXiv 2406.14066):
+
+    goodput(k) = sum_i (1 + E_i(k_i)) / T(base + sum_i k_i),
+    E_i(k) = a_i + a_i^2 + ... + a_i^k,
+
+with a_i the sequence's acceptance rate per drafted position (an exponential moving
+average of its verifications, starting from its proposer's average) and T the step-cost
+model. Drafted tokens are added one at a time, the one of highest expected gain first,
+while goodput rises; when a full batch already saturates the machine no draft pays and
+speculation turns itself off.
+
+T is measured: each step's (tokens, seconds) updates an exponential moving average per
+power-of-two bucket of tokens, interpolated between buckets; the buckets are seeded by a
+short profile of forward passes of a few sizes when the engine first considers drafting.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable, Optional
+
+
+class StepCostModel:
+    """Seconds of a step as a function of its tokens: per power-of-two bucket of token counts, an
+    EMA of the steps' token counts and seconds; piecewise linear between the buckets' points,
+    and in proportion to tokens past the largest.
+
+    Args:
+        decay: weight of the old values in each EMA update.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.points: dict[int, tuple[float, float]] = {}  # bucket -> (tokens, seconds)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Fold one measured step into the model."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        b = int(round(math.log2(num_tokens)))
+        old = self.points.get(b)
+        if old is None:
+            self.points[b] = (float(num_tokens), seconds)
+        else:
+            w = self.decay
+            self.points[b] = (w * old[0] + (1 - w) * num_tokens, w * old[1] + (1 - w) * seconds)
+
+    def cost(self, num_tokens: int) -> Optional[float]:
+        """Estimated seconds of a step of num_tokens tokens (None before any measurement)."""
+        if not self.points:
+            return None
+        pts = sorted(self.points.values())
+        n = float(num_tokens)
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return t0 + (n - n0) * (t1 - t0) / max(n1 - n0, 1e-9)
+        n_last, t_last = pts[-1]
+        return t_last * n / n_last
+
+
+class AcceptanceTracker:
+    """Per-sequence and per-proposer acceptance rate per drafted position (EMAs)."""
+
+    def __init__(self, prior: float = 0.5, decay: float = 0.7) -> None:
+        self.prior, self.decay = prior, decay
+        self.by_proposer: dict[str, float] = {}
+        self.by_seq: dict[tuple[int, str], float] = {}
+
+    def rate(self, seq_id: int, proposer: str) -> float:
+        """The estimate for seq_id's drafts from `proposer`."""
+        r = self.by_seq.get((seq_id, proposer))
+        return r if r is not None else self.by_proposer.get(proposer, self.prior)
+
+    def observe(self, seq_id: int, proposer: str, drafted: int, accepted: int, per_seq: bool = True) -> None:
+        """A verification: `accepted` of `drafted` positions kept (the first reject ends it);
+        per_seq=False updates the proposer's estimate only (the sequence has finished)."""
+        if drafted <= 0:
+            return
+        trials = accepted + (1 if accepted < drafted else 0)
+        obs = accepted / max(trials, 1)
+        tables = [(self.by_proposer, proposer)]
+        if per_seq:
+            tables.append((self.by_seq, (seq_id, proposer)))
+        for table, key in tables:
+            old = table.get(key)
+            table[key] = obs if old is None else self.decay * old + (1 - self.decay) * obs
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished sequence's estimates."""
+        for key in [k for k in self.by_seq if k[0] == seq_id]:
+            del self.by_seq[key]
+
+
+def choose_lengths(rates: list[float], caps: list[int], base_tokens: int, base_yield: float,
+                   cost: Callable[[int], Optional[float]], budget: int) -> list[int]:
+    """Draft lengths maximising expected tokens per second of step time.
+
+    Args:
+        rates: acceptance rate per drafted position, per candidate sequence.
+        caps: most draft tokens each candidate may get (its proposal length, max_tokens, ...).
+        base_tokens: tokens the step runs without drafts.
+        base_yield: tokens it produces without drafts (one per decoding sequence).
+        cost: the step-cost model (seconds for a token count; None = unknown).
+        budget: most draft tokens in all.
+    Returns:
+        draft length per candidate.
+    """
+    ks = [0] * len(rates)
+    t0 = cost(base_tokens)
+    if t0 is None or t0 <= 0 or budget <= 0:
+        return ks
+    heap = [(-r, i) for i, r in enumerate(rates) if caps[i] > 0 and r > 0]
+    heapq.heapify(heap)
+    total_yield, extra = base_yield, 0
+    t = t0
+    while heap and extra < budget:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        t_next = cost(base_tokens + extra + 1)
+        if t_next is None or (total_yield + gain) / t_next <= total_yield / t:
+            break  # the best remaining draft token lowers goodput; every other one gains less
+        ks[i] += 1
+        extra += 1
+        total_yield += gain
+        t = t_next
+        if ks[i] < caps[i]:
+            heapq.heappush(heap, (-(gain * rates[i]), i))
+    return ks
