@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .structured.params import StructuredOutputsParams
+
 
 @dataclass
 class EngineConfig:
@@ -69,6 +71,10 @@ class EngineConfig:
             dict of `SpeculativeConfig` fields (method, num_speculative_tokens,
             prompt_lookup_min, prompt_lookup_max, suffix_max_tokens,
             suffix_max_depth, draft_model).
+        structured_outputs_jump_forward: for constrained requests, append the tokens the
+            grammar forces (its only legal continuation) without sampling each of them; they
+            are computed in the next step's forward pass as one chunk (counted in
+            `EngineStats.structured_forced_tokens`). See `engine.structured`.
 
     Raises:
         ValueError: naming the parameter, for any out-of-range value.
@@ -95,6 +101,7 @@ class EngineConfig:
     cpu_kernels: bool = True
     speculative: Optional[str] = "auto"
     speculative_config: Optional[dict] = None
+    structured_outputs_jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -236,6 +243,12 @@ class SamplingParams:
             on output tokens; 0.0 is off.
         logprobs: number of top log-probabilities returned per generated token.
         skip_special_tokens: drop special tokens from the text.
+        structured_outputs: a `StructuredOutputsParams` (json / regex / choice / grammar /
+            json_object) the output must match, or None; a dict of its fields is accepted.
+            A constraint that does not compile makes the request an error output.
+        score_choices: instead of generating, score each of these strings as the completion
+            (log-probability of its tokens given the prompt); the output's `label` is the most
+            likely one and `label_logprobs` maps each choice to its log-probability.
     """
 
     n: int = 1
@@ -254,8 +267,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    score_choices: Optional[Sequence[str]] = None
 
     def __post_init__(self) -> None:
+        so = self.structured_outputs
+        if isinstance(so, dict) and set(so) <= set(StructuredOutputsParams.__dataclass_fields__):
+            self.structured_outputs = StructuredOutputsParams(**so)
+        if isinstance(self.score_choices, tuple):
+            self.score_choices = list(self.score_choices)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop) if self.stop else []
@@ -310,4 +330,22 @@ class SamplingParams:
                 return f"{name} must be in [-2, 2], got {v!r}"
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0 or self.logprobs > 20):
             return f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}"
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                return (f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields), got "
+                        f"{self.structured_outputs!r}")
+            problem = self.structured_outputs.validate()
+            if problem is not None:
+                return problem
+        if self.score_choices is not None:
+            sc = self.score_choices
+            if not isinstance(sc, list) or not sc or not all(isinstance(c, str) and c for c in sc):
+                return f"score_choices must be a non-empty list of non-empty strings, got {sc!r}"
+            dup = sorted({c for c in sc if sc.count(c) > 1})
+            if dup:
+                return f"score_choices: duplicate choice(s) {dup}"
+            if self.structured_outputs is not None:
+                return "score_choices and structured_outputs cannot both be set (scoring generates nothing)"
+            if self.n != 1:
+                return f"score_choices needs n == 1, got n={self.n}"
         return None

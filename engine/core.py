@@ -7,6 +7,15 @@ each plain row and verifies each draft; new tokens are checked one by one agains
 stop token ids, stop strings and length; blocks past a verification's accepted tokens
 are given back; finished sequences free their blocks.
 
+Constrained sequences (`engine.structured`) add three things to a step: drafts are cut at
+the first token their grammar rejects (and, with jump-forward, before a token after which
+the grammar forces its continuation, so that speculation never changes what is appended);
+one token bitmask for all the step's logits rows is filled on a worker thread while the
+forward pass runs (a verification's row j gets the mask after draft[:j]) and applied
+before sampling; every appended token advances the sequence's matcher, and with
+jump-forward the tokens the grammar then forces are appended too, to be computed in the
+next step's forward pass as one chunk.
+
 `add_requests` / `step` / `has_unfinished` / `abort_all` are the public surface: the
 facade, the benchmarks and the pipeline drive the engine through them only.
 """
@@ -48,12 +57,14 @@ class EngineCore:
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, max_model_len: int,
-                 spec=None) -> None:
+                 spec=None, structured=None, jump_forward: bool = True) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.spec = spec
+        self.structured = structured  # an engine.structured.StructuredOutputManager, or None
+        self.jump_forward = jump_forward
         self.stats = EngineStats()
 
     # ------------------------------------------------------------ public surface
@@ -108,10 +119,12 @@ class EngineCore:
             st.time_total_s += time.perf_counter() - t0
             return res
         now = time.time()
+        if self.structured is not None:
+            self._validate_drafts(out.decodes)
         plain = [c for c in out.decodes if not c.draft]
         verify = [c for c in out.decodes if c.draft]
-        res.prompt_tokens = sum(c.num_tokens for c in out.prefills) + sum(
-            c.num_tokens for c in plain if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
+        res.prompt_tokens = sum(min(c.num_tokens, max(c.seq.num_prompt_tokens - c.seq.num_computed_tokens, 0))
+                                for c in plain + out.prefills)
         for c in out.chunks:
             m = c.seq.request.metrics
             if m.scheduled_time is None:
@@ -120,6 +133,11 @@ class EngineCore:
         # sample (decided before the computed counts move)
         sample_plain = [c.seq for c in plain if c.samples]
         sample_pre = [c.seq for c in out.prefills if c.samples]
+        masks = None
+        if self.structured is not None:  # filled on a worker thread while the forward runs
+            masks = self.structured.start_fill([(s.grammar, []) for s in sample_plain]
+                                               + [(c.seq.grammar, c.draft) for c in verify]
+                                               + [(s.grammar, []) for s in sample_pre])
         logits = self.runner.execute(out)
         t2 = time.perf_counter()
         st.time_model_s += t2 - t1
@@ -134,14 +152,19 @@ class EngineCore:
             st.time_total_s += time.perf_counter() - t0
             return res
         n_plain, n_ver = len(sample_plain), sum(1 + len(c.draft) for c in verify)
+        bitmask = masks.result() if masks is not None else None
         seqs = sample_plain + sample_pre
         if seqs:
             rows = logits[:n_plain] if not sample_pre else torch.cat((logits[:n_plain], logits[n_plain + n_ver:]))
-            tokens, lps = self.sampler(rows, seqs)
+            bm = None
+            if bitmask is not None:
+                bm = bitmask[:n_plain] if not sample_pre else torch.cat((bitmask[:n_plain], bitmask[n_plain + n_ver:]))
+            tokens, lps = self.sampler(rows, seqs, bm)
             for seq, tok, lp in zip(seqs, tokens, lps):
                 res.output_tokens += self._append(seq, [tok], [lp], res)
         if verify:
-            results = self.sampler.verify(logits[n_plain:n_plain + n_ver], [(c.seq, c.draft) for c in verify])
+            results = self.sampler.verify(logits[n_plain:n_plain + n_ver], [(c.seq, c.draft) for c in verify],
+                                          None if bitmask is None else bitmask[n_plain:n_plain + n_ver])
             for c, (new, lps, accepted) in zip(verify, results):
                 seq = c.seq
                 seq.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts have K/V
@@ -167,6 +190,30 @@ class EngineCore:
         return res
 
     # ------------------------------------------------------------ internals
+    def _validate_drafts(self, decodes: list) -> None:
+        """Cut each constrained sequence's draft at the first token its grammar rejects; with
+        jump-forward also before the first token after which the grammar forces tokens (plain
+        decoding would append the forced tokens there, not the next draft or target token)."""
+        for c in decodes:
+            m = c.seq.grammar
+            if not c.draft or m is None:
+                continue
+            k = m.validate_tokens(c.draft) if not m.is_error() else 0
+            if self.jump_forward and k:
+                took = 0
+                for j in range(k):
+                    m.accept_token(c.draft[j])
+                    took += 1
+                    if m.forced_tokens():
+                        k = j  # keep the tokens before it; the target token lands where draft[j] was
+                        break
+                m.rollback(took)
+            if k < len(c.draft):
+                c.draft = list(c.draft[:k])
+                c.num_tokens = 1 + k
+                if not c.draft:
+                    c.proposer = None
+
     def _refuse_head(self, res: StepResult) -> None:
         """Nothing fits even with nothing running: the head sequence can never be served."""
         sch = self.scheduler
@@ -189,16 +236,29 @@ class EngineCore:
         req = seq.request
         now = time.time()
         kept = 0
-        for tok, lp in zip(tokens, lps):
+        tokens, lps = list(tokens), list(lps)
+        i = 0
+        while i < len(tokens):
+            tok, lp = tokens[i], lps[i]
+            i += 1
             seq.token_ids.append(tok)
             if seq.logprobs is not None:
                 seq.logprobs.append(lp)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             kept += 1
+            if seq.grammar is not None:
+                seq.grammar.accept_token(tok)
             self._check_stop(seq, tok)
             if seq.is_finished:
                 break
+            if i == len(tokens) and seq.grammar is not None and self.jump_forward and not seq.grammar.is_error():
+                forced = seq.grammar.forced_tokens()  # jump-forward: appended without sampling each
+                if forced:
+                    seq.num_forced_tokens += len(forced)
+                    self.stats.structured_forced_tokens += len(forced)
+                    tokens += forced
+                    lps += [None] * len(forced)
         if seq.is_finished:
             if seq in self.scheduler.running:
                 self.scheduler.finish(seq)

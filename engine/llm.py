@@ -34,6 +34,7 @@ from .request import Request, Sequence
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode import SpecDecoder
+from .structured import StructuredOutputManager
 from .threads import apply_num_threads
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from .weights import DEFAULT_MODEL, load_model_weights, resolve_model
@@ -135,6 +136,14 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     elif model.ops.name == "cpu":
         model.ops = TorchOps()
     return model, tokenizer
+
+
+def _is_valid(seq: Sequence) -> Optional[bool]:
+    """For a constrained sequence: finished with "stop" and its grammar accepts the output; else None."""
+    g = seq.grammar
+    if g is None:
+        return None
+    return seq.finish_reason == "stop" and not g.is_error() and g.is_accepting()
 
 
 class LLM:
@@ -240,7 +249,14 @@ class LLM:
 
             self.runner.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_cache.layers, self.backend,
                                                        cfg.max_num_seqs, self.max_model_len, bs)
-        self.core = EngineCore(self.scheduler, self.runner, self.sampler, self.max_model_len, self.spec)
+        def grammar_backend():
+            from .structured.llguidance_backend import LLGuidanceBackend
+
+            return LLGuidanceBackend(self.tokenizer)
+
+        self.structured = StructuredOutputManager(grammar_backend)  # the backend is built on first use
+        self.core = EngineCore(self.scheduler, self.runner, self.sampler, self.max_model_len, self.spec,
+                               self.structured, cfg.structured_outputs_jump_forward)
         self._seq_counter = 0
         self._request_counter = 0
 
@@ -466,6 +482,9 @@ class LLM:
                     if len(ids) == self.max_model_len
                     else f"prompt: {len(ids)} tokens is longer than max_model_len={self.max_model_len}"
                 )
+            grammar = None
+            if error is None and params.structured_outputs is not None:
+                grammar, error = self.structured.matcher_for(params.structured_outputs)
             metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
             req = Request(str(i), i, text, ids, params if isinstance(params, SamplingParams) else SamplingParams(),
                           metrics, error=error)
@@ -481,6 +500,8 @@ class LLM:
                     seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                     seq.stop_matcher = StopStringMatcher(params.stop)
                     seq.logprobs = [] if params.logprobs is not None else None
+                    if grammar is not None:  # one matcher per completion, all from one compiled grammar
+                        seq.grammar = grammar if j == 0 else self.structured.matcher_for(params.structured_outputs)[0]
                     self._seq_counter += 1
                     req.seqs.append(seq)
             reqs.append(req)
@@ -495,7 +516,8 @@ class LLM:
                     for j in range(max(1, req.params.n if isinstance(req.params.n, int) and req.params.n > 0 else 1))]
         else:
             outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
-                                     finish_reason=s.finish_reason, logprobs=s.logprobs, stop_reason=s.stop_reason)
+                                     finish_reason=s.finish_reason, logprobs=s.logprobs, stop_reason=s.stop_reason,
+                                     valid=_is_valid(s), num_forced_tokens=s.num_forced_tokens)
                     for s in req.seqs]
         m.output_tokens = sum(len(o.token_ids) for o in outs)
         cached = req.seqs[0].num_cached_tokens if req.seqs else 0

@@ -19,6 +19,8 @@ class EngineStats:
         num_spec_steps: steps that verified speculative drafts.
         spec_verifies, spec_draft_tokens, spec_accepted_tokens: verified chunks, drafted
             tokens and accepted ones.
+        structured_forced_tokens: tokens appended by jump-forward (forced by a grammar, never
+            sampled one by one).
     """
 
     num_steps: int = 0
@@ -36,6 +38,7 @@ class EngineStats:
     spec_verifies: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    structured_forced_tokens: int = 0
 
     @property
     def kv_utilization(self) -> float:

@@ -19,6 +19,13 @@ class CompletionOutput:
             (plus the sampled token), when SamplingParams.logprobs is set.
         stop_reason: the stop string or stop token id that ended it, if any.
         error: message naming the bad parameter when finish_reason == "error".
+        valid: for a constrained completion (`SamplingParams.structured_outputs`): True when
+            it finished with "stop" and its grammar accepts the whole output; None when
+            unconstrained. A completion cut by max_tokens is never valid.
+        num_forced_tokens: tokens the grammar forced (jump-forward), included in token_ids.
+        label_logprobs: for scoring (`SamplingParams.score_choices`): each choice's
+            log-probability (natural log, the sum over its tokens) given the prompt; `text`
+            is then the most likely choice.
     """
 
     index: int
@@ -28,6 +35,9 @@ class CompletionOutput:
     logprobs: Optional[list[dict[int, float]]] = None
     stop_reason: Optional[object] = None
     error: Optional[str] = None
+    valid: Optional[bool] = None
+    num_forced_tokens: int = 0
+    label_logprobs: Optional[dict[str, float]] = None
 
 
 @dataclass

@@ -34,6 +34,8 @@ class Sequence:
         num_computed_tokens: tokens whose K/V are in the cache.
         block_table: physical KV block ids, in order.
         generator: the sampling RNG of this completion (seeded per request).
+        grammar: the `engine.structured.GrammarMatcher` of a constrained completion (advanced
+            on every appended token), else None.
     """
 
     seq_id: int
@@ -57,6 +59,8 @@ class Sequence:
     was_admitted: bool = False
     pending_range: tuple[int, int] = (0, 0)
     num_wanted_blocks: int = 0  # leading block_keys marked wanted in the pool while waiting
+    grammar: Optional[object] = None
+    num_forced_tokens: int = 0  # tokens appended by jump-forward (the grammar forced them)
 
     @property
     def num_prompt_tokens(self) -> int:

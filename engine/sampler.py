@@ -2,7 +2,9 @@
 verification of speculative drafts.
 
 One call handles every row that needs a token this step. Order of operations per row:
-mask ids beyond the tokenizer's vocab; repetition penalty (CTRL, Keskar et al. 2019,
+mask ids beyond the tokenizer's vocab; the grammar's token bitmask for rows of constrained
+sequences (`engine.structured`: one [R, ceil(V / 32)] int32 mask per step, unpacked with
+one vectorised shift, a disallowed token's logit set to -inf); repetition penalty (CTRL, Keskar et al. 2019,
 arXiv 1909.05858), presence and frequency penalties (OpenAI API semantics); suppression
 of EOS / stop ids (ignore_eos, min_tokens); log-probabilities (of these processed
 logits, before temperature); then greedy argmax, or temperature, top-k, top-p (Holtzman
@@ -39,6 +41,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from .request import Sequence
+from .structured.bitmask import apply_token_bitmask_
 
 
 @dataclass
@@ -64,24 +67,32 @@ class Sampler:
         self.eos_token_ids = sorted(set(eos_token_ids))
 
     # ------------------------------------------------------------ plain sampling
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Optional[dict[int, float]]]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: Optional[torch.Tensor] = None
+                 ) -> tuple[list[int], list[Optional[dict[int, float]]]]:
         """Draw one token per row.
 
         Args:
             logits: [S, V] float32, row i belongs to seqs[i] (processed in place).
             seqs: the sequences that sample this step.
+            bitmask: [S, ceil(V / 32)] int32 token bitmask (rows of constrained sequences are
+                applied), or None.
         Returns:
             (token ids [S], per row a {token_id: logprob} dict or None).
         """
         rows = [SampleRow(s) for s in seqs]
-        logprobs_all = self.process(logits, rows)
+        logprobs_all = self.process(logits, rows, bitmask)
         tokens = self.draw(logits, rows)
         tok_list = tokens.tolist()
         return tok_list, self.logprob_dicts(logprobs_all, rows, tok_list)
 
-    def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> Optional[torch.Tensor]:
-        """Apply the vocab mask, penalties and end-token suppression to logits [R, V] in place.
+    def process(self, logits: torch.Tensor, rows: list[SampleRow], bitmask: Optional[torch.Tensor] = None
+                ) -> Optional[torch.Tensor]:
+        """Apply the vocab mask, the grammar bitmask, penalties and end-token suppression to
+        logits [R, V] in place.
 
+        Args:
+            bitmask: [R, ceil(V / 32)] int32, or None; only rows whose sequence has a grammar
+                are applied (the others may hold anything).
         Returns:
             log_softmax of the processed logits [R, V] if any row wants logprobs, else None.
         """
@@ -89,6 +100,15 @@ class Sampler:
         dev = logits.device
         if V > self.tokenizer_vocab_size:
             logits[:, self.tokenizer_vocab_size:] = float("-inf")
+        constrained = [i for i, r in enumerate(rows) if r.seq.grammar is not None] if bitmask is not None else []
+        if constrained:
+            if len(constrained) == R:
+                apply_token_bitmask_(logits, bitmask)
+            else:
+                ci = torch.tensor(constrained, device=dev)
+                sub = logits[ci]
+                apply_token_bitmask_(sub, bitmask[torch.tensor(constrained)])
+                logits[ci] = sub
         for i, r in enumerate(rows):
             p = r.seq.request.params
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
@@ -106,6 +126,13 @@ class Sampler:
                 sup_cols += ids
         if sup_rows:
             logits[torch.tensor(sup_rows, device=dev), torch.tensor(sup_cols, device=dev)] = float("-inf")
+        if constrained and self.eos_token_ids:
+            # a finished grammar allows only EOS; with EOS suppressed (min_tokens, ignore_eos) no
+            # token is left: let EOS through rather than sample from an empty distribution
+            ci = torch.tensor(constrained, device=dev)
+            dead = ci[torch.isneginf(logits[ci]).all(dim=1)]
+            if dead.numel():
+                logits[dead, self.eos_token_ids[0]] = 0.0
         if any(r.seq.request.params.logprobs is not None for r in rows):
             return torch.log_softmax(logits, dim=-1)
         return None
@@ -147,7 +174,8 @@ class Sampler:
         return lps
 
     # ------------------------------------------------------------ speculative verification
-    def verify(self, logits: torch.Tensor, drafts: list[tuple[Sequence, list[int]]]
+    def verify(self, logits: torch.Tensor, drafts: list[tuple[Sequence, list[int]]],
+               bitmask: Optional[torch.Tensor] = None
                ) -> list[tuple[list[int], list[Optional[dict[int, float]]], int]]:
         """Verify speculative drafts.
 
@@ -156,6 +184,9 @@ class Sampler:
                 the positions of the sequence's last token and of each drafted token (row j
                 predicts the token after draft[:j]). Processed in place.
             drafts: (sequence, drafted tokens) per chunk.
+            bitmask: [sum(len(d) + 1), ceil(V / 32)] int32 or None: for a constrained sequence,
+                row j holds the grammar's mask after draft[:j] (drafts are validated against the
+                grammar before the forward pass, so every such state exists).
         Returns:
             per chunk (new tokens: the accepted drafts then one target token; their logprob
             dicts or None; the number of drafts accepted).
@@ -163,7 +194,7 @@ class Sampler:
         rows: list[SampleRow] = []
         for seq, d in drafts:
             rows += [SampleRow(seq, list(d[:j])) for j in range(len(d) + 1)]
-        logprobs_all = self.process(logits, rows)
+        logprobs_all = self.process(logits, rows, bitmask)
         out = []
         r0 = 0
         greedy_idx = [i for i, r in enumerate(rows) if r.seq.request.params.greedy]
