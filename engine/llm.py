@@ -25,12 +25,12 @@ from .attention import get_backend
 from .attention.torch_quant_kv import TorchQuantKVAttentionBackend
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .core import EngineCore
-from .kv_cache import BlockPool, KVCache
+from .kv_cache import BlockPool, KVCache, block_key
 from .metrics import EngineStats
 from .model_runner import ChunkSpec, ModelRunner
 from .models.llama import LlamaModel
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .request import Request, Sequence
+from .request import Request, Sequence, SequenceStatus
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode import SpecDecoder
@@ -353,6 +353,87 @@ class LLM:
                 self.block_pool.free(t)
         return [torch.cat(o) if o else torch.zeros(0) for o in out]
 
+    def score_choices(self, prompt_token_ids: list[int], choices: Seq[str]) -> dict[str, float]:
+        """Log-probability of each choice as the continuation of a prompt (scoring mode).
+
+        The prompt's full KV blocks up to its last token are computed once (or taken from the
+        prefix cache, and then left there under the scheduler's own block keys, so generation
+        requests and later rows share them); then one forward pass runs every choice's tail
+        (the prompt's last partial block, its last token and the choice's tokens) over its
+        own fresh blocks. A choice is tokenized on its own (`encode(c, add_special_tokens=False)`)
+        and its log-probability is the sum over its tokens (natural log); no end token is added.
+
+        Args:
+            prompt_token_ids: the prompt (chat template applied, if any), 1..max_model_len tokens.
+            choices: non-empty strings.
+        Returns:
+            {choice: log p(choice tokens | prompt)} in the choices' order.
+        Raises:
+            RuntimeError: if requests are in flight.
+            ValueError: a prompt plus a choice longer than max_model_len, or not enough free KV blocks.
+        """
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("score_choices needs an idle engine")
+        P = list(prompt_token_ids)
+        L, bs = len(P), self.config.block_size
+        toks = [self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
+        for c, t in zip(choices, toks):
+            if not t:
+                raise ValueError(f"score_choices: {c!r} has no tokens")
+            if L + len(t) > self.max_model_len:
+                raise ValueError(f"score_choices: the prompt ({L} tokens) and {c!r} ({len(t)} tokens) exceed "
+                                 f"max_model_len={self.max_model_len}")
+        pool = self.block_pool
+        n_shared = (L - 1) // bs  # full blocks before the prompt's last token
+        S = n_shared * bs
+        tail_blocks = [-(-(L + len(t)) // bs) - n_shared for t in toks]
+        shared: list[int] = []
+        fresh_shared: list[int] = []
+        tables: list[list[int]] = []
+        try:
+            with torch.inference_mode():
+                keys, parent = [], None
+                for i in range(n_shared):
+                    key = block_key(parent, P[i * bs:(i + 1) * bs])
+                    parent = hash(key)
+                    keys.append(key)
+                for key in keys:  # the cached prefix, as the scheduler would match it
+                    b = pool.lookup(key)
+                    if b is None:
+                        break
+                    pool.acquire(b)
+                    shared.append(b)
+                hits = len(shared)
+                need = n_shared - hits + sum(tail_blocks)
+                if need > pool.num_free_blocks:
+                    raise ValueError(f"score_choices: needs {need} KV blocks, {pool.num_free_blocks} are free")
+                if hits < n_shared:
+                    fresh_shared = pool.allocate(n_shared - hits)
+                    shared += fresh_shared
+                    self.runner.run(self.runner.prepare([], [ChunkSpec(P, hits * bs, S - hits * bs, shared, None)]))
+                    for i in range(hits, n_shared):
+                        pool.register(shared[i], keys[i])
+                specs = []
+                for t, nb in zip(toks, tail_blocks):
+                    table = shared + pool.allocate(nb)
+                    tables.append(table)
+                    specs.append(ChunkSpec(P + t, S, L + len(t) - S, table, "all"))
+                logits = self.runner.run(self.runner.prepare([], specs))
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                out: dict[str, float] = {}
+                row = 0
+                for c, t, spec in zip(choices, toks, specs):
+                    first = row + (L - 1 - S)  # the row of the prompt's last position predicts t[0]
+                    idx = torch.arange(first, first + len(t), device=lp.device)
+                    tgt = torch.tensor(t, device=lp.device)
+                    out[c] = float(lp[idx, tgt].double().sum())
+                    row += spec.num_tokens
+                return out
+        finally:
+            for table in tables:
+                pool.free(table[n_shared:])
+            pool.free(shared)
+
     # ------------------------------------------------------------ public API
     def generate(self, prompts: Seq[PromptType], sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -413,12 +494,14 @@ class LLM:
         last_update = 0.0
         try:
             for r in requests:
-                if r.error is not None:
+                if r.error is None and r.params.score_choices is not None:
+                    self._score_request(r)
+                if r.error is not None or r.scores is not None:
                     out = self._request_output(r)
                     if pbar:
                         pbar.update(1)
                     yield out
-            self.core.add_requests(requests)
+            self.core.add_requests([r for r in requests if r.scores is None])
             while self.core.has_unfinished():
                 step = self.core.step()
                 finished, n_in, n_out = step.finished, step.prompt_tokens, step.output_tokens
@@ -507,8 +590,26 @@ class LLM:
             reqs.append(req)
         return reqs
 
+    def _score_request(self, req: Request) -> None:
+        """Score a `score_choices` request now (its error, if it cannot be, names why)."""
+        m = req.metrics
+        m.scheduled_time = time.time()
+        try:
+            req.scores = self.score_choices(req.prompt_token_ids, req.params.score_choices)
+        except ValueError as exc:
+            req.error = str(exc)
+        m.first_token_time = m.finish_time = time.time()
+        for s in req.seqs:
+            s.status = SequenceStatus.FINISHED
+
     def _request_output(self, req: Request) -> RequestOutput:
         m = req.metrics
+        if req.error is None and req.scores is not None:
+            label = max(req.scores, key=lambda c: req.scores[c])  # the first of equal maxima
+            outs = [CompletionOutput(index=0, text=label, token_ids=[], finish_reason="stop", valid=True,
+                                     label_logprobs=dict(req.scores))]
+            return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                                 outputs=outs, finished=True, num_cached_tokens=0, metrics=m)
         if req.error is not None:
             if m.finish_time is None:
                 m.finish_time = time.time()

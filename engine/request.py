@@ -105,6 +105,8 @@ class Request:
         seqs: the n completions.
         error: a message naming the bad parameter, for requests refused at admission.
         metrics: timings and counts.
+        scores: for a scoring request (`SamplingParams.score_choices`), each choice's
+            log-probability once scored, else None.
     """
 
     request_id: str
@@ -115,6 +117,7 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     error: Optional[str] = None
+    scores: Optional[dict[str, float]] = None
 
     @property
     def is_finished(self) -> bool:

@@ -90,7 +90,7 @@ def resolve_storage_secret(spec: JobSpec, storage_secret: Optional[str]) -> JobS
 @task(name="generate-shard", task_run_name="shard-{shard.index:05d}", retries=3,
       retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5)
 def generate_shard(spec: JobSpec, shard: Shard, run_id: str, storage_secret: Optional[str] = None,
-                   columns: Optional[dict] = None) -> dict[str, Any]:
+                   columns: Optional[dict] = None, structured: Optional[bool] = None) -> dict[str, Any]:
     """Run one shard and commit its part file; returns the ShardResult as a dict.
 
     A retry recomputes the shard from its input rows; the commit is atomic, so
@@ -99,11 +99,12 @@ def generate_shard(spec: JobSpec, shard: Shard, run_id: str, storage_secret: Opt
     Args:
         storage_secret: a Prefect Secret block with storage options, loaded here (by the worker).
         columns: the output types of the id / pass-through columns (`JobPlan.columns`).
+        structured: the job writes the structured-output columns (`JobPlan.structured`).
     """
     spec = resolve_storage_secret(spec, storage_secret)
     llm = get_llm(spec)
     with engine_lock(llm):
-        results = list(run_shards(spec, [shard], llm, run_id=run_id, columns=columns))
+        results = list(run_shards(spec, [shard], llm, run_id=run_id, columns=columns, structured=structured))
     return results[0].to_json()
 
 
@@ -144,7 +145,7 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
             retries=shard_retries,
             retry_delay_seconds=exponential_backoff(backoff_factor=retry_delay_s) if retry_delay_s > 0 else 0,
         )
-        futures = [shard_task.submit(spec, shard, plan.run_id, storage_secret, plan.columns)
+        futures = [shard_task.submit(spec, shard, plan.run_id, storage_secret, plan.columns, plan.structured)
                    for shard in plan.pending]
         done_rows = 0
         failure: Optional[BaseException] = None

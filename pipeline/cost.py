@@ -30,14 +30,21 @@ pipeline.planner); `plan` says how rows were ordered.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from typing import Optional
 
 
 @dataclass
 class TokenCounts:
-    """Rows and tokens of (part of) a job run. Adds with `+`."""
+    """Rows and tokens of (part of) a job run. Adds with `+`.
+
+    `rows_valid` / `rows_invalid` count constrained (or scored) rows whose output did / did not
+    satisfy its constraint (error rows are neither); `labels` counts each label of choice and
+    score rows.
+    """
 
     rows_ok: int = 0
     rows_error: int = 0
@@ -46,9 +53,13 @@ class TokenCounts:
     completion_tokens: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    rows_valid: int = 0
+    rows_invalid: int = 0
+    labels: dict[str, int] = field(default_factory=dict)
 
     def __add__(self, other: "TokenCounts") -> "TokenCounts":
-        return TokenCounts(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+        nums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "labels"}
+        return TokenCounts(**nums, labels=dict(Counter(self.labels) + Counter(other.labels)))
 
 
 @dataclass
@@ -58,6 +69,9 @@ class CostReport:
     `status` is "ok", "failed" (with `error`) or "interrupted"; a failed or interrupted run's
     counts are those of the shards it committed, and `discarded_completion_tokens` are the
     output tokens it generated for shards it did not commit (its wall time still counts).
+    Structured outputs (jobs with constraints or scoring; None otherwise): `rows_valid` and
+    `rows_invalid`, and for choice and score jobs `label_distribution`, a JSON object
+    {label: rows}, most frequent first.
     Speculative decoding: drafted and accepted tokens of the committed rows, their ratio
     (the acceptance rate), and, from the engine's counters over the run when it ran in
     this process, accepted tokens per verified draft and the share of steps that verified
@@ -104,6 +118,9 @@ class CostReport:
     spec_acceptance_rate: Optional[float] = None
     spec_mean_accepted_per_verify: Optional[float] = None
     spec_step_share: Optional[float] = None
+    rows_valid: Optional[int] = None
+    rows_invalid: Optional[int] = None
+    label_distribution: Optional[str] = None
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -145,12 +162,14 @@ def cost_report(
     error: Optional[str] = None,
     discarded_completion_tokens: int = 0,
     engine_steps: Optional[dict] = None,
+    structured: bool = False,
 ) -> CostReport:
     """Build a run's CostReport from its wall time and token counts (see CostReport for `status`).
 
     Args:
         engine_steps: the engine's counters over the run, {"steps", "spec_steps", "spec_verifies",
             "spec_accepted_tokens"}, or None when not known (e.g. shards run by other processes).
+        structured: the job constrains or scores its outputs (fills rows_valid / rows_invalid).
     """
     es = engine_steps or {}
     wall_s = max((finished_at - started_at).total_seconds(), 1e-9)
@@ -201,6 +220,10 @@ def cost_report(
         spec_mean_accepted_per_verify=(es["spec_accepted_tokens"] / es["spec_verifies"]
                                        if es.get("spec_verifies") else None),
         spec_step_share=es["spec_steps"] / es["steps"] if es.get("steps") else None,
+        rows_valid=counts.rows_valid if structured else None,
+        rows_invalid=counts.rows_invalid if structured else None,
+        label_distribution=(json.dumps(dict(sorted(counts.labels.items(), key=lambda kv: (-kv[1], kv[0]))))
+                            if counts.labels else None),
     )
 
 

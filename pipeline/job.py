@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 import hashlib
 import json
 import signal
@@ -37,18 +38,21 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Literal, Optional
+from typing import Any, Callable, Iterator, Literal, Optional, Union
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
 
 from engine.config import EngineConfig, SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from pipeline import io, manifest
 from pipeline.cost import CostReport, TokenCounts, cost_report
 from pipeline.lease import Lease
 from pipeline.manifest import ShardResult
 from pipeline.planner import PlanStats, Shard, TokenizedRows, plan_input_order, plan_prefix
-from pipeline.schema import InputLayout, build_request, output_schema, unify_input_columns
+from pipeline.schema import (
+    CONSTRAINT_COLUMNS, InputLayout, build_request, output_schema, parse_choices, unify_input_columns,
+)
 from pipeline.storage import StorageError, mask_secrets, quick_options, storage_call
 
 # JobSpec fields that change what the outputs are; any change refuses a resume.
@@ -56,7 +60,7 @@ FINGERPRINT_FIELDS = (
     "model", "dtype", "quantization", "max_model_len", "seed", "engine_options",
     "max_tokens", "temperature", "top_p", "top_k", "stop", "sampling_options",
     "system_prompt", "chat_template", "n", "id_column", "shard_size", "limit", "plan", "decode_heavy_first",
-    "truncate",
+    "truncate", "structured", "score_choices",
 )
 
 
@@ -75,6 +79,10 @@ class JobSpec(BaseModel):
     Sampling defaults (a row's `max_tokens`, `temperature`, `top_p`, `seed`,
     `stop` columns override them): max_tokens, temperature, top_p, top_k,
     stop, n, plus any other SamplingParams field in `sampling_options`.
+
+    Output constraint (at most one; a row's `json_schema` / `regex` / `choice` / `grammar`
+    column replaces it): json_schema (a file, or in YAML the schema itself), regex, choice,
+    grammar (a file). Or score_choices: score each choice instead of generating.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -111,6 +119,17 @@ class JobSpec(BaseModel):
     stop: list[str] = Field(default_factory=list, description="default stop strings")
     n: int = Field(1, description="completions per row; n > 1 adds a `generations` list column")
     sampling_options: dict[str, Any] = Field(default_factory=dict, description="other SamplingParams fields")
+    json_schema: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="default output constraint: a JSON Schema file (in YAML also the schema itself); outputs "
+                          "are compact JSON")
+    regex: Optional[str] = Field(None, description="default output constraint: a regular expression the whole output "
+                                                   "matches")
+    choice: Optional[list[str]] = Field(None, description="default output constraint: the output is exactly one of "
+                                                          "these (comma-separated: positive,negative)")
+    grammar: Optional[str] = Field(None, description="default output constraint: a Lark (or GBNF) grammar file")
+    score_choices: Optional[list[str]] = Field(
+        None, description="score these labels instead of generating (comma-separated); writes label and "
+                          "label_logprobs")
     system_prompt: Optional[str] = Field(None, description="system prompt for every row (a `system` column overrides)")
     chat_template: Optional[bool] = Field(None, description="apply the chat template (default: when the model has one)")
     truncate: bool = Field(False, description="a row whose prompt + max_tokens exceeds the context stops at the end "
@@ -145,6 +164,49 @@ class JobSpec(BaseModel):
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else (v or [])
 
+    @field_validator("choice", "score_choices", mode="before")
+    @classmethod
+    def _choice_list(cls, v: Any) -> Any:
+        return parse_choices(v) if isinstance(v, str) else v
+
+    def structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        """The job's default output constraint (files read now), or None.
+
+        Raises:
+            ValueError: more than one of json_schema / regex / choice / grammar, or a file that
+                cannot be read or is not valid JSON (named).
+        """
+        given = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"set at most one of json_schema, regex, choice, grammar; got {given}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind in ("json_schema", "grammar") and isinstance(value, str):
+            import fsspec
+
+            try:
+                with fsspec.open(value, "r", encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{kind}: cannot read {value}: {exc}") from None
+            if kind == "json_schema":
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"json_schema: {value} is not valid JSON: {exc.msg} at line {exc.lineno}") \
+                        from None
+            else:
+                value = text
+        return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value})
+
+    @property
+    def constrained(self) -> bool:
+        """True when the job has a default constraint or scores choices."""
+        return self.score_choices is not None or any(
+            getattr(self, k) is not None for k in ("json_schema", "regex", "choice", "grammar"))
+
     @field_serializer("storage_options", when_used="json")
     def _mask_secrets(self, v: dict[str, Any]) -> dict[str, Any]:
         """JSON dumps (Prefect parameters, logs, files) never hold a secret value."""
@@ -164,8 +226,14 @@ class JobSpec(BaseModel):
 
     def sampling_params(self) -> SamplingParams:
         """The job's default SamplingParams."""
+        extra: dict[str, Any] = {}
+        so = self.structured_outputs()
+        if so is not None:
+            extra["structured_outputs"] = so
+        if self.score_choices is not None:
+            extra["score_choices"] = list(self.score_choices)
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens, stop=list(self.stop), **self.sampling_options)
+                              max_tokens=self.max_tokens, stop=list(self.stop), **extra, **self.sampling_options)
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> "JobSpec":
@@ -178,9 +246,12 @@ class JobSpec(BaseModel):
     def fingerprint_fields(self) -> dict[str, Any]:
         """The output-shaping fields, as the job's fingerprint hashes them. Fields added after jobs were
         already written (`truncate`) count only when set, so those jobs still resume."""
-        fields = {k: getattr(self, k) for k in FINGERPRINT_FIELDS}
-        if not fields["truncate"]:
-            del fields["truncate"]
+        fields = {k: getattr(self, k) for k in FINGERPRINT_FIELDS if k not in ("structured",)}
+        so = self.structured_outputs()
+        fields["structured"] = so.key() if so is not None and so.validate() is None else None
+        for k in ("truncate", "structured", "score_choices"):
+            if not fields[k]:
+                del fields[k]
         return fields
 
 
@@ -322,6 +393,9 @@ class JobPlan:
             unified to one type per column, `schema.unify_input_columns`); give it to `run_shards`.
         lease: this run's hold on the output (None only for plans built without one); `close()`
             gives it back.
+        structured: the job constrains or scores outputs (a default constraint, `score_choices`, or
+            a constraint column in any input file), so every part file has the `valid` and
+            `parsed` columns; give it to `run_shards`.
     """
 
     spec: JobSpec
@@ -333,6 +407,7 @@ class JobPlan:
     stats: PlanStats = field(default_factory=PlanStats)
     columns: dict[str, pl.DataType] = field(default_factory=dict)
     lease: Optional[Lease] = None
+    structured: bool = False
     rows_total: int = field(init=False)
     rows_skipped: int = field(init=False)
 
@@ -431,6 +506,12 @@ def validate_spec(spec: JobSpec) -> None:
     problem = params.validate()
     if problem is not None:
         raise ValueError(f"invalid default sampling parameters: {problem}")
+    if params.structured_outputs is not None:  # a job-wide constraint that cannot compile fails the job now
+        from engine.structured.llguidance_backend import check_constraint
+
+        problem = check_constraint(params.structured_outputs)
+        if problem is not None:
+            raise ValueError(f"invalid default output constraint: {problem}")
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     unknown = sorted(set(spec.engine_options) - known)
     if unknown:
@@ -550,8 +631,9 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         lease.release(quick_options(so) if isinstance(exc, StorageError) and exc.endpoint_failed else so)
         raise
     pending = [s for s in shards if s.index not in done]
+    structured = spec.constrained or any(c in f.columns for f in files for c in CONSTRAINT_COLUMNS)
     return JobPlan(spec=spec, job_id=digest[:16], run_id=run_id, shards=shards, pending=pending,
-                   started_at=started_at, stats=stats, columns=columns, lease=lease)
+                   started_at=started_at, stats=stats, columns=columns, lease=lease, structured=structured)
 
 
 ID_EXAMPLES = 5  # offending rows a warning names
@@ -609,6 +691,8 @@ class _ShardState:
     results: list[Optional[dict]]
     remaining: int
     started: float
+    structured: bool = False
+    scored: bool = False
 
 
 _EMPTY = {"generation": None, "finish_reason": "error", "prompt_tokens": 0, "completion_tokens": 0,
@@ -625,12 +709,33 @@ def _error_row(message: str) -> dict:
     return {**_EMPTY, "error": message}
 
 
-def _output_row(out: Any, n: int) -> dict:
-    """Turn one engine RequestOutput into the generation columns of its row."""
+def _output_row(out: Any, n: int, params: Optional[SamplingParams] = None) -> dict:
+    """Turn one engine RequestOutput into the generation columns of its row.
+
+    With a constraint (`params.structured_outputs`): `valid` is the engine's verdict, `parsed`
+    the output as compact JSON text for JSON constraints (null when it does not parse), and a
+    valid choice row's text is its label. With `params.score_choices`: `label`, and
+    `label_logprobs` as a list of {choice, logprob} in the choices' order.
+    """
     comps = list(out.outputs or [])
     err = out.error or next((c.error or "engine error" for c in comps if c.finish_reason == "error"), None)
     if err is not None or not comps:
         return _error_row(err or "engine returned no completion")
+    extra: dict[str, Any] = {}
+    so = params.structured_outputs if params is not None else None
+    c0 = comps[0]
+    if params is not None and params.score_choices is not None and c0.label_logprobs is not None:
+        extra = {"valid": True, "label": c0.text, "_label": c0.text,
+                 "label_logprobs": [{"choice": k, "logprob": float(v)} for k, v in c0.label_logprobs.items()]}
+    elif so is not None:
+        extra["valid"] = bool(c0.valid)
+        if so.is_json:
+            try:
+                extra["parsed"] = json.dumps(json.loads(c0.text), separators=(",", ":"), ensure_ascii=False)
+            except (json.JSONDecodeError, ValueError):
+                extra["parsed"] = None
+        if so.kind == "choice" and c0.valid:
+            extra["_label"] = c0.text
     m = out.metrics
     row = {
         "generation": comps[0].text,
@@ -646,6 +751,7 @@ def _output_row(out: Any, n: int) -> dict:
     }
     if n > 1:
         row["generations"] = [c.text for c in comps]
+    row.update(extra)
     return row
 
 
@@ -666,7 +772,7 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str, lease: 
     else:
         ids = pl.Series(layout.id_column, shard.dataset_rows(), pl.Int64)
     passthrough = {c: df.schema[c] for c in layout.passthrough}
-    schema = output_schema(layout.id_column, ids.dtype, passthrough, spec.n)
+    schema = output_schema(layout.id_column, ids.dtype, passthrough, spec.n, state.structured, state.scored)
     gen_cols = [c for c in schema if c != layout.id_column and c not in passthrough]
     gen = pl.DataFrame({c: [r.get(c) for r in state.results] for c in gen_cols},
                        schema={c: schema[c] for c in gen_cols})
@@ -684,6 +790,12 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str, lease: 
         spec_draft_tokens=int(gen.get_column("spec_draft_tokens").sum()),
         spec_accepted_tokens=int(gen.get_column("spec_accepted_tokens").sum()),
     )
+    if "valid" in gen.columns:
+        valid = gen.get_column("valid")
+        counts.rows_valid = int(valid.eq(True).sum())
+        counts.rows_invalid = int(valid.eq(False).sum())
+        labels = [r.get("_label") for r in state.results if r is not None and r.get("_label") is not None]
+        counts.labels = {k: int(v) for k, v in sorted(Counter(labels).items())}
     result = ShardResult(index=shard.index, rows=shard.length, counts=counts, device=device,
                          seconds=time.perf_counter() - state.started)
     manifest.mark_done(spec.output, shard.name, result,
@@ -717,6 +829,7 @@ def run_shards(
     on_rows: Optional[Callable[[int, int], None]] = None,
     columns: Optional[dict[str, pl.DataType]] = None,
     lease: Optional[Lease] = None,
+    structured: Optional[bool] = None,
 ) -> Iterator[ShardResult]:
     """Run `shards` through the engine together; yield each ShardResult as soon as it is committed.
 
@@ -735,6 +848,8 @@ def run_shards(
         on_rows: called with (rows finished, output tokens) as rows finish (progress bars).
         columns: output types of the id / pass-through columns (`JobPlan.columns`).
         lease: the run's lease, checked before each commit (`Lease.check`).
+        structured: write the `valid` / `parsed` columns (`JobPlan.structured`; None: when the
+            spec constrains outputs or these shards' files have a constraint column).
 
     Raises:
         LeaseLost: another run took the output over.
@@ -754,12 +869,14 @@ def run_shards(
     prompts: list[list[int]] = []
     params: list[SamplingParams] = []
     owners: list[tuple[int, int]] = []  # request index -> (state index, row index)
-    for shard in shards:
-        t0 = time.perf_counter()
-        df = read_shard(shard, spec.storage_options, columns)
+    frames = [(shard, read_shard(shard, spec.storage_options, columns), time.perf_counter()) for shard in shards]
+    if structured is None:
+        structured = spec.constrained or any(c in df.columns for _, df, _ in frames for c in CONSTRAINT_COLUMNS)
+    scored = spec.score_choices is not None
+    for shard, df, t0 in frames:
         seeds = shard.dataset_rows()
         layout = InputLayout.from_schema(df.columns, spec.id_column)
-        state = _ShardState(shard, df, layout, [None] * df.height, 0, t0)
+        state = _ShardState(shard, df, layout, [None] * df.height, 0, t0, structured, scored)
         row_cols = [c for c in (spec.id_column, "prompt", "messages", *layout.overrides) if c in df.columns]
         for i, row in enumerate(df.select(row_cols).iter_rows(named=True)):
             req = build_request(row, layout, tokenizer, defaults, system_prompt=spec.system_prompt,
@@ -790,7 +907,7 @@ def run_shards(
         for out in outputs:
             si, ri = owners[int(out.request_id)]
             state = states[si]
-            row = _output_row(out, spec.n)
+            row = _output_row(out, spec.n, params[int(out.request_id)])
             state.results[ri] = row
             state.remaining -= 1
             if on_rows:
@@ -853,6 +970,7 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
         ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order, status=status, error=error,
         discarded_completion_tokens=discarded_completion_tokens, engine_steps=engine_steps,
+        structured=plan.structured,
     )
     name = f"run-{plan.started_at.strftime('%Y%m%dT%H%M%S%fZ')}-{plan.run_id}.parquet"
     io.write_parquet_atomic(pl.DataFrame([report.as_row()]), manifest.job_url(spec.output, RUNS_DIR, name),
@@ -1007,7 +1125,8 @@ def run_job(
         t0 = time.perf_counter()
         for window in _windows(plan.pending, spec.shards_in_flight):
             with contextlib.closing(run_shards(spec, window, llm, run_id=plan.run_id, on_rows=on_rows,
-                                               columns=plan.columns, lease=plan.lease)) as committed:
+                                               columns=plan.columns, lease=plan.lease,
+                                               structured=plan.structured)) as committed:
                 for result in committed:
                     results.append(result)
                     if on_shard_done is not None:

@@ -6,7 +6,9 @@ Input (one Parquet file or a folder of them):
       Parquet list of structs or as a JSON string); a row uses ``messages``
       when it is not null, else ``prompt``;
     - optional per-row overrides: ``system``, ``max_tokens``, ``temperature``,
-      ``top_p``, ``seed``, ``stop``;
+      ``top_p``, ``seed``, ``stop``, and one output constraint per row, ``json_schema``
+      (JSON Schema text or a struct), ``regex``, ``choice`` (a list, a JSON list, or
+      comma-separated text) or ``grammar`` (Lark / GBNF text); null means the job's default;
     - every other column passes through to the output unchanged.
 
 A bad row never fails the job: `build_request` returns a `RowRequest` whose
@@ -26,10 +28,12 @@ import polars as pl
 import pyarrow as pa
 
 from engine.config import SamplingParams
+from engine.structured.params import StructuredOutputsParams
 
 PROMPT_COLUMN = "prompt"
 MESSAGES_COLUMN = "messages"
-OVERRIDE_COLUMNS = ("system", "max_tokens", "temperature", "top_p", "seed", "stop")
+CONSTRAINT_COLUMNS = ("json_schema", "regex", "choice", "grammar")  # -> StructuredOutputsParams json/regex/...
+OVERRIDE_COLUMNS = ("system", "max_tokens", "temperature", "top_p", "seed", "stop", *CONSTRAINT_COLUMNS)
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
 # Output columns added after the id and pass-through columns, in this order.
@@ -46,6 +50,13 @@ GENERATION_COLUMNS: dict[str, pl.DataType] = {
     "error": pl.Utf8(),
 }
 GENERATIONS_LIST_COLUMN = "generations"  # only when n > 1
+# after `generation` in jobs that constrain outputs (a default constraint or a constraint column)
+STRUCTURED_COLUMNS: dict[str, pl.DataType] = {"valid": pl.Boolean(), "parsed": pl.Utf8()}
+# after those in scoring jobs (`score_choices`)
+SCORE_COLUMNS: dict[str, pl.DataType] = {
+    "label": pl.Utf8(),
+    "label_logprobs": pl.List(pl.Struct({"choice": pl.Utf8(), "logprob": pl.Float64()})),
+}
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,8 @@ class InputLayout:
                 f"(list of {{role, content}}); found columns {cols}"
             )
         reserved = {id_column, PROMPT_COLUMN, MESSAGES_COLUMN, *OVERRIDE_COLUMNS}
-        clash = [c for c in cols if c in GENERATION_COLUMNS or c == GENERATIONS_LIST_COLUMN]
+        clash = [c for c in cols if c in GENERATION_COLUMNS or c == GENERATIONS_LIST_COLUMN
+                 or c in STRUCTURED_COLUMNS or c in SCORE_COLUMNS]
         if clash:
             raise ValueError(f"input columns {clash} collide with output columns; rename them")
         return cls(
@@ -139,7 +151,65 @@ def _override(name: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"system must be a string, got {type(value).__name__} {value!r}")
         return value
+    if name == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"json_schema must be a JSON Schema object, got {type(value).__name__}")
+        return value
+    if name in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        return value
+    if name == "choice":
+        return parse_choices(value, "choice")
     raise ValueError(f"unknown override column {name!r}")
+
+
+def parse_choices(value: Any, name: str = "choice") -> list:
+    """A choice list from a list, a JSON list text, or comma-separated text ("a,b,c").
+
+    Entries are returned as given (their validity, non-empty and distinct, is checked by
+    `StructuredOutputsParams.validate`, which names the problem).
+
+    Raises:
+        ValueError: a value that is none of those.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{name} is not a valid JSON list: {exc.msg} at position {exc.pos}") from None
+        else:
+            value = [c.strip() for c in text.split(",")] if text else []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of strings or comma-separated text, got {type(value).__name__}")
+    return list(value)
+
+
+def row_constraint(overrides: dict[str, Any], defaults: SamplingParams) -> Optional[StructuredOutputsParams]:
+    """The StructuredOutputsParams of a row's constraint columns (popped from `overrides`), or
+    None when the row sets none (the job's default then applies).
+
+    Raises:
+        ValueError: the row sets more than one constraint column.
+    """
+    given = [c for c in CONSTRAINT_COLUMNS if c in overrides]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"set at most one constraint column per row, got {given}")
+    name = given[0]
+    value = overrides.pop(name)
+    base = defaults.structured_outputs
+    compact = base.disable_any_whitespace if base is not None else True
+    field_name = "json" if name == "json_schema" else name
+    return StructuredOutputsParams(**{field_name: value}, disable_any_whitespace=compact)
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:
@@ -217,6 +287,9 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
         if value is not None:
             overrides[name] = _override(name, value)
     system = overrides.pop("system", system_prompt)
+    constraint = row_constraint(overrides, defaults)
+    if constraint is not None:
+        overrides["structured_outputs"] = constraint
 
     messages_value = row.get(MESSAGES_COLUMN) if layout.has_messages else None
     if messages_value is not None:
@@ -365,15 +438,23 @@ def _type_name(t: pa.DataType) -> str:
 
 
 def output_schema(
-    id_column: str, id_dtype: pl.DataType, passthrough: dict[str, pl.DataType], n: int
+    id_column: str, id_dtype: pl.DataType, passthrough: dict[str, pl.DataType], n: int,
+    structured: bool = False, scored: bool = False,
 ) -> dict[str, pl.DataType]:
     """The output part schema: id, pass-through columns, then the generation columns.
 
-    `generations` (list of strings, one per completion) follows `generation` when n > 1.
+    `generations` (list of strings, one per completion) follows `generation` when n > 1;
+    then `valid` and `parsed` when the job is `structured`, and `label` and
+    `label_logprobs` when it is `scored`.
     """
     out: dict[str, pl.DataType] = {id_column: id_dtype, **passthrough}
     for name, dtype in GENERATION_COLUMNS.items():
         out[name] = dtype
-        if name == "generation" and n > 1:
-            out[GENERATIONS_LIST_COLUMN] = pl.List(pl.Utf8())
+        if name == "generation":
+            if n > 1:
+                out[GENERATIONS_LIST_COLUMN] = pl.List(pl.Utf8())
+            if structured or scored:
+                out.update(STRUCTURED_COLUMNS)
+            if scored:
+                out.update(SCORE_COLUMNS)
     return out

@@ -76,7 +76,8 @@ class LLGuidanceBackend(GrammarBackend):
                                                       eos_token=sorted(tokenizer.eos_token_ids))
         self.executor = llg.LLExecutor(num_threads) if num_threads else llg.LLExecutor()
 
-    def grammar_text(self, params: StructuredOutputsParams) -> str:
+    @staticmethod
+    def grammar_text(params: StructuredOutputsParams) -> str:
         """The llguidance grammar (its JSON form) of a validated constraint.
 
         Raises:
@@ -127,3 +128,18 @@ class LLGuidanceBackend(GrammarBackend):
                                          f"(validate drafts first)")
                     done += 1
             m.rollback(done)
+
+
+def check_constraint(params: StructuredOutputsParams) -> str | None:
+    """None if a constraint is well-formed and compiles, else the message (no tokenizer needed;
+    for refusing a job's default constraint before anything runs)."""
+    problem = params.validate()
+    if problem is not None:
+        return problem
+    llg = _llg()
+    try:
+        text = LLGuidanceBackend.grammar_text(params)
+    except GrammarError as exc:
+        return str(exc)
+    err = llg.LLMatcher.validate_grammar(text, None)
+    return f"structured_outputs.{params.kind}: {err.strip()}" if err else None
