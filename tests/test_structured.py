@@ -1,0 +1,306 @@
+"""Structured outputs: constraint parameters, the bitmask, and constrained generation on the real model
+(every output satisfies its constraint, greedy and sampled; masks stay in their rows; a constraint
+the unconstrained answer already satisfies changes nothing; speculation and jump-forward change
+nothing; one compile per distinct constraint; bad constraints are error outputs), and the scoring
+mode against a direct computation."""
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import jsonschema
+import polars as pl
+import pytest
+import torch
+from pydantic import BaseModel
+
+from engine import LLM, SamplingParams
+from engine.structured import StructuredOutputsParams as SO
+from engine.structured import apply_token_bitmask_, unpack_bitmask
+
+KV = 96 << 20
+DATA = Path(__file__).resolve().parent.parent / "data" / "labelling.parquet"
+LABELS = ["files", "network", "text", "math", "concurrency", "data"]
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "job": {"enum": ["engineer", "doctor", "teacher", "artist"]}},
+          "required": ["name", "age", "job"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV)
+
+
+def _chat(llm, text: str) -> str:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _labelling_prompts(llm, n: int = 60) -> list[str]:
+    df = pl.read_parquet(DATA).head(n)
+    return [_chat(llm, p) for p in df["prompt"]]
+
+
+def _person_prompts(llm, n: int = 50) -> list[str]:
+    names = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal", "Ivy", "Jo"]
+    return [_chat(llm, f"Describe a person called {names[i % 10]} number {i} as JSON with name, age and job.")
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------- parameters and the bitmask
+
+def test_params_validate_name_the_field():
+    assert SO(choice=["a", "b"]).validate() is None
+    assert "exactly one" in SO().validate()
+    assert "exactly one" in SO(regex="a", choice=["a"]).validate()
+    assert SO(choice=[]).validate().startswith("structured_outputs.choice")
+    assert "duplicate" in SO(choice=["a", "b", "a"]).validate()
+    assert "non-empty string" in SO(choice=["a", ""]).validate()
+    assert SO(json="{not json").validate().startswith("structured_outputs.json: not valid JSON")
+    assert SO(json=[1, 2]).validate().startswith("structured_outputs.json")
+    assert SO(regex="").validate().startswith("structured_outputs.regex")
+    assert SamplingParams(structured_outputs="x").validate().startswith("structured_outputs must be")
+    assert SamplingParams(structured_outputs={"regex": "[0-9]+"}).structured_outputs == SO(regex="[0-9]+")
+    assert "duplicate" in SamplingParams(score_choices=["a", "a"]).validate()
+    assert "cannot both" in SamplingParams(score_choices=["a"], structured_outputs=SO(regex="a")).validate()
+
+
+def test_key_is_a_content_hash_and_pydantic_models_become_schemas():
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    p = SO(json=Person)
+    assert p.json["properties"]["age"]["type"] == "integer" and p.json["required"] == ["name", "age"]
+    a = SO(json={"type": "object", "properties": {"x": {"type": "integer"}}})
+    b = SO(json='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
+    assert a.key() == b.key()
+    assert a.key() != SO(json=a.json, disable_any_whitespace=False).key()
+    assert SO(choice=["a", "b"]).key() != SO(choice=["b", "a"]).key() != SO(regex="a|b").key()
+    assert SO(json_object=True).spec() == {"type": "object"}
+
+
+def test_unpack_matches_a_bit_by_bit_reference_and_apply_masks_in_place():
+    g = torch.Generator().manual_seed(0)
+    bm = torch.randint(-2**31, 2**31 - 1, (3, 5), generator=g, dtype=torch.int64).to(torch.int32)
+    V = 150  # not a multiple of 32: the last word is cut; ids past 32 * W would be disallowed
+    got = unpack_bitmask(bm, V)
+    want = torch.tensor([[(int(bm[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(V)] for r in range(3)])
+    assert torch.equal(got, want)
+    wide = unpack_bitmask(bm, 200)
+    assert torch.equal(wide[:, :160], unpack_bitmask(bm, 160)) and not wide[:, 160:].any()
+    logits = torch.randn(3, V, generator=g)
+    before = logits.clone()
+    apply_token_bitmask_(logits, bm)
+    assert torch.equal(logits[want], before[want]) and torch.isneginf(logits[~want]).all()
+
+
+# ---------------------------------------------------------------- constrained generation
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_choice_output_is_one_of_the_choices(eng, temperature):
+    prompts = _labelling_prompts(eng, 60)
+    p = SamplingParams(temperature=temperature, seed=7, max_tokens=8, structured_outputs=SO(choice=LABELS))
+    outs = eng.generate(prompts, p, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(t in LABELS for t in texts), texts
+    assert all(o.outputs[0].finish_reason == "stop" and o.outputs[0].valid is True for o in outs)
+    if temperature:
+        assert len(set(texts)) > 1  # sampled: not all one label
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_regex_output_matches(eng, temperature):
+    prompts = [_chat(eng, f"On what date did event number {i} happen? Answer with a date.") for i in range(50)]
+    rx = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+    p = SamplingParams(temperature=temperature, seed=3, max_tokens=16, structured_outputs=SO(regex=rx))
+    outs = eng.generate(prompts, p, use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop" and c.valid is True, c
+        assert re.fullmatch(rx, c.text) and c.text.isascii(), c.text  # \d is [0-9]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_json_output_validates_or_is_marked_invalid(eng, temperature):
+    prompts = _person_prompts(eng, 50)
+    p = SamplingParams(temperature=temperature, seed=11, max_tokens=40, structured_outputs=SO(json=PERSON))
+    outs = eng.generate(prompts, p, use_tqdm=False)
+    ok = 0
+    for o in outs:
+        c = o.outputs[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), PERSON)
+            assert c.valid is True and " " not in c.text.replace(json.loads(c.text)["name"], "")  # compact
+            ok += 1
+        else:
+            assert c.finish_reason == "length" and c.valid is False
+    assert ok >= 25, ok
+    # cut by max_tokens inside the object: every row invalid, none silently truncated into a label
+    short = eng.generate(prompts[:10], SamplingParams(temperature=temperature, seed=1, max_tokens=4,
+                                                      structured_outputs=SO(json=PERSON)), use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" and o.outputs[0].valid is False for o in short)
+
+
+def test_grammar_and_json_object_constraints(eng):
+    lark = 'start: "The answer is " NUM "."\nNUM: /[0-9]+/'
+    prompts = [_chat(eng, f"What is {i} plus {i}?") for i in range(6)]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(grammar=lark)),
+                        use_tqdm=False)
+    assert all(re.fullmatch(r"The answer is [0-9]+\.", o.outputs[0].text) and o.outputs[0].valid for o in outs)
+    outs = eng.generate(_person_prompts(eng, 4), SamplingParams(temperature=0, max_tokens=48,
+                                                                structured_outputs=SO(json_object=True)),
+                        use_tqdm=False)
+    for o in outs:
+        if o.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(o.outputs[0].text), dict)
+
+
+def test_constrained_rows_do_not_leak_masks_into_other_rows(eng):
+    plain = [_chat(eng, t) for t in ("Write a haiku about the sea.", "What is the capital of France?",
+                                     "List three colours.")]
+    labelled = _labelling_prompts(eng, 2)
+    g = SamplingParams(temperature=0, max_tokens=24)
+    c = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(choice=LABELS))
+    alone_plain = [o.outputs[0].text for o in eng.generate(plain, g, use_tqdm=False)]
+    alone_c = [o.outputs[0].text for o in eng.generate(labelled, c, use_tqdm=False)]
+    mixed = eng.generate([plain[0], labelled[0], plain[1], labelled[1], plain[2]], [g, c, g, c, g], use_tqdm=False)
+    got = [o.outputs[0].text for o in mixed]
+    assert [got[0], got[2], got[4]] == alone_plain
+    assert [got[1], got[3]] == alone_c
+    assert [o.outputs[0].valid for o in mixed] == [None, True, None, True, None]
+
+
+def test_greedy_constrained_equals_unconstrained_where_that_already_satisfies_it(eng):
+    """Rows whose unconstrained greedy answer already matches a pattern give the same answer under that
+    pattern as a constraint, jump-forward on and off (off: token for token)."""
+    countries = ["France", "Germany", "Japan", "Egypt", "Peru", "Kenya", "Norway", "Poland", "Chile", "Italy", "Spain"]
+    prompts = [_chat(eng, f"What is the capital of {c}?") for c in countries]
+    prompts += [_chat(eng, f"What is {a} + {b}? Answer with the number only.") for a in range(1, 5) for b in range(1, 3)]
+    patterns = [r"The capital of [A-Z][a-z]+ is [A-Z][a-z]+\.", r"[0-9] \+ [0-9] = [0-9]+", r"The answer is [0-9]+\."]
+    free = [o.outputs[0] for o in eng.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)]
+    cases = []  # (prompt, constraint, unconstrained completion)
+    for p, c in zip(prompts, free):
+        rx = next((r for r in patterns if re.fullmatch(r, c.text)), None)
+        if c.finish_reason == "stop" and rx is not None:
+            cases.append((p, SO(regex=rx), c))
+    assert len(cases) >= 10, [c.text for c in free]
+    no_jf = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV,
+                structured_outputs_jump_forward=False)
+    for llm in (eng, no_jf):
+        outs = llm.generate([p for p, _, _ in cases],
+                            [SamplingParams(temperature=0, max_tokens=16, structured_outputs=so) for _, so, _ in cases],
+                            use_tqdm=False)
+        assert [o.outputs[0].text for o in outs] == [c.text for _, _, c in cases]
+        if llm is no_jf:  # without jump-forward every token is the model's own: token for token
+            assert [o.outputs[0].token_ids for o in outs] == [c.token_ids for _, _, c in cases]
+
+
+def test_bad_constraints_are_error_outputs_and_the_other_rows_run(eng):
+    prompt = _labelling_prompts(eng, 1)[0]
+    bad = [SO(regex="a(b"), SO(choice=["x", "y", "x"]), SO(json={"type": "nonsense"}),
+           SO(grammar="start: undefined_rule")]
+    params = [SamplingParams(max_tokens=4, structured_outputs=so) for so in bad]
+    params += [SamplingParams(max_tokens=4, structured_outputs=SO(choice=[])),
+               SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(choice=LABELS))]
+    outs = eng.generate([prompt] * len(params), params, use_tqdm=False)
+    errors = [o.error for o in outs]
+    assert errors[0].startswith("structured_outputs.regex") and "unclosed group" in errors[0]
+    assert errors[1].startswith("structured_outputs.choice") and "duplicate" in errors[1]
+    assert errors[2].startswith("structured_outputs.json") and "nonsense" in errors[2]
+    assert errors[3].startswith("structured_outputs.grammar") and "undefined_rule" in errors[3]
+    assert errors[4].startswith("structured_outputs.choice: must be a non-empty list")
+    assert all(o.outputs[0].finish_reason == "error" for o in outs[:5])
+    assert errors[5] is None and outs[5].outputs[0].text in LABELS
+
+
+def test_one_compile_per_distinct_constraint(eng):
+    """60 requests over 3 schemas (their keys in different orders) and a bad regex compile 4 times."""
+    schemas = [PERSON, {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+               {"type": "array", "items": {"type": "integer"}, "maxItems": 3}]
+    prompts = _person_prompts(eng, 60)
+    rng = random.Random(0)
+    params = []
+    for i in range(60):
+        s = schemas[i % 3]
+        shuffled = dict(rng.sample(list(s.items()), len(s)))  # same content, another key order
+        params.append(SamplingParams(temperature=0, max_tokens=2, structured_outputs=SO(json=shuffled)))
+    params += [SamplingParams(max_tokens=2, structured_outputs=SO(regex="(")) for _ in range(5)]
+    st = eng.structured.stats
+    c0, h0 = st.compiles, st.cache_hits
+    fresh = [s for s in schemas if SO(json=s).key() not in eng.structured.cache]
+    bad_new = SO(regex="(").key() not in eng.structured.cache
+    outs = eng.generate(prompts + prompts[:5], params, use_tqdm=False)
+    assert st.compiles - c0 == len(fresh) + bad_new
+    assert st.cache_hits - h0 == 65 - len(fresh) - bad_new
+    assert sum(o.error is not None for o in outs) == 5
+    again = eng.generate(prompts, params[:60], use_tqdm=False)
+    assert st.compiles - c0 == len(fresh) + bad_new and len(again) == 60  # nothing recompiled
+
+
+def _mixed_batch(llm):
+    prompts = _labelling_prompts(llm, 8) + _person_prompts(llm, 8) + [
+        _chat(llm, f"On what date did event {i} happen?") for i in range(8)]
+    sos = [SO(choice=LABELS)] * 8 + [SO(json=PERSON)] * 8 + [SO(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}")] * 8
+    greedy = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so) for so in sos]
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=so)
+               for i, so in enumerate(sos)]
+    return prompts + prompts, greedy + sampled
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "draft_model", "draft_model": "target", "num_speculative_tokens": 4},
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+], ids=["target-draft", "ngram"])
+def test_speculation_does_not_change_constrained_output(eng, config):
+    prompts, params = _mixed_batch(eng)
+    want = [o.outputs[0].token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
+    spec = LLM("smollm2-135m-instruct", kv_cache_memory_bytes=KV, speculative_config=config)
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert spec.stats.spec_accepted_tokens > 0
+    assert all(o.outputs[0].valid is not None for o in outs)
+
+
+def test_jump_forward_appends_forced_tokens_and_counts_them(eng):
+    prompts = _person_prompts(eng, 8)
+    p = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=PERSON))
+    f0 = eng.stats.structured_forced_tokens
+    outs = eng.generate(prompts, p, use_tqdm=False)
+    forced = sum(o.outputs[0].num_forced_tokens for o in outs)
+    assert forced > 0 and eng.stats.structured_forced_tokens - f0 == forced
+    # the object's keys are forced: '{"name":"' at least starts every output
+    assert all(o.outputs[0].text.startswith('{"name":"') for o in outs)
+    st = eng.structured.stats
+    assert st.fill_s > 0 and 0.0 <= st.hidden_share <= 1.0
+
+
+# ---------------------------------------------------------------- scoring mode
+
+def test_scoring_equals_a_direct_computation_and_ignores_caching_and_order():
+    prompts_text = pl.read_parquet(DATA).head(12)["prompt"].to_list()
+    on = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV)
+    off = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV, enable_prefix_caching=False)
+    prompts = [_chat(on, t) for t in prompts_text]
+    p = SamplingParams(score_choices=LABELS)
+    ref = [o.outputs[0].label_logprobs for o in on.generate(prompts, p, use_tqdm=False)]
+    assert all(list(r) == LABELS for r in ref)
+    order = list(range(12))
+    random.Random(5).shuffle(order)
+    permuted = on.generate([prompts[i] for i in order], p, use_tqdm=False)
+    assert [permuted[j].outputs[0].label_logprobs for j in range(12)] == [ref[i] for i in order]
+    no_cache = off.generate(prompts, p, use_tqdm=False)
+    assert [o.outputs[0].label_logprobs for o in no_cache] == ref
+    for o, r in zip(no_cache, ref):
+        assert o.outputs[0].text == max(r, key=r.get) and o.outputs[0].valid is True
+    # direct: the whole prompt + choice through LLM.score (scratch blocks, no prefix cache)
+    for prompt, r in zip(prompts[:3], ref):
+        ids = on.tokenizer.encode(prompt)
+        for c in LABELS:
+            t = on.tokenizer.encode(c, add_special_tokens=False)
+            direct = float(on.score(ids + t)[0][-len(t):].double().sum())
+            assert r[c] == pytest.approx(direct, abs=2e-4)
+    assert on.block_pool.num_free_blocks == on.block_pool.num_blocks  # nothing held after scoring
