@@ -43,9 +43,9 @@ from pipeline.storage import StorageError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DEMO_JOBS: dict[str, dict[str, Any]] = {
-    # one-word topic labels: a few tokens each, greedy
+    # one-word topic labels, constrained to the dataset's label set: a few tokens each, greedy
     "labelling": {"input": str(DATA_DIR / "labelling.parquet"), "max_tokens": 8, "temperature": 0.0,
-                  "shard_size": 64},
+                  "shard_size": 64, "choice": ["files", "network", "text", "math", "concurrency", "data"]},
     # short seeds, longer generations (each row sets its own max_tokens), sampled
     "synthetic": {"input": str(DATA_DIR / "synthetic.parquet"), "max_tokens": 64, "temperature": 0.8,
                   "top_p": 0.95, "shard_size": 16},
@@ -168,7 +168,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
         return 1
     print(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}")
-    return _run(spec)
+    rc = _run(spec)
+    if rc == 0 and args.job == "labelling":
+        _print_label_accuracy(spec.output)
+    return rc
+
+
+def _print_label_accuracy(output: str) -> None:
+    """A few sample rows of the labelling demo and its accuracy against `reference_label`."""
+    import polars as pl
+
+    parts = sorted(Path(output).glob("part-*.parquet"))
+    if not parts:
+        return
+    df = pl.concat([pl.read_parquet(p) for p in parts], how="diagonal_relaxed")
+    if "reference_label" not in df.columns:
+        return
+    print("\nsample rows (title, label, reference_label):")
+    for row in df.head(5).iter_rows(named=True):
+        print(f"  {row.get('title')!s:40.40}  {row['generation']!s:12}  {row['reference_label']}")
+    n = df.height
+    right = int((df["generation"] == df["reference_label"]).sum())
+    valid = int(df["valid"].sum()) if "valid" in df.columns else 0
+    print(f"\nvalid labels: {valid} of {n}; accuracy against reference_label: {right} of {n} ({right / n:.1%})")
 
 
 def cmd_report(args: argparse.Namespace) -> int:

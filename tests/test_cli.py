@@ -59,6 +59,12 @@ def test_demo(job_llm, tmp_path, capsys):
     assert "labelling job" in printed and "cost report" in printed
     df = pl.read_parquet(out / "part-00000.parquet")
     assert df.height == 3 and "reference_label" in df.columns and "title" in df.columns
+    labels = {"files", "network", "text", "math", "concurrency", "data"}
+    # a choice constraint over the label set: a valid row is a label; a row cut by the 2 tokens is not valid
+    for g, v, f in zip(df["generation"], df["valid"], df["finish_reason"]):
+        assert (v and g in labels and f == "stop") or (not v and f == "length")
+    right = int((df["generation"] == df["reference_label"]).sum())
+    assert f"accuracy against reference_label: {right} of 3" in printed
 
 
 def test_pipeline_never_imports_prefect():
