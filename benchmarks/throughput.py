@@ -530,8 +530,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="llama.cpp's OpenMP wait policy (default: its own; torch runs PASSIVE)")
     p.add_argument("--busy-loops", type=int, default=0, metavar="N",
                    help="run N busy-loop processes beside every measurement (a machine shared with other work)")
+    p.add_argument("--structured", default=None, metavar="MODES",
+                   help="with --workload labelling: constrained (choice|json) against unconstrained output, and the "
+                        "scoring mode (score); see benchmarks.structured")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.structured:
+        if args.workload != "labelling":
+            p.error("--structured runs on --workload labelling")
+        from benchmarks import structured
+
+        extra = ["--num-prompts", str(args.num_prompts)] if args.num_prompts else []
+        extra += ["--output-json", str(args.output_json)] if args.output_json else []
+        return structured.main(["--structured", args.structured, "--seed", str(args.seed), *extra])
     try:
         names = parse_workloads(args.workload)
         engines = parse_engines(args.engines, [w.strip() for w in args.llamacpp_weights.split(",") if w.strip()],

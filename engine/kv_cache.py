@@ -175,6 +175,18 @@ class KVCache:
             def zeros() -> torch.Tensor:
                 return torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        slots = num_blocks * block_size
+        self.slot_axis = 0 if shape[0] == slots else 1  # (slots, heads, dim) or (heads, slots, dim)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K and V of blocks `src` into blocks `dst` (pairwise), in every layer."""
+        bs = self.block_size
+        dev = self.layers[0][0].device
+        s = torch.tensor([b * bs + o for b in src for o in range(bs)], device=dev)
+        d = torch.tensor([b * bs + o for b in dst for o in range(bs)], device=dev)
+        for k, v in self.layers:
+            for t in (k, v):
+                t.index_copy_(self.slot_axis, d, t.index_select(self.slot_axis, s))
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -354,85 +354,213 @@ class LLM:
         return [torch.cat(o) if o else torch.zeros(0) for o in out]
 
     def score_choices(self, prompt_token_ids: list[int], choices: Seq[str]) -> dict[str, float]:
-        """Log-probability of each choice as the continuation of a prompt (scoring mode).
+        """Log-probability of each choice as the continuation of one prompt (scoring mode);
+        `score_choices_batch` for one prompt. Raises what that raises."""
+        out = self.score_choices_batch([(prompt_token_ids, choices)])[0]
+        if isinstance(out, str):
+            raise ValueError(out)
+        return out
 
-        The prompt's full KV blocks up to its last token are computed once (or taken from the
-        prefix cache, and then left there under the scheduler's own block keys, so generation
-        requests and later rows share them); then one forward pass runs every choice's tail
-        (the prompt's last partial block, its last token and the choice's tokens) over its
-        own fresh blocks. A choice is tokenized on its own (`encode(c, add_special_tokens=False)`)
-        and its log-probability is the sum over its tokens (natural log); no end token is added.
+    def score_choices_batch(self, items: Seq[tuple[list[int], Seq[str]]]) -> list[Union[dict[str, float], str]]:
+        """Log-probability of each choice as the continuation of its prompt, for many prompts.
+
+        Per prompt, its full KV blocks before its last token are taken from the prefix cache
+        or computed (and then indexed there under the scheduler's own block keys, so later
+        prompts and generation requests share them); prompts whose missing blocks do not
+        overlap are computed together, up to the token budget per forward pass. Then every
+        choice's tail (the prompt's last partial block, its last token and the choice's
+        tokens) is computed once per prompt in a chunk of its own (its last position's logits
+        score every choice's first token; many prompts per forward pass), then each choice of
+        more than one token runs its remaining tokens over a copy of that block.
+        A choice is tokenized on its own (`encode(c, add_special_tokens=False)`); its
+        log-probability is the sum over its tokens (natural log); no end token is added.
+        Each prompt's figures depend only on its own tokens: not on the other prompts, their
+        order or whether the prefix cache served its blocks.
 
         Args:
-            prompt_token_ids: the prompt (chat template applied, if any), 1..max_model_len tokens.
-            choices: non-empty strings.
+            items: (prompt token ids, non-empty choice strings) per prompt.
         Returns:
-            {choice: log p(choice tokens | prompt)} in the choices' order.
+            per prompt, {choice: log p(choice tokens | prompt)} in the choices' order, or an
+            error message (a choice without tokens, prompt + choice past max_model_len, or more
+            KV blocks than the pool holds).
         Raises:
             RuntimeError: if requests are in flight.
-            ValueError: a prompt plus a choice longer than max_model_len, or not enough free KV blocks.
         """
         if self.scheduler.has_unfinished():
             raise RuntimeError("score_choices needs an idle engine")
-        P = list(prompt_token_ids)
-        L, bs = len(P), self.config.block_size
-        toks = [self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
-        for c, t in zip(choices, toks):
-            if not t:
-                raise ValueError(f"score_choices: {c!r} has no tokens")
-            if L + len(t) > self.max_model_len:
-                raise ValueError(f"score_choices: the prompt ({L} tokens) and {c!r} ({len(t)} tokens) exceed "
-                                 f"max_model_len={self.max_model_len}")
-        pool = self.block_pool
-        n_shared = (L - 1) // bs  # full blocks before the prompt's last token
-        S = n_shared * bs
-        tail_blocks = [-(-(L + len(t)) // bs) - n_shared for t in toks]
-        shared: list[int] = []
-        fresh_shared: list[int] = []
-        tables: list[list[int]] = []
+        bs, pool = self.config.block_size, self.block_pool
+        results: list[Union[dict[str, float], str, None]] = [None] * len(items)
+        jobs = []  # (index, prompt, choice token lists, n_shared, block keys, tail blocks per choice)
+        for i, (prompt, choices) in enumerate(items):
+            P = list(prompt)
+            toks = [self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
+            bad = next((c for c, t in zip(choices, toks) if not t), None)
+            if bad is not None:
+                results[i] = f"score_choices: {bad!r} has no tokens"
+                continue
+            long = next((c for c, t in zip(choices, toks) if len(P) + len(t) > self.max_model_len), None)
+            if long is not None:
+                results[i] = (f"score_choices: the prompt ({len(P)} tokens) and {long!r} exceed "
+                              f"max_model_len={self.max_model_len}")
+                continue
+            n_shared = (len(P) - 1) // bs  # full blocks before the prompt's last token
+            keys, parent = [], None
+            for b in range(n_shared):
+                key = block_key(parent, P[b * bs:(b + 1) * bs])
+                parent = hash(key)
+                keys.append(key)
+            tails = [-(-(len(P) + len(t)) // bs) - n_shared for t in toks]
+            if n_shared + sum(tails) + 2 > pool.num_blocks:
+                results[i] = (f"score_choices: needs {n_shared + sum(tails) + 2} KV blocks, the pool holds "
+                              f"{pool.num_blocks}")
+                continue
+            jobs.append((i, P, list(choices), toks, n_shared, keys, tails))
+        budget = self.config.max_num_batched_tokens
+        with torch.inference_mode():
+            start = 0
+            while start < len(jobs):
+                # a group whose blocks fit at once (its prefixes are held until its tails ran)
+                end, need = start, 0
+                while end < len(jobs):
+                    j = jobs[end]
+                    n = j[4] + sum(j[6]) + 1
+                    if end > start and need + n > pool.num_free_blocks - 1:  # 1: the padding chunk's block
+                        break
+                    need += n
+                    end += 1
+                group = jobs[start:end]
+                start = end
+                self._score_group(group, results, bs, budget)
+        return results  # type: ignore[return-value]
+
+    _ROW_MULTIPLE = 12  # the CPU GEMM's register tile is 12, 6 or 4 rows: multiples of 12 fill every tile
+
+    def _run_invariant(self, specs: list[ChunkSpec]) -> Optional[torch.Tensor]:
+        """One forward of prefill chunks whose every row comes out as it would in any other batch.
+
+        The CPU GEMM computes a remainder tile of 1-3 rows with another summation order than a
+        full tile, so a row's value could depend on how many rows shared its forward pass. Here
+        the token count is padded with a scratch chunk, and the logits rows with repeats of
+        the last one, to multiples of 12, so every tile is full: scores then depend on a
+        prompt's own tokens only (not on its neighbours, their order, or the prefix cache).
+
+        Returns:
+            the logits of the chunks' requested rows [S, V] (padding rows dropped), or None.
+        """
+        m = self._ROW_MULTIPLE
+        pad = -sum(c.num_tokens for c in specs) % m
+        scratch = self.block_pool.allocate(1) if pad else []
         try:
-            with torch.inference_mode():
-                keys, parent = [], None
-                for i in range(n_shared):
-                    key = block_key(parent, P[i * bs:(i + 1) * bs])
-                    parent = hash(key)
-                    keys.append(key)
-                for key in keys:  # the cached prefix, as the scheduler would match it
+            if pad:
+                specs = specs + [ChunkSpec([0] * pad, 0, pad, scratch, None)]
+            inputs = self.runner.prepare([], specs)
+            n = int(inputs.logits_indices.shape[0])
+            extra = -n % m
+            if n and extra:
+                idx = inputs.logits_indices
+                inputs = dataclasses.replace(inputs, logits_indices=torch.cat((idx, idx[-1:].expand(extra))))
+            logits = self.runner.run(inputs)
+            return None if logits is None else logits[:n]
+        finally:
+            if scratch:
+                self.block_pool.free(scratch)
+
+    def _score_group(self, group: list, results: list, bs: int, budget: int) -> None:
+        """Prefix blocks, then choice tails, of a group of scoring jobs (see `score_choices_batch`)."""
+        pool = self.block_pool
+        shared: dict[int, list[int]] = {}
+        owned: list[list[int]] = []
+        try:
+            # 1. prefixes: cached blocks are taken; missing ones computed, prompts together while no
+            #    two of them would compute the same block
+            batch: list[tuple[ChunkSpec, list, int]] = []
+            pending: set = set()
+
+            def flush() -> None:
+                if batch:
+                    self._run_invariant([c for c, _, _ in batch])
+                    for c, keys, hits in batch:
+                        for b in range(hits, len(keys)):
+                            pool.register(c.block_table[b], keys[b])
+                    batch.clear()
+                    pending.clear()
+
+            for i, P, _, _, n_shared, keys, _ in group:
+                if any(k in pending for k in keys):
+                    flush()
+                table = []
+                for key in keys:
                     b = pool.lookup(key)
                     if b is None:
                         break
                     pool.acquire(b)
-                    shared.append(b)
-                hits = len(shared)
-                need = n_shared - hits + sum(tail_blocks)
-                if need > pool.num_free_blocks:
-                    raise ValueError(f"score_choices: needs {need} KV blocks, {pool.num_free_blocks} are free")
+                    table.append(b)
+                hits = len(table)
+                if pool.num_free_blocks < n_shared - hits:
+                    flush()
+                table += pool.allocate(n_shared - hits)
+                shared[i] = table
                 if hits < n_shared:
-                    fresh_shared = pool.allocate(n_shared - hits)
-                    shared += fresh_shared
-                    self.runner.run(self.runner.prepare([], [ChunkSpec(P, hits * bs, S - hits * bs, shared, None)]))
-                    for i in range(hits, n_shared):
-                        pool.register(shared[i], keys[i])
-                specs = []
-                for t, nb in zip(toks, tail_blocks):
-                    table = shared + pool.allocate(nb)
-                    tables.append(table)
-                    specs.append(ChunkSpec(P + t, S, L + len(t) - S, table, "all"))
-                logits = self.runner.run(self.runner.prepare([], specs))
-                lp = torch.log_softmax(logits.float(), dim=-1)
-                out: dict[str, float] = {}
+                    n = (n_shared - hits) * bs
+                    if batch and sum(c.num_tokens for c, _, _ in batch) + n > budget:
+                        flush()
+                    batch.append((ChunkSpec(P, hits * bs, n, table, None), keys, hits))
+                    pending.update(keys[hits:])
+            flush()
+            # 2. each prompt's last partial block and last token, in a chunk of the same shape whether
+            #    or not the cache served its prefix: the last position's log-probabilities score every
+            #    choice's first token
+            scores: dict[int, dict[str, float]] = {i: {} for i, *_ in group}
+            last: dict[int, list[int]] = {}
+            heads: list[tuple[int, ChunkSpec]] = []
+            for i, P, _, _, n_shared, _, _ in group:
+                last[i] = pool.allocate(1)
+                owned.append(last[i])
+                S = n_shared * bs
+                heads.append((i, ChunkSpec(P, S, len(P) - S, shared[i] + last[i], "last")))
+            k = 0
+            while k < len(heads):
+                part, n = [], 0
+                while k < len(heads) and (not part or n + heads[k][1].num_tokens <= budget):
+                    part.append(heads[k])
+                    n += heads[k][1].num_tokens
+                    k += 1
+                lp = torch.log_softmax(self._run_invariant([c for _, c in part]).float(), dim=-1)
+                for row, (i, _) in enumerate(part):
+                    job = next(j for j in group if j[0] == i)
+                    for c, t in zip(job[2], job[3]):
+                        scores[i][c] = float(lp[row, t[0]].double())
+            # 3. choices of more than one token: their tokens after the first, over a copy of the prompt's
+            #    last block (so choices never share a written block), logits at every position
+            tails = []
+            for i, P, choices, toks, n_shared, _, nb in group:
+                for c, t, k in zip(choices, toks, nb):
+                    if len(t) < 2:
+                        continue
+                    table = shared[i] + pool.allocate(k)
+                    owned.append(table[n_shared:])
+                    self.kv_cache.copy_blocks(last[i], table[n_shared:n_shared + 1])
+                    tails.append((i, c, t, ChunkSpec(P + t, len(P), len(t) - 1, table, "all")))
+            k = 0
+            while k < len(tails):
+                part, rows = [], 0
+                while k < len(tails) and (not part or rows + tails[k][3].num_tokens <= budget):
+                    part.append(tails[k])
+                    rows += tails[k][3].num_tokens
+                    k += 1
+                lp = torch.log_softmax(self._run_invariant([s for *_, s in part]).float(), dim=-1)
                 row = 0
-                for c, t, spec in zip(choices, toks, specs):
-                    first = row + (L - 1 - S)  # the row of the prompt's last position predicts t[0]
-                    idx = torch.arange(first, first + len(t), device=lp.device)
-                    tgt = torch.tensor(t, device=lp.device)
-                    out[c] = float(lp[idx, tgt].double().sum())
+                for i, c, t, spec in part:  # row j of a chunk (position len(P) + j) predicts t[j + 1]
+                    idx = torch.arange(row, row + len(t) - 1, device=lp.device)
+                    scores[i][c] += float(lp[idx, torch.tensor(t[1:], device=lp.device)].double().sum())
                     row += spec.num_tokens
-                return out
+            for i, *_ in group:
+                results[i] = scores[i]
         finally:
-            for table in tables:
-                pool.free(table[n_shared:])
-            pool.free(shared)
+            for t in owned:
+                pool.free(t)
+            for t in shared.values():
+                pool.free(t)
 
     # ------------------------------------------------------------ public API
     def generate(self, prompts: Seq[PromptType], sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
@@ -493,9 +621,8 @@ class LLM:
         in_tok = out_tok = 0
         last_update = 0.0
         try:
+            self._score_requests([r for r in requests if r.error is None and r.params.score_choices is not None])
             for r in requests:
-                if r.error is None and r.params.score_choices is not None:
-                    self._score_request(r)
                 if r.error is not None or r.scores is not None:
                     out = self._request_output(r)
                     if pbar:
@@ -590,17 +717,22 @@ class LLM:
             reqs.append(req)
         return reqs
 
-    def _score_request(self, req: Request) -> None:
-        """Score a `score_choices` request now (its error, if it cannot be, names why)."""
-        m = req.metrics
-        m.scheduled_time = time.time()
-        try:
-            req.scores = self.score_choices(req.prompt_token_ids, req.params.score_choices)
-        except ValueError as exc:
-            req.error = str(exc)
-        m.first_token_time = m.finish_time = time.time()
-        for s in req.seqs:
-            s.status = SequenceStatus.FINISHED
+    def _score_requests(self, reqs: list[Request]) -> None:
+        """Score the `score_choices` requests now (one whose choices cannot be scored gets the reason
+        as its error)."""
+        if not reqs:
+            return
+        t0 = time.time()
+        results = self.score_choices_batch([(r.prompt_token_ids, r.params.score_choices) for r in reqs])
+        now = time.time()
+        for r, res in zip(reqs, results):
+            if isinstance(res, str):
+                r.error = res
+            else:
+                r.scores = res
+            r.metrics.scheduled_time, r.metrics.first_token_time, r.metrics.finish_time = t0, now, now
+            for s in r.seqs:
+                s.status = SequenceStatus.FINISHED
 
     def _request_output(self, req: Request) -> RequestOutput:
         m = req.metrics

@@ -36,6 +36,8 @@ class ChunkSpec:
         logits: "last" (the chunk's last position), "all" (every position) or None.
         extra: tokens after `token_ids` that the chunk ends with (a speculative draft):
             the chunk runs token_ids[start:] + extra, num_tokens in all.
+        logits_from: with logits "all", the first chunk position (0-based within the chunk)
+            whose logits are returned (scoring needs only the positions from the prompt's end).
     """
 
     token_ids: Sequence[int]
@@ -44,6 +46,7 @@ class ChunkSpec:
     block_table: Sequence[int]
     logits: Optional[str] = None
     extra: Sequence[int] = ()
+    logits_from: int = 0
 
 
 @dataclass
@@ -139,7 +142,7 @@ class ModelRunner:
             if c.logits == "last":
                 logits.append(np.array([row + n - 1], dtype=np.int64))
             elif c.logits == "all":
-                logits.append(np.arange(row, row + n, dtype=np.int64))
+                logits.append(np.arange(row + c.logits_from, row + n, dtype=np.int64))
             row += n
         ids_a, pos_a, slots_a, logits_a = (np.concatenate(x) for x in (ids, pos, slots, logits))
         meta = AttentionMetadata(
