@@ -123,8 +123,9 @@ class EngineCore:
             self._validate_drafts(out.decodes)
         plain = [c for c in out.decodes if not c.draft]
         verify = [c for c in out.decodes if c.draft]
-        res.prompt_tokens = sum(min(c.num_tokens, max(c.seq.num_prompt_tokens - c.seq.num_computed_tokens, 0))
-                                for c in plain + out.prefills)
+        # (a chunk of tokens jump-forward appended runs as a prefill chunk and is counted here too)
+        res.prompt_tokens = sum(c.num_tokens for c in out.prefills) + sum(
+            c.num_tokens for c in plain if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
         for c in out.chunks:
             m = c.seq.request.metrics
             if m.scheduled_time is None:
