@@ -321,3 +321,16 @@ def test_dropping_an_engine_frees_its_kv_cache_without_gc():
             assert [r() is None for r in refs] == [True, True], mode
     finally:
         gc.enable()
+
+
+def test_draft_model_with_the_int8_kv_cache():
+    """The draft model keeps its own KV cache in the engine's storage dtype (int8 with scales here):
+    the target as its own draft still accepts everything and gives speculation off's tokens."""
+    ps = ["apple " * 20, "for i in range(10):\n    print(i)\nfor i in range(10):\n"]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    off = LLM("smollm2-135m-instruct", kv_cache_dtype="int8", speculative=None, kv_cache_memory_bytes=64 << 20)
+    on = LLM("smollm2-135m-instruct", kv_cache_dtype="int8", kv_cache_memory_bytes=64 << 20,
+             speculative_config={"method": "draft_model", "draft_model": "target", "num_speculative_tokens": 4})
+    want = [o.outputs[0].token_ids for o in off.generate(ps, p, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in on.generate(ps, p, use_tqdm=False)] == want
+    assert on.stats.spec_accepted_tokens == on.stats.spec_draft_tokens > 0
