@@ -54,11 +54,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tail-rows", type=int, default=8)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-output-tokens", type=int, default=None, help="cap every row's output length")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
     from engine.tokenizer import Tokenizer
 
-    wl = build_workload("random", Tokenizer.from_model(args.model), num_prompts=args.rows, seed=args.seed)
+    wl = build_workload("random", Tokenizer.from_model(args.model), num_prompts=args.rows, seed=args.seed,
+                        max_output_tokens=args.max_output_tokens)
     print(wl.summary(), flush=True)
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:

@@ -85,24 +85,32 @@ class EngineCore:
             self.scheduler.finish(s)
         self.scheduler.clear_waiting()
 
-    def profile_step(self, num_tokens: int) -> float:
-        """Seconds of one forward pass of num_tokens fresh tokens on scratch blocks (for the
-        speculation policy's step-cost model); 0.0 when the pool cannot hold them."""
+    def profile_step(self, num_tokens: int, context: int = 0) -> float:
+        """Seconds of one decode-like forward pass for the speculation policy's step-cost model:
+        num_tokens one-token rows, each attending to `context` earlier tokens, on scratch
+        blocks (one table per row when the pool has the blocks, else one table shared by
+        every row); 0.0 when the pool cannot hold even one table.
+
+        The scratch K/V are garbage; the blocks go back to the pool unregistered."""
         bs = self.runner.block_size
         pool = self.scheduler.pool
-        need = -(-num_tokens // bs)
-        if need > pool.num_free_blocks:
-            return 0.0
-        blocks = pool.allocate(need)
+        per_row = context // bs + 1
+        tables = []
         try:
-            spec = ChunkSpec([1 + (i % 997) for i in range(num_tokens)], 0, num_tokens, blocks, "last")
-            inputs = self.runner.prepare([spec], []) if num_tokens == 1 else self.runner.prepare([], [spec])
+            rows = num_tokens if num_tokens * per_row <= pool.num_free_blocks // 2 else 1
+            if per_row > pool.num_free_blocks:
+                return 0.0
+            tables = [pool.allocate(per_row) for _ in range(rows)]
+            ids = [1 + (i % 997) for i in range(context + 1)]
+            specs = [ChunkSpec(ids, context, 1, tables[i % rows], "last") for i in range(num_tokens)]
+            inputs = self.runner.prepare(specs, [])
             t0 = time.perf_counter()
             with torch.inference_mode():
                 self.runner.run(inputs)
             return time.perf_counter() - t0
         finally:
-            pool.free(blocks)
+            for t in tables:
+                pool.free(t)
 
     @torch.inference_mode()
     def step(self) -> StepResult:
@@ -185,7 +193,7 @@ class EngineCore:
         t3 = time.perf_counter()
         st.time_sample_s += t3 - t2
         if self.spec is not None:
-            self.spec.observe_step(out.num_tokens, t3 - t1, bool(verify))
+            self.spec.observe_step(out.num_tokens, t3 - t1, bool(verify), decode_only=not out.prefills)
         st.num_output_tokens += res.output_tokens
         st.time_total_s += time.perf_counter() - t0
         return res

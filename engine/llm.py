@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import time
+import weakref
 from typing import Iterator, Optional, Sequence as Seq, Union
 
 import torch
@@ -240,8 +241,12 @@ class LLM:
                 return DraftModelProposer(self.model, spec_cfg.draft_model, num_blocks, bs, self.backend, kv_dtype,
                                           self.sampler)
 
-            self.spec = SpecDecoder(spec_cfg, self.max_model_len, draft_factory,
-                                    profile=lambda n: self.core.profile_step(n))
+            core_ref = []  # filled below; no reference back to this LLM, so dropping it frees the KV cache at once
+
+            def profile(n: int, ctx: int) -> float:
+                return core_ref[0].profile_step(n, ctx)
+
+            self.spec = SpecDecoder(spec_cfg, self.max_model_len, draft_factory, profile=profile)
         self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, self.spec)
         if self.device.type == "cuda" and not cfg.enforce_eager and getattr(self.backend, "supports_cuda_graphs", False):
@@ -249,14 +254,18 @@ class LLM:
 
             self.runner.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_cache.layers, self.backend,
                                                        cfg.max_num_seqs, self.max_model_len, bs)
+        tokenizer = self.tokenizer  # the factory holds no reference back to this LLM (freed by refcount)
+
         def grammar_backend():
             from .structured.llguidance_backend import LLGuidanceBackend
 
-            return LLGuidanceBackend(self.tokenizer)
+            return LLGuidanceBackend(tokenizer)
 
         self.structured = StructuredOutputManager(grammar_backend)  # the backend is built on first use
         self.core = EngineCore(self.scheduler, self.runner, self.sampler, self.max_model_len, self.spec,
                                self.structured, cfg.structured_outputs_jump_forward)
+        if self.spec is not None:
+            core_ref.append(weakref.proxy(self.core))
         self._seq_counter = 0
         self._request_counter = 0
 

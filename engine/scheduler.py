@@ -237,7 +237,8 @@ class Scheduler:
         # 3. drafts for decoding sequences from what is left of the budget (speculation)
         if self.spec is not None and decodes:
             plain = [c for c in decodes if c.num_tokens == 1 and not c.seq.is_prefill]
-            self.spec.attach_drafts(plain, budget, self.max_num_batched_tokens - budget, self._grow)
+            self.spec.attach_drafts(plain, budget, self.max_num_batched_tokens - budget, self._grow,
+                                    queue_empty=not self.waiting)
         return SchedulerOutput(decodes, prefills, preempted)
 
     def rollback(self, seq: Sequence) -> None:

@@ -363,3 +363,22 @@ def test_int8_diagnosis_hidden_states_reproduce_the_engines_scores(llm):
     d, r = int8_mse_clip(x)
     assert ((d - x).pow(2).sum(1) <= (int8_absmax(x) - x).pow(2).sum(1) + 1e-12).all()  # never worse per row
     assert ((r >= 0.70) & (r <= 1.0)).all()
+
+
+def test_step_cost_and_spec_tail_run_and_report(tmp_path, tok):
+    """The speculation benchmarks run end to end on tiny sizes and write what they print."""
+    import json
+
+    from benchmarks import spec_tail, step_cost
+
+    out = tmp_path / "cost.json"
+    assert step_cost.main(["--rows", "1,3", "--context", "20", "--repeats", "1", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rows"] for r in rows] == [1, 3] and all(r["step_ms"] > 0 for r in rows)
+    assert rows[1]["marginal_ms_per_row"] == pytest.approx((rows[1]["step_ms"] - rows[0]["step_ms"]) / 2)
+    out = tmp_path / "tail.json"
+    assert spec_tail.main(["--rows", "6", "--modes", "off,ngram", "--tail-rows", "2", "--max-output-tokens", "16",
+                           "--output-json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in res] == ["off", "ngram"] and res[0]["spec_draft_tokens"] == 0
+    assert all(0 <= r["tail_s"] <= r["makespan_s"] for r in res)

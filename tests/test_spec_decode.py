@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler
 from engine.spec_decode import NgramProposer, SuffixIndex
-from engine.spec_decode.policy import AcceptanceTracker, StepCostModel, choose_lengths
+from engine.spec_decode.policy import AcceptanceTracker, StepCostModel, choose_lengths, worth_drafting
 
 KV = 96 << 20
 
@@ -223,17 +223,27 @@ def test_ngram_proposer_copies_what_followed_the_latest_match():
 
 def test_suffix_index_drafts_from_earlier_texts_within_its_memory_bound():
     idx = SuffixIndex(max_tokens=40, max_depth=4)
-    idx.add([1, 2, 3, 4, 5, 6, 7, 8])
+    for _ in range(3):
+        idx.add([1, 2, 3, 4, 5, 6, 7, 8])
     idx.add([9, 2, 3, 4, 10, 11, 12])
     idx.work()
-    assert idx.propose([7, 7, 2, 3], 3) == [4, 5, 6]  # (2, 3) -> 4 twice; (2, 3, 4) -> 5 and 10 tie: first seen
+    # (2, 3) -> 4 four times (p 0.8); (2, 3, 4) -> 5 three times of four (p 0.6): 0.48; then
+    # (3, 4, 5) -> 6 (p 0.75): 0.36; then 0.36 * 0.75 < 0.3 stops
+    assert idx.propose([7, 7, 2, 3], 5) == [4, 5, 6]
     assert idx.propose([100], 3) == []
     for i in range(10):  # push the first texts out
         idx.add([50 + i] * 6)
     idx.work()
     assert idx.num_tokens <= 40 + 6 and len(idx.texts) <= 8
-    assert idx.propose([1, 2, 3], 2) != [4, 5]  # the evicted text's continuation is gone
+    assert idx.propose([1, 2, 3], 2) == []  # the evicted texts' continuations are gone
     assert all(v > 0 for c in idx.table.values() for v in c.values())
+    amb = SuffixIndex(max_tokens=100, max_depth=4)
+    for nxt in (1, 2, 3, 4):  # (8, 9) was followed by four different tokens: p = 0.25 < 0.3
+        amb.add([8, 9, nxt])
+    amb.add([5, 6, 7])
+    amb.work()
+    assert amb.propose([8, 9], 2) == [] and amb.propose([5, 6], 2) == [7]
+    assert amb.propose([6], 2) == []  # one matching token is too short a context
 
 
 def test_policy_drafts_when_tokens_are_cheap_and_not_when_the_machine_is_saturated():
@@ -247,9 +257,80 @@ def test_policy_drafts_when_tokens_are_cheap_and_not_when_the_machine_is_saturat
         linear.observe(n, t)
     ks = choose_lengths([0.5] * 64, [6] * 64, base_tokens=64, base_yield=64.0, cost=linear.cost, budget=1000)
     assert sum(ks) == 0  # every token costs its share: a 50% draft never pays
+    assert not worth_drafting(1.0, 64, 64, 64.0, linear.cost, 1000)  # not even a sure one: proposers skipped
+    assert worth_drafting(0.5, 2, 2, 2.0, flat.cost, 100)
+    assert not worth_drafting(0.5, 2, 2, 2.0, StepCostModel().cost, 100)  # nothing measured yet
     acc = AcceptanceTracker(prior=0.5)
+    assert acc.rate(7, "ngram") == 0.5
     acc.observe(7, "ngram", drafted=4, accepted=4)
     assert acc.rate(7, "ngram") == 1.0 and acc.rate(8, "ngram") == 1.0
     acc.observe(7, "ngram", drafted=4, accepted=0)
-    assert acc.rate(7, "ngram") < 1.0
+    low = acc.rate(7, "ngram")
+    assert low == pytest.approx(0.7) and acc.rate(7, "suffix") == 0.5
+    for _ in range(200):  # unobserved estimates drift back to the prior: the proposer is tried again
+        acc.relax()
+    assert acc.rate(7, "ngram") == pytest.approx(0.5, abs=0.05)
     assert StepCostModel().cost(5) is None
+
+
+# ---------------------------------------------------------------- the job
+
+def test_job_reports_speculation_per_row_and_per_run(tmp_path):
+    """A job with speculative='ngram' writes each row's drafted / accepted counts; the run's cost
+    report sums them, gives their ratio and the share of steps that verified drafts; greedy
+    generations equal the same job with speculation off."""
+    import polars as pl
+
+    from pipeline import JobSpec, read_metrics, run_job
+
+    inp = tmp_path / "in.parquet"
+    prompts = ["Repeat after me: red green blue red green blue red green blue",
+               "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "apple " * 20, "Say hello."]
+    pl.DataFrame({"id": list(range(len(prompts))), "prompt": prompts}).write_parquet(inp)
+    outs = {}
+    for mode in ("ngram", "off"):
+        spec = JobSpec(input=str(inp), output=str(tmp_path / mode), max_tokens=24, temperature=0.0,
+                       shard_size=2, progress=False, speculative=mode, kv_cache_memory_bytes=KV)
+        report = run_job(spec)
+        df = pl.concat([pl.read_parquet(p) for p in sorted((tmp_path / mode).glob("part-*.parquet"))]).sort("id")
+        outs[mode] = (report, df, read_metrics(spec.output).row(0, named=True))
+    report, df, m = outs["ngram"]
+    assert df["generation"].to_list() == outs["off"][1]["generation"].to_list()
+    drafted, accepted = int(df["spec_draft_tokens"].sum()), int(df["spec_accepted_tokens"].sum())
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert (m["spec_draft_tokens"], m["spec_accepted_tokens"]) == (drafted, accepted)
+    assert m["spec_acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert 0 < m["spec_step_share"] <= 1 and m["spec_mean_accepted_per_verify"] > 0
+    off = outs["off"][2]
+    assert off["spec_draft_tokens"] == 0 and off["spec_acceptance_rate"] is None
+
+
+def test_dropping_an_engine_frees_its_kv_cache_without_gc():
+    """The speculation policy's profile hook holds the engine core weakly: an LLM with speculation
+    is freed (its KV cache with it) by reference counting alone, as one without it is."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        for mode in ("auto", None):
+            llm = LLM("smollm2-135m-instruct", speculative=mode, kv_cache_memory_bytes=32 << 20)
+            llm.generate(["hello " * 20], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            refs = weakref.ref(llm), weakref.ref(llm.kv_cache)
+            del llm
+            assert [r() is None for r in refs] == [True, True], mode
+    finally:
+        gc.enable()
+
+
+def test_draft_model_with_the_int8_kv_cache():
+    """The draft model keeps its own KV cache in the engine's storage dtype (int8 with scales here):
+    the target as its own draft still accepts everything and gives speculation off's tokens."""
+    ps = ["apple " * 20, "for i in range(10):\n    print(i)\nfor i in range(10):\n"]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    off = LLM("smollm2-135m-instruct", kv_cache_dtype="int8", speculative=None, kv_cache_memory_bytes=64 << 20)
+    on = LLM("smollm2-135m-instruct", kv_cache_dtype="int8", kv_cache_memory_bytes=64 << 20,
+             speculative_config={"method": "draft_model", "draft_model": "target", "num_speculative_tokens": 4})
+    want = [o.outputs[0].token_ids for o in off.generate(ps, p, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in on.generate(ps, p, use_tqdm=False)] == want
+    assert on.stats.spec_accepted_tokens == on.stats.spec_draft_tokens > 0

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from ..config import SpeculativeConfig
 from .base import Proposer
 from .ngram import NgramProposer
-from .policy import AcceptanceTracker, StepCostModel, choose_lengths
+from .policy import AcceptanceTracker, StepCostModel, choose_lengths, worth_drafting
 from .suffix import SuffixProposer
 
 
@@ -30,6 +30,7 @@ class SpecStats:
         verifies: drafted chunks verified.
         draft_tokens / accepted_tokens: drafted tokens, and those accepted.
         profile_s: seconds spent profiling the step-cost model.
+        steps_skipped: steps where no draft could pay, so no proposer ran (adaptive mode).
     """
 
     steps_with_drafts: int = 0
@@ -37,6 +38,7 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     profile_s: float = 0.0
+    steps_skipped: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -54,12 +56,13 @@ class SpecDecoder:
         cfg: the speculative settings.
         max_model_len: longest sequence.
         draft_factory: builds the draft-model proposer (for method "draft_model").
-        profile: runs the start-up profile: a callable (token count) -> seconds of one step.
+        profile: runs the start-up profile: a callable (rows, context tokens) -> seconds of
+            one decode-like step (`EngineCore.profile_step`).
     """
 
     def __init__(self, cfg: SpeculativeConfig, max_model_len: int,
                  draft_factory: Optional[Callable[[], Proposer]] = None,
-                 profile: Optional[Callable[[int], float]] = None) -> None:
+                 profile: Optional[Callable[[int, int], float]] = None) -> None:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.adaptive = cfg.method == "auto"
@@ -76,7 +79,7 @@ class SpecDecoder:
         self.acceptance = AcceptanceTracker()
         self.stats = SpecStats()
         self._profile = profile
-        self._profiled = False
+        self._profiled_sizes: set[int] = set()
 
     # ------------------------------------------------------------ scheduling
     def _cap(self, seq) -> int:
@@ -87,7 +90,16 @@ class SpecDecoder:
             cap = min(cap, p.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(cap, self.max_model_len - seq.num_tokens - 1))
 
-    def attach_drafts(self, decodes: list, budget: int, step_tokens: int, grow: Callable) -> None:
+    def _remaining(self, seq) -> int:
+        """Tokens seq may still generate (its max_tokens, or the context left)."""
+        left = self.max_model_len - seq.num_tokens
+        p = seq.request.params
+        if p.max_tokens is not None:
+            left = min(left, p.max_tokens - seq.num_output_tokens)
+        return max(0, left)
+
+    def attach_drafts(self, decodes: list, budget: int, step_tokens: int, grow: Callable,
+                      queue_empty: bool = False) -> None:
         """Turn some of this step's decode chunks into verification chunks (in place).
 
         Args:
@@ -96,18 +108,42 @@ class SpecDecoder:
             step_tokens: tokens the step runs without drafts.
             grow: grow(seq, num_tokens) -> bool, allocating the blocks for num_tokens tokens
                 from the sequence's computed position (the scheduler's own).
+            queue_empty: no request is waiting (the job's tail): the job then ends when its
+                longest rows end, so the adaptive policy drafts only for the rows with at
+                least 90% of the most tokens left, and counts only their tokens as goodput
+                (the others' tokens no longer shorten the job); otherwise every row's count.
         """
         for p in self.proposers:
             p.step()
+        if self.adaptive:
+            self.acceptance.relax()
         if budget <= 0 or not decodes:
             return
-        if self.adaptive and not self._profiled:
-            self._run_profile(max(step_tokens, 1))
         caps = [self._cap(c.seq) for c in decodes]
         cand = [(i, c) for i, c in enumerate(decodes) if caps[i] > 0]
         if not cand:
             return
+        tail = self.adaptive and queue_empty
+        if tail:  # only the rows that end last decide when the job ends
+            rem = [self._remaining(c.seq) for _, c in cand]
+            top = max(rem)
+            cand = [ic for ic, r in zip(cand, rem) if r >= 0.9 * top]
         seqs = [c.seq for _, c in cand]
+        # the goodput that counts: every row's tokens, or in the tail only the last rows'
+        base_yield = float(len(seqs) if tail else len(decodes))
+        cost = self.cost.cost
+        if self.adaptive:
+            if step_tokens != len(decodes):
+                return  # a prefill chunk runs in this step: it is big already, and the cost model
+                # (of decode and verification rows only) does not describe it
+            ctx = sum(c.seq.num_tokens for c in decodes) // len(decodes)
+            kcap = max(caps[i] for i, _ in cand)
+            for n in (step_tokens, step_tokens + len(seqs), step_tokens + min(len(seqs) * kcap, budget)):
+                self._ensure_point(n, ctx)
+            best = max(max(self.acceptance.rate(s.seq_id, p.name) for p in self.proposers) for s in seqs)
+            if not worth_drafting(best, len(seqs), step_tokens, base_yield, cost, budget):
+                self.stats.steps_skipped += 1
+                return
         props: list[tuple[Optional[Proposer], list[int]]] = [(None, [])] * len(cand)
         cheap = [p for p in self.proposers if p.cheap]
         kmax = [caps[i] for i, _ in cand]
@@ -127,7 +163,7 @@ class SpecDecoder:
         lens = [len(d) for _, d in props]
         if self.adaptive:
             rates = [self.acceptance.rate(s.seq_id, pp.name) if pp else 0.0 for s, (pp, _) in zip(seqs, props)]
-            ks = choose_lengths(rates, lens, step_tokens, float(len(decodes)), self.cost.cost, budget)
+            ks = choose_lengths(rates, lens, step_tokens, base_yield, cost, budget)
         else:
             ks, left = [], budget
             for n in lens:
@@ -149,20 +185,24 @@ class SpecDecoder:
             if d:
                 c.draft, c.num_tokens, c.proposer = d, 1 + len(d), pp.name
 
-    def _run_profile(self, base: int) -> None:
-        self._profiled = True
-        if self._profile is None:
-            return
+    def _ensure_point(self, rows: int, context: int) -> None:
+        """Profile a decode-like step of `rows` one-token rows once, if the cost model has no
+        measurement near its size yet (later real steps refine every point)."""
+        x = rows
+        if self._profile is None or not 0 < rows <= 16 or self.cost.has_bucket(x) or rows in self._profiled_sizes:
+            return  # bigger steps are learnt from the steps themselves (interpolated between them)
+        self._profiled_sizes.add(rows)
         t0 = time.perf_counter()
-        for n in sorted({1, 4, 16, base, 2 * base, 4 * base}):
-            if n <= 4096:
-                self.cost.observe(n, self._profile(n))
+        self._profile(1, context)  # first-use costs (buffers, pages) stay out of the measurement
+        self.cost.observe(x, self._profile(rows, context))
         self.stats.profile_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------ feedback
-    def observe_step(self, num_tokens: int, seconds: float, had_drafts: bool) -> None:
-        """A step of num_tokens tokens took `seconds` (model and sampling)."""
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, had_drafts: bool, decode_only: bool = True) -> None:
+        """A step of num_tokens tokens took `seconds` (model and sampling); only steps of decode
+        and verification rows (every row with logits, no prefill chunk) feed the cost model."""
+        if decode_only:
+            self.cost.observe(num_tokens, seconds)
         if had_drafts:
             self.stats.steps_with_drafts += 1
 

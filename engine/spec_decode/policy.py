@@ -17,8 +17,11 @@ while goodput rises; when a full batch already saturates the machine no draft pa
 speculation turns itself off.
 
 T is measured: each step's (tokens, seconds) updates an exponential moving average per
-power-of-two bucket of tokens, interpolated between buckets; the buckets are seeded by a
-short profile of forward passes of a few sizes when the engine first considers drafting.
+power-of-two bucket of tokens, interpolated between buckets; buckets of up to 16 tokens
+that no step has measured yet are seeded by one decode-like forward pass each.
+
+In a job's tail (no request waiting) the job ends when its longest rows end: the decoder
+then drafts only for those rows and counts only their tokens as the yield.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from typing import Callable, Optional
 class StepCostModel:
     """Seconds of a step as a function of its tokens: per power-of-two bucket of token counts, an
     EMA of the steps' token counts and seconds; piecewise linear between the buckets' points,
-    and in proportion to tokens past the largest.
+    and in proportion to tokens outside them (so an unmeasured size is never thought cheap).
 
     Args:
         decay: weight of the old values in each EMA update.
@@ -52,14 +55,18 @@ class StepCostModel:
             w = self.decay
             self.points[b] = (w * old[0] + (1 - w) * num_tokens, w * old[1] + (1 - w) * seconds)
 
+    def has_bucket(self, num_tokens: int) -> bool:
+        """Whether a step of about num_tokens tokens (its power-of-two bucket) was measured."""
+        return num_tokens > 0 and int(round(math.log2(num_tokens))) in self.points
+
     def cost(self, num_tokens: int) -> Optional[float]:
         """Estimated seconds of a step of num_tokens tokens (None before any measurement)."""
         if not self.points:
             return None
         pts = sorted(self.points.values())
         n = float(num_tokens)
-        if n <= pts[0][0]:
-            return pts[0][1]
+        if n <= pts[0][0]:  # in proportion below the smallest point too: never free tokens unmeasured
+            return pts[0][1] * n / pts[0][0]
         for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
             if n <= n1:
                 return t0 + (n - n0) * (t1 - t0) / max(n1 - n0, 1e-9)
@@ -68,10 +75,16 @@ class StepCostModel:
 
 
 class AcceptanceTracker:
-    """Per-sequence and per-proposer acceptance rate per drafted position (EMAs)."""
+    """Per-sequence and per-proposer acceptance rate per drafted position (EMAs).
 
-    def __init__(self, prior: float = 0.5, decay: float = 0.7) -> None:
-        self.prior, self.decay = prior, decay
+    The prior is optimistic (0.8, about what prompt lookup reaches on repetitive text
+    here): a policy that starts pessimistic never drafts and so never learns. Estimates
+    that stop being observed drift back towards the prior (`relax`, once per step), so a
+    proposer that failed early is tried again later (exploration).
+    """
+
+    def __init__(self, prior: float = 0.8, decay: float = 0.7, relax_rate: float = 0.01) -> None:
+        self.prior, self.decay, self.relax_rate = prior, decay, relax_rate
         self.by_proposer: dict[str, float] = {}
         self.by_seq: dict[tuple[int, str], float] = {}
 
@@ -94,14 +107,34 @@ class AcceptanceTracker:
             old = table.get(key)
             table[key] = obs if old is None else self.decay * old + (1 - self.decay) * obs
 
+    def relax(self) -> None:
+        """Move every estimate a step towards the prior (called once per engine step)."""
+        a = self.relax_rate
+        for table in (self.by_proposer, self.by_seq):
+            for key, r in table.items():
+                table[key] = r + a * (self.prior - r)
+
     def forget(self, seq_id: int) -> None:
         """Drop a finished sequence's estimates."""
         for key in [k for k in self.by_seq if k[0] == seq_id]:
             del self.by_seq[key]
 
 
+def worth_drafting(best_rate: float, candidates: int, base_tokens: int, base_yield: float,
+                   cost: Callable[[int], Optional[float]], budget: int, margin: float = 0.05) -> bool:
+    """Whether any draft can pay this step: one token for each of `candidates` sequences at the
+    best acceptance rate must raise goodput by more than `margin` (False also before any
+    measurement). Checked before the proposers run, so a saturated step costs them nothing."""
+    t0 = cost(base_tokens)
+    m = min(candidates, budget)
+    if t0 is None or t0 <= 0 or m <= 0 or best_rate <= 0:
+        return False
+    t1 = cost(base_tokens + m)
+    return t1 is not None and (base_yield + m * best_rate) / t1 > (1 + margin) * base_yield / t0
+
+
 def choose_lengths(rates: list[float], caps: list[int], base_tokens: int, base_yield: float,
-                   cost: Callable[[int], Optional[float]], budget: int) -> list[int]:
+                   cost: Callable[[int], Optional[float]], budget: int, margin: float = 0.05) -> list[int]:
     """Draft lengths maximising expected tokens per second of step time.
 
     Args:
@@ -111,6 +144,9 @@ def choose_lengths(rates: list[float], caps: list[int], base_tokens: int, base_y
         base_yield: tokens it produces without drafts (one per decoding sequence).
         cost: the step-cost model (seconds for a token count; None = unknown).
         budget: most draft tokens in all.
+        margin: the plan is kept only if its expected goodput beats no drafts by this
+            fraction (the model's error, and the drafts' own cost: logits for every drafted
+            row, the proposers' time), else nothing is drafted.
     Returns:
         draft length per candidate.
     """
@@ -134,4 +170,7 @@ def choose_lengths(rates: list[float], caps: list[int], base_tokens: int, base_y
         t = t_next
         if ks[i] < caps[i]:
             heapq.heappush(heap, (-(gain * rates[i]), i))
+    if extra and total_yield / t <= (1 + margin) * base_yield / t0:
+        return [0] * len(rates)
     return ks
+

@@ -95,19 +95,30 @@ class SuffixIndex:
             if stop >= len(toks):
                 self._todo.popleft()
 
-    def propose(self, context: Seq[int], k: int) -> list[int]:
-        """Up to k tokens following the longest indexed suffix of `context`."""
+    def propose(self, context: Seq[int], k: int, min_depth: int = 2, min_prob: float = 0.3) -> list[int]:
+        """Up to k tokens following the longest indexed suffix of `context`.
+
+        Each drafted token is the most frequent continuation of the longest indexed context
+        (at least `min_depth` tokens) that the sequence ends with; drafting stops when the
+        product of the drafted tokens' empirical probabilities (count / (all counts of their
+        context + 1), so a context seen once gives 0.5) falls under `min_prob`, the score Suffix Decoding uses to bound a draft,
+        so a short, ambiguous match drafts nothing."""
         ctx = list(context[-self.max_depth:])
         out: list[int] = []
+        score = 1.0
         while len(out) < k:
             counts: Optional[dict[int, int]] = None
-            for d in range(min(self.max_depth, len(ctx)), 0, -1):
+            for d in range(min(self.max_depth, len(ctx)), min_depth - 1, -1):
                 counts = self.table.get(hash(tuple(ctx[-d:])))
                 if counts:
                     break
             if not counts:
                 break
             nxt = max(counts, key=counts.get)
+            score *= counts[nxt] / (sum(counts.values()) + 1)  # one unseen continuation: a single
+            # occurrence is not a certainty
+            if score < min_prob:
+                break
             out.append(nxt)
             ctx = (ctx + [nxt])[-self.max_depth:]
         return out
