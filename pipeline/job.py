@@ -145,6 +145,12 @@ class JobSpec(BaseModel):
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else (v or [])
 
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _speculative_off(cls, v: Any) -> Any:
+        # YAML reads a bare `off` (or `false`, `no`) as False: it means speculation off
+        return "off" if v is False else v
+
     @field_serializer("storage_options", when_used="json")
     def _mask_secrets(self, v: dict[str, Any]) -> dict[str, Any]:
         """JSON dumps (Prefect parameters, logs, files) never hold a secret value."""
@@ -453,6 +459,15 @@ def validate_spec(spec: JobSpec) -> None:
         source = resolve_model(spec.model)
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from None
+    draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(
+        kw.get("speculative_config"), dict) else None
+    if isinstance(draft, str) and draft.startswith("self:") and draft[5:].isdigit():
+        from engine.weights import model_num_layers
+
+        layers = model_num_layers(source)
+        if layers is not None and not 1 <= int(draft[5:]) <= layers:
+            raise ValueError(f"invalid engine option: speculative_config.draft_model {draft!r} needs 1..{layers} "
+                             f"layers ({spec.model!r} has {layers})")
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
                          f"{spec.model!r} is a {source.kind} model (use int8 or int4)")
