@@ -187,6 +187,9 @@ class JobSpec(BaseModel):
         fields = {k: getattr(self, k) for k in FINGERPRINT_FIELDS}
         if not fields["truncate"]:
             del fields["truncate"]
+        # speculation changes speed, never outputs (greedy: the target's tokens; seeded rows: the same
+        # uniforms), as --speculative (not fingerprinted) does: a resume may change it
+        fields["engine_options"] = {k: v for k, v in fields["engine_options"].items() if k != "speculative_config"}
         return fields
 
 

@@ -356,3 +356,6 @@ def test_speculation_options_are_checked_before_a_job_writes_anything(tmp_path):
     validate_spec(JobSpec(**base, engine_options={"speculative_config": {"method": "draft_model",
                                                                          "draft_model": "self:4"}}))
     assert not (tmp_path / "out").exists()
+    a = JobSpec(**base, engine_options={"speculative_config": {"method": "ngram"}, "block_size": 16})
+    b = JobSpec(**base, speculative="off", engine_options={"block_size": 16})
+    assert a.fingerprint_fields() == b.fingerprint_fields()  # a resume may change speculation
