@@ -137,6 +137,9 @@ class EngineConfig:
             raise ValueError(f"speculative must be one of {[m for m in SPECULATIVE_MODES if m]} or None, "
                              f"got {self.speculative!r}")
         if self.speculative_config is not None:
+            if self.speculative in (None, "off"):
+                raise ValueError("speculative_config was given with speculative=None/'off': drop one "
+                                 "(speculative_config alone turns speculation on with its method)")
             if not isinstance(self.speculative_config, dict):
                 raise ValueError(f"speculative_config must be a dict of SpeculativeConfig fields, got "
                                  f"{type(self.speculative_config).__name__}")

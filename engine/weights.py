@@ -196,6 +196,27 @@ def open_gguf(path: str):
     return gguf.GGUFReader(path)
 
 
+def model_num_layers(source: ModelSource) -> Optional[int]:
+    """The decoder layer count of a model from its metadata only (no weights read), or None
+    when it cannot be told."""
+    try:
+        if source.kind == "dummy":
+            return dummy_config(source.preset).num_layers
+        if source.kind == "gguf":
+            reader = open_gguf(source.path)
+            arch = _gguf_field(reader, "general.architecture")
+            n = _gguf_field(reader, f"{arch}.block_count")
+            return int(n) if n is not None else None
+        if source.kind == "hf":
+            import json
+
+            with open(os.path.join(source.path, "config.json")) as f:
+                return int(json.load(f)["num_hidden_layers"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+    return None
+
+
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Llama-architecture GGUF: its config and dequantized fp32 weights.
 

@@ -207,6 +207,12 @@ class JobSpec(BaseModel):
         return self.score_choices is not None or any(
             getattr(self, k) is not None for k in ("json_schema", "regex", "choice", "grammar"))
 
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _speculative_off(cls, v: Any) -> Any:
+        # YAML reads a bare `off` (or `false`, `no`) as False: it means speculation off
+        return "off" if v is False else v
+
     @field_serializer("storage_options", when_used="json")
     def _mask_secrets(self, v: dict[str, Any]) -> dict[str, Any]:
         """JSON dumps (Prefect parameters, logs, files) never hold a secret value."""
@@ -245,13 +251,16 @@ class JobSpec(BaseModel):
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """The output-shaping fields, as the job's fingerprint hashes them. Fields added after jobs were
-        already written (`truncate`) count only when set, so those jobs still resume."""
+        already written (`truncate`, `structured`, `score_choices`) count only when set, so those jobs still resume."""
         fields = {k: getattr(self, k) for k in FINGERPRINT_FIELDS if k not in ("structured",)}
         so = self.structured_outputs()
         fields["structured"] = so.key() if so is not None and so.validate() is None else None
         for k in ("truncate", "structured", "score_choices"):
             if not fields[k]:
                 del fields[k]
+        # speculation changes speed, never outputs (greedy: the target's tokens; seeded rows: the same
+        # uniforms), as --speculative (not fingerprinted) does: a resume may change it
+        fields["engine_options"] = {k: v for k, v in fields["engine_options"].items() if k != "speculative_config"}
         return fields
 
 
@@ -534,6 +543,15 @@ def validate_spec(spec: JobSpec) -> None:
         source = resolve_model(spec.model)
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from None
+    draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(
+        kw.get("speculative_config"), dict) else None
+    if isinstance(draft, str) and draft.startswith("self:") and draft[5:].isdigit():
+        from engine.weights import model_num_layers
+
+        layers = model_num_layers(source)
+        if layers is not None and not 1 <= int(draft[5:]) <= layers:
+            raise ValueError(f"invalid engine option: speculative_config.draft_model {draft!r} needs 1..{layers} "
+                             f"layers ({spec.model!r} has {layers})")
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
                          f"{spec.model!r} is a {source.kind} model (use int8 or int4)")

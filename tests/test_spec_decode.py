@@ -334,3 +334,28 @@ def test_draft_model_with_the_int8_kv_cache():
     want = [o.outputs[0].token_ids for o in off.generate(ps, p, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in on.generate(ps, p, use_tqdm=False)] == want
     assert on.stats.spec_accepted_tokens == on.stats.spec_draft_tokens > 0
+
+
+def test_speculation_options_are_checked_before_a_job_writes_anything(tmp_path):
+    """YAML's bare `off` (read as False) means off; speculative off together with a
+    speculative_config is refused; a self-draft deeper than the model is refused by
+    validate_spec (before any manifest), naming the layer count."""
+    import yaml
+
+    from pipeline import JobSpec
+    from pipeline.job import validate_spec
+
+    base = {"input": str(tmp_path / "in.parquet"), "output": str(tmp_path / "out")}
+    spec = JobSpec.model_validate({**base, **yaml.safe_load("speculative: off")})
+    assert spec.speculative == "off" and spec.engine_kwargs()["speculative"] == "off"
+    with pytest.raises(ValueError, match="speculative_config was given with speculative"):
+        validate_spec(JobSpec(**base, speculative="off", engine_options={"speculative_config": {"method": "ngram"}}))
+    with pytest.raises(ValueError, match=r"'self:99' needs 1\.\.30 layers"):
+        validate_spec(JobSpec(**base, engine_options={"speculative_config": {"method": "draft_model",
+                                                                             "draft_model": "self:99"}}))
+    validate_spec(JobSpec(**base, engine_options={"speculative_config": {"method": "draft_model",
+                                                                         "draft_model": "self:4"}}))
+    assert not (tmp_path / "out").exists()
+    a = JobSpec(**base, engine_options={"speculative_config": {"method": "ngram"}, "block_size": 16})
+    b = JobSpec(**base, speculative="off", engine_options={"block_size": 16})
+    assert a.fingerprint_fields() == b.fingerprint_fields()  # a resume may change speculation
