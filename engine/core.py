@@ -192,8 +192,8 @@ class EngineCore:
             st.num_spec_steps += 1
         t3 = time.perf_counter()
         st.time_sample_s += t3 - t2
-        if self.spec is not None:
-            self.spec.observe_step(out.num_tokens, t3 - t1, bool(verify), decode_only=not out.prefills)
+        if self.spec is not None and not out.prefills:
+            self.spec.observe_step(out.num_tokens, t3 - t1)
         st.num_output_tokens += res.output_tokens
         st.time_total_s += time.perf_counter() - t0
         return res

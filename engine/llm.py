@@ -147,6 +147,20 @@ def _is_valid(seq: Sequence) -> Optional[bool]:
     return seq.finish_reason == "stop" and not g.is_error() and g.is_accepting()
 
 
+
+def _batches(items: list, size, budget: int):
+    """Consecutive runs of items whose sizes (tokens) sum to at most budget (an item bigger than
+    budget runs alone)."""
+    part, n = [], 0
+    for it in items:
+        if part and n + size(it) > budget:
+            yield part
+            part, n = [], 0
+        part.append(it)
+        n += size(it)
+    if part:
+        yield part
+
 class LLM:
     """Offline batch generation.
 
@@ -527,13 +541,7 @@ class LLM:
                 owned.append(last[i])
                 S = n_shared * bs
                 heads.append((i, ChunkSpec(P, S, len(P) - S, shared[i] + last[i], "last")))
-            k = 0
-            while k < len(heads):
-                part, n = [], 0
-                while k < len(heads) and (not part or n + heads[k][1].num_tokens <= budget):
-                    part.append(heads[k])
-                    n += heads[k][1].num_tokens
-                    k += 1
+            for part in _batches(heads, lambda h: h[1].num_tokens, budget):
                 lp = torch.log_softmax(self._run_invariant([c for _, c in part]).float(), dim=-1)
                 for row, (i, _) in enumerate(part):
                     job = next(j for j in group if j[0] == i)
@@ -550,13 +558,7 @@ class LLM:
                     owned.append(table[n_shared:])
                     self.kv_cache.copy_blocks(last[i], table[n_shared:n_shared + 1])
                     tails.append((i, c, t, ChunkSpec(P + t, len(P), len(t) - 1, table, "all")))
-            k = 0
-            while k < len(tails):
-                part, rows = [], 0
-                while k < len(tails) and (not part or rows + tails[k][3].num_tokens <= budget):
-                    part.append(tails[k])
-                    rows += tails[k][3].num_tokens
-                    k += 1
+            for part in _batches(tails, lambda t: t[3].num_tokens, budget):
                 lp = torch.log_softmax(self._run_invariant([s for *_, s in part]).float(), dim=-1)
                 row = 0
                 for i, c, t, spec in part:  # row j of a chunk (position len(P) + j) predicts t[j + 1]

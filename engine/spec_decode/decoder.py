@@ -23,32 +23,16 @@ from .suffix import SuffixProposer
 
 @dataclass
 class SpecStats:
-    """Cumulative speculation counts of an engine.
+    """What the speculation policy itself spent (drafted, accepted and verified counts are the
+    engine's: `EngineStats.spec_*`, per request `RequestMetrics.spec_*`).
 
     Attributes:
-        steps_with_drafts: steps that verified at least one draft.
-        verifies: drafted chunks verified.
-        draft_tokens / accepted_tokens: drafted tokens, and those accepted.
         profile_s: seconds spent profiling the step-cost model.
         steps_skipped: steps where no draft could pay, so no proposer ran (adaptive mode).
     """
 
-    steps_with_drafts: int = 0
-    verifies: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
     profile_s: float = 0.0
     steps_skipped: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / drafted tokens (0 when nothing was drafted)."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def mean_accepted_per_verify(self) -> float:
-        """Accepted draft tokens per verified chunk."""
-        return self.accepted_tokens / self.verifies if self.verifies else 0.0
 
 
 class SpecDecoder:
@@ -198,19 +182,13 @@ class SpecDecoder:
         self.stats.profile_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------ feedback
-    def observe_step(self, num_tokens: int, seconds: float, had_drafts: bool, decode_only: bool = True) -> None:
-        """A step of num_tokens tokens took `seconds` (model and sampling); only steps of decode
-        and verification rows (every row with logits, no prefill chunk) feed the cost model."""
-        if decode_only:
-            self.cost.observe(num_tokens, seconds)
-        if had_drafts:
-            self.stats.steps_with_drafts += 1
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of decode and verification rows only (every row with logits, no prefill chunk)
+        of num_tokens tokens took `seconds` (model and sampling): it feeds the cost model."""
+        self.cost.observe(num_tokens, seconds)
 
     def verified(self, seq, proposer: str, drafted: int, accepted: int) -> None:
         """A verification of seq's draft from `proposer`: `accepted` of `drafted` kept."""
-        self.stats.verifies += 1
-        self.stats.draft_tokens += drafted
-        self.stats.accepted_tokens += accepted
         done = seq.is_finished  # `finished` already ran: keep no per-sequence state for it
         self.acceptance.observe(seq.seq_id, proposer, drafted, accepted, per_seq=not done)
         if not done:
