@@ -71,6 +71,13 @@ class EngineConfig:
             dict of `SpeculativeConfig` fields (method, num_speculative_tokens,
             prompt_lookup_min, prompt_lookup_max, suffix_max_tokens,
             suffix_max_depth, draft_model).
+        tensor_parallel_size: ranks the model is split over (Megatron-style tensor parallelism,
+            `engine.parallel`): this process and N - 1 worker processes, gloo on the CPU,
+            NCCL on CUDA (one device per rank). N must divide the model's KV heads.
+            `kv_cache_memory_bytes` is then each rank's budget; `num_threads` each rank's
+            threads (default: the CPUs split between the ranks).
+        distributed_timeout_s: how long a tensor-parallel collective waits for a peer before
+            it raises (a dead worker is detected within seconds regardless).
         structured_outputs_jump_forward: for constrained requests, append the tokens the
             grammar forces (its only legal continuation) without sampling each of them; they
             are computed in the next step's forward pass as one chunk (counted in
@@ -102,6 +109,8 @@ class EngineConfig:
     speculative: Optional[str] = "auto"
     speculative_config: Optional[dict] = None
     structured_outputs_jump_forward: bool = True
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -110,10 +119,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be a positive number, got {self.distributed_timeout_s!r}")
         if self.kv_cache_memory_bytes is not None and (
             not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes <= 0
         ):

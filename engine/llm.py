@@ -31,14 +31,15 @@ from .metrics import EngineStats
 from .model_runner import ChunkSpec, ModelRunner
 from .models.llama import LlamaModel
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .parallel.sharding import SINGLE, TPShard, check_tp_size
 from .request import Request, Sequence, SequenceStatus
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode import SpecDecoder
 from .structured import StructuredOutputManager
-from .threads import apply_num_threads
+from .threads import apply_num_threads, default_num_threads
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from .weights import DEFAULT_MODEL, load_model_weights, resolve_model
+from .weights import DEFAULT_MODEL, load_model_weights, model_config, resolve_model
 
 PromptType = Union[str, list[int]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,18 +81,34 @@ def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype) -> bo
     return cpu.available()
 
 
+def make_attention_backend(attention_backend: str, kv_cache_dtype: str, cpu_kernels: bool, dtype: torch.dtype):
+    """(attention backend, KV cache storage dtype) for resolved engine settings (the driver and
+    every tensor-parallel worker build theirs here)."""
+    if kv_cache_dtype == "auto":
+        backend, kv_dtype = get_backend(attention_backend), dtype
+    else:
+        backend = TorchQuantKVAttentionBackend(kv_cache_dtype)
+        kv_dtype = backend.storage_dtype
+    if not cpu_kernels and hasattr(backend, "use_cpu_kernel"):
+        backend.use_cpu_kernel = False
+    return backend, kv_dtype
+
+
 @functools.lru_cache(maxsize=4)
 def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantization: Optional[str] = None,
-                group_size: int = 32, cpu_kernels: bool = True) -> tuple[LlamaModel, Tokenizer]:
+                group_size: int = 32, cpu_kernels: bool = True, shard: TPShard = SINGLE,
+                with_tokenizer: bool = True) -> tuple[LlamaModel, Optional[Tokenizer]]:
     """Load weights and tokenizer once per process; LLM instances share the read-only weights.
     `quantization` ("int8" | "int4" | "gguf" | "w8a8") builds a copy of the cached float model whose
     linear layers are swapped (`engine.quant.quantized_copy`); embedding and norms are shared.
     With `cpu_kernels` (fp32 on the CPU) the linear layers are then swapped for the CPU kernel
     library's (`engine.kernels.cpu.layers.use_cpu_kernels`) and the small ops run in C; without,
-    the PyTorch reference ops run.
+    the PyTorch reference ops run. With `shard`, the model holds one tensor-parallel rank's
+    slices only (read so from the file; quantized from them); `with_tokenizer` False (a
+    worker) skips the tokenizer and returns None for it.
 
     Raises:
-        ValueError: quantization="w8a8" where the CPU kernels cannot serve.
+        ValueError: quantization="w8a8" where the CPU kernels cannot serve, or with a shard.
     """
     from .kernels.cpu.layers import use_cpu_kernels
     from .models.ops import TorchOps
@@ -104,8 +121,11 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
         if quantization == "w8a8" and not (use_c or device.startswith("cuda")):
             raise ValueError("quantization='w8a8' runs on the CPU kernels (fp32 on the CPU, cpu_kernels=True and "
                              "a C compiler: see engine.kernels.cpu) or on CUDA (Triton)")
+        if quantization == "w8a8" and shard.is_sharded:
+            raise ValueError("quantization='w8a8' calibrates on the whole model in one process: it does not run "
+                             "with tensor_parallel_size > 1 (int8, int4 and gguf do)")
         # the same argument tuple as LLM.__init__'s float load, so both hit one cache entry
-        base, tokenizer = _load_model(source, dtype, device, seed, None, 32, cpu_kernels)
+        base, tokenizer = _load_model(source, dtype, device, seed, None, 32, cpu_kernels, shard, with_tokenizer)
         if quantization == "w8a8":  # SmoothQuant, calibrated on text the fp32 model writes itself
             from .smoothquant import calibration_absmax, smoothed_w8a8_copy
 
@@ -119,14 +139,17 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
         if use_c:
             use_cpu_kernels(qmodel)
         return qmodel, tokenizer
-    mcfg, state = load_model_weights(source)
-    if source.kind == "gguf":
+    mcfg, state = load_model_weights(source, shard)
+    tokenizer = None
+    if not with_tokenizer:
+        pass
+    elif source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)
     elif source.kind == "hf":
         tokenizer = Tokenizer.from_pretrained(source.path)
     else:
         tokenizer = Tokenizer.default()
-    model = LlamaModel(mcfg, dtype, torch.device(device))
+    model = LlamaModel(mcfg, dtype, torch.device(device), shard)
     if state is None:
         model.init_dummy(seed)
     else:
@@ -183,8 +206,10 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         self.config = cfg = EngineConfig(model=model, **engine_kwargs)
+        # threads per rank: the ranks of a CPU engine share its cores
+        self.num_threads = cfg.num_threads or max(1, default_num_threads() // cfg.tensor_parallel_size)
         if self.config.device in ("auto", "cpu"):
-            apply_num_threads(cfg.num_threads)  # PyTorch's and the C kernels' pools alike (engine/threads.py)
+            apply_num_threads(self.num_threads)  # PyTorch's and the C kernels' pools alike (engine/threads.py)
         elif cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -204,30 +229,47 @@ class LLM:
         if cfg.kv_cache_dtype == "fp8_e4m3" and self.device.type != "cuda":
             raise ValueError("kv_cache_dtype='fp8_e4m3' needs a CUDA device (no fp8 arithmetic on this CPU); "
                              "use kv_cache_dtype='int8' on CPU")
+        spec_cfg = SpeculativeConfig.resolve(cfg.speculative, cfg.speculative_config)
+        tp = cfg.tensor_parallel_size
+        group_size = cfg.quant_group_size if quant == "int4" else 32
+        self.workers = None  # an engine.parallel.WorkerGroup when tensor_parallel_size > 1
+        if tp > 1:
+            self.workers = self._start_workers(source, quant, group_size, spec_cfg)
+        try:
+            self._build(source, quant, group_size, TPShard(0, tp), spec_cfg)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+
+    def _build(self, source, quant: Optional[str], group_size: int, shard: TPShard,
+               spec_cfg: Optional[SpeculativeConfig]) -> None:
+        """Load (rank 0's shard of) the model, size and allocate the KV cache, build the engine's
+        parts (with tensor parallelism, the workers load theirs meanwhile and join here)."""
+        cfg = self.config
+        bs = cfg.block_size
         t0 = time.perf_counter()
-        self.model, self.tokenizer = _load_model(source, self.dtype, str(self.device), cfg.seed, quant,
-                                                 cfg.quant_group_size if quant == "int4" else 32, cfg.cpu_kernels)
+        self.model, self.tokenizer = _load_model(source, self.dtype, str(self.device), cfg.seed, quant, group_size,
+                                                 cfg.cpu_kernels, shard)
         mcfg = self.model_config = self.model.cfg
         self.load_time_s = time.perf_counter() - t0
 
-        # KV cache sized from the memory budget
-        bs = cfg.block_size
-        if cfg.kv_cache_dtype == "auto":
-            self.backend, kv_dtype = get_backend(self.attention_backend), self.dtype
-        else:
-            self.backend = TorchQuantKVAttentionBackend(cfg.kv_cache_dtype)
-            kv_dtype = self.backend.storage_dtype
-        if not cfg.cpu_kernels and hasattr(self.backend, "use_cpu_kernel"):
-            self.backend.use_cpu_kernel = False
+        # KV cache sized from the memory budget (per rank: each holds num_kv_heads / N heads of every block)
+        self.backend, kv_dtype = make_attention_backend(self.attention_backend, cfg.kv_cache_dtype, cfg.cpu_kernels,
+                                                        self.dtype)
+        kv_heads = self.model.local.num_kv_heads
         per_block = 2 * mcfg.num_layers * kv_dtype.itemsize * math.prod(
-            self.backend.cache_shape(1, bs, mcfg.num_kv_heads, mcfg.head_dim))
+            self.backend.cache_shape(1, bs, kv_heads, mcfg.head_dim))
+        infos = self.workers.wait_ready() if self.workers is not None else []
         budget = cfg.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
+                free = min([free] + [i["free_memory"] for i in infos])  # every rank's cache has the same blocks
                 budget = int(free * cfg.kv_cache_memory_fraction)
-            else:
-                budget = min(int(_available_memory_bytes() * cfg.kv_cache_memory_fraction), _CPU_KV_DEFAULT_CAP)
+            else:  # the ranks of a CPU engine share one memory
+                budget = min(int(_available_memory_bytes() * cfg.kv_cache_memory_fraction),
+                             _CPU_KV_DEFAULT_CAP) // shard.world_size
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -236,17 +278,17 @@ class LLM:
         max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # a sequence may never need more blocks than the whole pool holds
         self.max_model_len = min(max_len, num_blocks * bs)
-        shape = self.backend.cache_shape(num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim)
+        shape = self.backend.cache_shape(num_blocks, bs, kv_heads, mcfg.head_dim)
         self.kv_cache = KVCache(mcfg, num_blocks, bs, kv_dtype, self.device, shape)
-        self.kv_bytes_per_token = per_block // bs  # K and V, all layers, scales included
+        self.kv_bytes_per_token = per_block // bs  # K and V, all layers, scales included (one rank's share)
         self.kv_capacity_tokens = num_blocks * bs
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.model._rope_tables(self.max_model_len + 1)  # the forward never resizes them on a device
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
+        tp_group = self.workers.init(num_blocks, self.max_model_len, self.device) if self.workers is not None else None
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, tp=tp_group, workers=self.workers)
         if not cfg.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len, cfg.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
-        spec_cfg = SpeculativeConfig.resolve(cfg.speculative, cfg.speculative_config)
         self.spec = None
         if spec_cfg is not None:
             def draft_factory():
@@ -263,7 +305,8 @@ class LLM:
             self.spec = SpecDecoder(spec_cfg, self.max_model_len, draft_factory, profile=profile)
         self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, self.spec)
-        if self.device.type == "cuda" and not cfg.enforce_eager and getattr(self.backend, "supports_cuda_graphs", False):
+        if (self.device.type == "cuda" and not cfg.enforce_eager and shard.world_size == 1
+                and getattr(self.backend, "supports_cuda_graphs", False)):
             from .cuda_graph import DecodeCudaGraphs  # decode steps replayed from graphs per batch bucket
 
             self.runner.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_cache.layers, self.backend,
@@ -282,6 +325,60 @@ class LLM:
             core_ref.append(weakref.proxy(self.core))
         self._seq_counter = 0
         self._request_counter = 0
+
+    def _start_workers(self, source, quant: Optional[str], group_size: int, spec_cfg):
+        """Check that the model splits over tensor_parallel_size ranks, then start ranks 1..N-1
+        (they load their shards while this process loads rank 0's).
+
+        Raises:
+            ValueError: N does not divide the heads (naming both), too few CUDA devices, or an
+                option that does not run with tensor parallelism (w8a8, a draft model).
+        """
+        from .parallel import WorkerGroup, WorkerSpec
+
+        cfg, tp = self.config, self.config.tensor_parallel_size
+        check_tp_size(model_config(source), tp)
+        if quant == "w8a8":
+            raise ValueError("quantization='w8a8' calibrates on the whole model in one process: it does not run "
+                             "with tensor_parallel_size > 1 (int8, int4 and gguf do)")
+        if spec_cfg is not None and spec_cfg.method == "draft_model":
+            raise ValueError("speculative method 'draft_model' runs its draft in the driver only: it does not run "
+                             "with tensor_parallel_size > 1 (auto, ngram and suffix do)")
+        device = str(self.device)
+        if self.device.type == "cuda":
+            base = self.device.index or 0
+            if torch.cuda.device_count() < base + tp:
+                raise ValueError(f"tensor_parallel_size={tp} needs CUDA devices {base}..{base + tp - 1}; "
+                                 f"{torch.cuda.device_count()} are visible")
+            device = f"cuda:{base}"
+        return WorkerGroup(WorkerSpec(
+            source=source, dtype=self.dtype, device=device, seed=cfg.seed, quantization=quant, group_size=group_size,
+            cpu_kernels=cfg.cpu_kernels, attention_backend=self.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype,
+            block_size=cfg.block_size, num_threads=self.num_threads, world_size=tp, timeout_s=cfg.distributed_timeout_s))
+
+    # ------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (and reap them); the engine cannot run afterwards.
+        A no-op without tensor parallelism. Garbage collection and interpreter exit stop the
+        workers too; `close` does it now."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model is split over (1: no tensor parallelism)."""
+        return self.config.tensor_parallel_size
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel workers (ranks 1..N-1; empty without)."""
+        return self.workers.pids if self.workers is not None else []
 
     # ------------------------------------------------------------ info
     @property
@@ -556,7 +653,7 @@ class LLM:
                         continue
                     table = shared[i] + pool.allocate(k)
                     owned.append(table[n_shared:])
-                    self.kv_cache.copy_blocks(last[i], table[n_shared:n_shared + 1])
+                    self.runner.copy_blocks(last[i], table[n_shared:n_shared + 1])
                     tails.append((i, c, t, ChunkSpec(P + t, len(P), len(t) - 1, table, "all")))
             for part in _batches(tails, lambda t: t[3].num_tokens, budget):
                 lp = torch.log_softmax(self._run_invariant([s for *_, s in part]).float(), dim=-1)

@@ -8,6 +8,11 @@ needed. It is the one place a step's inputs are built: scheduled steps
 (`execute`), single prompts (`compute_logits`) and scoring (`LLM.score`) all go
 through it. Tokens and tables are gathered once per step into numpy arrays and
 the per-token arrays are computed vectorised (no per-token Python work).
+
+With tensor parallelism the runner of the driver (rank 0) also hands every step to the
+worker group (`engine.parallel.WorkerGroup`): `StepInputs.pack` flattens the step into one
+int64 tensor, broadcast once; each worker's runner rebuilds the same `StepInputs`
+(`StepInputs.unpack`) and runs the same `run` on its shard of the model and its own KV cache.
 """
 from __future__ import annotations
 
@@ -77,20 +82,70 @@ class StepInputs:
     def num_logits(self) -> int:
         return int(self.logits_indices.shape[0])
 
+    # the packed form's header: token count T, logits rows S, decode rows Bd, decode table width W,
+    # prefill chunks P, block size
+    HEADER = 6
+
+    def pack(self) -> torch.Tensor:
+        """The step as one int64 tensor on the inputs' device (what a tensor-parallel driver
+        broadcasts): a header [T, S, Bd, W, P, block_size], then input ids [T], positions [T],
+        logits rows [S], slot mapping [T], decode KV lengths [Bd], decode block tables [Bd * W],
+        per prefill chunk its query start, query length, KV length and table length [4 P],
+        and the prefill block tables one after another."""
+        m = self.meta
+        bt = m.decode_block_tables
+        dev = self.input_ids.device
+        small = torch.tensor([self.num_tokens, self.num_logits, m.num_decode_tokens, bt.shape[1],
+                              len(m.prefill_query_lens), m.block_size]
+                             + list(m.prefill_query_starts) + list(m.prefill_query_lens) + list(m.prefill_seq_lens)
+                             + [int(t.shape[0]) for t in m.prefill_block_tables], dtype=torch.int64)
+        parts = [small.to(dev), self.input_ids, self.positions, self.logits_indices, m.slot_mapping,
+                 m.decode_seq_lens, bt.reshape(-1)] + list(m.prefill_block_tables)
+        return torch.cat([p.to(device=dev, dtype=torch.int64) for p in parts])
+
+    @classmethod
+    def unpack(cls, flat: torch.Tensor) -> "StepInputs":
+        """Inverse of `pack` (tensors are views of `flat`; `decode_arrays` is empty: the
+        CUDA-graph path does not run under tensor parallelism)."""
+        T, S, nd, w, P, bs = (int(x) for x in flat[: cls.HEADER].tolist())
+        lists = flat[cls.HEADER: cls.HEADER + 4 * P].tolist()
+        q_starts, q_lens, s_lens, t_lens = (lists[i * P:(i + 1) * P] for i in range(4))
+        o = cls.HEADER + 4 * P
+
+        def take(n: int) -> torch.Tensor:
+            nonlocal o
+            o += n
+            return flat[o - n:o]
+
+        ids, pos, logits, slots, d_lens = take(T), take(T), take(S), take(T), take(nd)
+        d_bt = take(nd * w).view(nd, w)
+        tables = [take(n) for n in t_lens]
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=nd, decode_seq_lens=d_lens,
+                                 decode_block_tables=d_bt, prefill_query_starts=q_starts,
+                                 prefill_query_lens=q_lens, prefill_seq_lens=s_lens,
+                                 prefill_block_tables=tables, block_size=bs)
+        return cls(ids, pos, logits, meta, nd, ())
+
 
 class ModelRunner:
     """Owns the model, the KV cache and the attention backend.
 
     Args:
-        model: the loaded LlamaModel.
-        kv_cache: the paged cache.
+        model: the loaded LlamaModel (on a tensor-parallel rank: its shard).
+        kv_cache: the paged cache (on a tensor-parallel rank: its KV heads).
         backend: attention backend.
+        tp: the tensor-parallel group (`engine.parallel.TPGroup`) of a sharded model, else None.
+        workers: on the driver of a tensor-parallel engine, its `engine.parallel.WorkerGroup`:
+            every `run` and `copy_blocks` is handed to the workers first.
     """
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, backend: AttentionBackend) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, backend: AttentionBackend, tp=None,
+                 workers=None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
+        self.tp = tp
+        self.workers = workers
         self.device = model.device
         self.block_size = kv_cache.block_size
         self.time_model = 0.0  # seconds inside the forward pass, cumulative
@@ -175,7 +230,20 @@ class ModelRunner:
     # ------------------------------------------------------------ run
     def run(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         """One forward pass over the step. Returns [S, vocab] float32 logits of
-        `inputs.logits_indices` in order, or None if S == 0 (the pass still fills the cache)."""
+        `inputs.logits_indices` in order, or None if S == 0 (the pass still fills the cache;
+        on a tensor-parallel worker always None).
+
+        Raises:
+            engine.parallel.WorkerError: a tensor-parallel worker died or failed (the engine
+                cannot run further steps).
+        """
+        if self.workers is not None:
+            with self.workers.guard():
+                self.workers.run_step(inputs)
+                return self._run(inputs)
+        return self._run(inputs)
+
+    def _run(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         t0 = time.perf_counter()
         meta = inputs.meta
         if (self.cuda_graphs is not None and inputs.num_decodes == inputs.num_tokens
@@ -186,11 +254,19 @@ class ModelRunner:
         else:
             self.backend.prepare(meta)
             logits = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache.layers,
-                                        self.backend, inputs.logits_indices)
+                                        self.backend, inputs.logits_indices, self.tp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.time_model += time.perf_counter() - t0
         return logits if inputs.num_logits else None
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K and V of blocks `src` into blocks `dst` (pairwise) in every layer: of
+        this cache and, on a tensor-parallel driver, of every worker's."""
+        if self.workers is not None:
+            with self.workers.guard():
+                self.workers.copy_blocks(src, dst)
+        self.kv_cache.copy_blocks(src, dst)
 
     def execute(self, out: SchedulerOutput) -> Optional[torch.Tensor]:
         """Prepare and run a scheduler step: [S, vocab] float32 logits, in this order: one row per

@@ -267,7 +267,7 @@ def quantized_copy(model, scheme: str, group_size: int = 32, gguf_path: Optional
     """
     from .models.llama import DecoderLayer, LlamaModel
 
-    q = LlamaModel(model.cfg, model.dtype, model.device)
+    q = LlamaModel(model.cfg, model.dtype, model.device, model.shard)  # a tensor-parallel rank quantizes its slices
     q.embed, q.final_norm, q.lm_head = model.embed, model.final_norm, model.lm_head
     q.layers = nn.ModuleList([DecoderLayer(l.attn_norm.data, l.qkv, l.o, l.mlp_norm.data, l.gate_up, l.down)
                               for l in model.layers])
@@ -326,6 +326,14 @@ class QuantParts:
     def permute_rows(self, fn) -> "QuantParts":
         return QuantParts(fn(self.codes), fn(self.scale), None if self.min is None else fn(self.min),
                           self.bits, self.group_size)
+
+    def pad_rows(self, rows: int) -> "QuantParts":
+        """Zero rows appended up to `rows` (codes, scales and mins 0: they dequantize to 0), for a
+        vocabulary shard padded to ceil(V / N) rows."""
+        extra = rows - self.codes.shape[0]
+        if extra <= 0:
+            return self
+        return self.permute_rows(lambda a: np.concatenate((a, np.zeros((extra, *a.shape[1:]), a.dtype))))
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -403,32 +411,39 @@ def parts_to_layer(p: QuantParts, bias=None, dtype=torch.float32, device="cpu") 
                        p.bits, p.group_size, bias, dtype).to(device)
 
 
-def read_gguf_parts(path: str) -> tuple[dict[str, QuantParts], dict[str, str]]:
+def read_gguf_parts(path: str, shard=None) -> tuple[dict[str, QuantParts], dict[str, str]]:
     """QuantParts of every mapped quantized GGUF tensor, under our (Hugging Face) names,
-    with Llama q/k rows un-permuted like `weights.load_gguf`; plus each tensor's GGUF type."""
-    from .weights import _GGUF_LAYER_NAMES, _GGUF_NAMES, _gguf_field, open_gguf, unpermute_rope_rows
+    with Llama q/k rows un-permuted like `weights.load_gguf`; plus each tensor's GGUF type.
+    With `shard` (an `engine.parallel.sharding.TPShard`) each part is that rank's slice, cut
+    from the stored blocks (`weights.gguf_raw_slice`); a tensor whose column slice does not
+    fall on its quantization blocks is left out (its layer stays in float)."""
+    from .parallel.sharding import SINGLE, slice_spec
+    from .weights import _gguf_config, _gguf_field, gguf_our_name, gguf_raw_slice, open_gguf, unpermute_rope_rows
 
+    shard = shard or SINGLE
     reader = open_gguf(path)
+    cfg = _gguf_config(path)
     arch = _gguf_field(reader, "general.architecture")
-    n_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    n_heads, n_kv = cfg.num_heads // shard.world_size, cfg.num_kv_heads // shard.world_size
     parts: dict[str, QuantParts] = {}
     types: dict[str, str] = {}
     for t in reader.tensors:
-        if t.name in _GGUF_NAMES:
-            ours = _GGUF_NAMES[t.name]
-        elif t.name.startswith("blk.") and t.name.split(".", 2)[2] in _GGUF_LAYER_NAMES:
-            _, idx, rest = t.name.split(".", 2)
-            ours = f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-        else:
+        ours = gguf_our_name(t.name)
+        if ours is None or not ours.endswith("weight") or len(t.shape) != 2:
             continue
-        if not ours.endswith("weight") or len(t.shape) != 2:
+        types[ours] = t.tensor_type.name
+        spec = slice_spec(ours, cfg, shard)
+        raw, sliced = gguf_raw_slice(t, spec)
+        if not sliced or raw.dtype != np.uint8:
             continue
         n_in, out = (int(x) for x in t.shape.tolist())
-        types[ours] = t.tensor_type.name
-        p = gguf_blocks_to_parts(np.asarray(t.data).reshape(out, -1), t.tensor_type.name, out, n_in)
+        if spec is not None:
+            out, n_in = (spec.stop - spec.start, n_in) if spec.dim == 0 else (out, spec.stop - spec.start)
+        p = gguf_blocks_to_parts(raw, t.tensor_type.name, out, n_in)
         if p is None:
             continue
+        if spec is not None and spec.pad_to is not None:
+            p = p.pad_rows(spec.pad_to)
         if arch in ("llama", "mistral") and (ours.endswith("q_proj.weight") or ours.endswith("k_proj.weight")):
             nh = n_heads if "q_proj" in ours else n_kv
             p = p.permute_rows(lambda a, nh=nh: np.ascontiguousarray(unpermute_rope_rows(a, nh)))
@@ -444,8 +459,9 @@ def load_gguf_linears(model, path: str) -> dict[str, str]:
     """quantization="gguf": swap each linear layer of a model loaded from `path` for one
     built from the file's own quantized blocks (see GGUF_MAPPING). Layers whose
     tensors are float or of an unmapped type stay fp32. A tied LM head uses the
-    token embedding's blocks. Returns {layer name: GGUF type(s) or "fp32"}."""
-    parts, types = read_gguf_parts(path)
+    token embedding's blocks. A tensor-parallel rank's model (`model.shard`) gets its
+    slices of the blocks. Returns {layer name: GGUF type(s) or "fp32"}."""
+    parts, types = read_gguf_parts(path, model.shard)
     report = {}
     for name, lin in model.linear_layers():
         if name == "lm_head":

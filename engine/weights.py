@@ -83,6 +83,12 @@ PRESETS: dict[str, ModelConfig] = {
                               max_position_embeddings=4096, name="llama-2-7b"),
     "mistral-7b": ModelConfig(4096, 14336, 32, 32, 8, 32000, rope_theta=1000000.0,
                               max_position_embeddings=32768, name="mistral-7b"),
+    "llama-3-70b": ModelConfig(8192, 28672, 80, 64, 8, 128256, rope_theta=500000.0,
+                               max_position_embeddings=8192, name="llama-3-70b"),
+    # a small Llama shape with 4 KV heads (8 query heads) and an untied LM head: tensor
+    # parallelism at 2 and 4 in tests (SmolLM2's 3 KV heads allow only 3)
+    "llama-tiny-4kv": ModelConfig(256, 768, 4, 8, 4, 49152, rope_theta=10000.0,
+                                  max_position_embeddings=2048, name="llama-tiny-4kv"),
     "qwen2-0.5b": ModelConfig(896, 4864, 24, 14, 2, 151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
                               max_position_embeddings=32768, tie_word_embeddings=True,
                               attention_bias=True, name="qwen2-0.5b"),
@@ -217,17 +223,12 @@ def model_num_layers(source: ModelSource) -> Optional[int]:
     return None
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama-architecture GGUF: its config and dequantized fp32 weights.
-
-    Quantized tensors are expanded with the `gguf` package's own
-    `gguf.quants.dequantize`; q/k rows are un-permuted (see `unpermute_rope_rows`).
+def _gguf_config(path: str) -> ModelConfig:
+    """A Llama-architecture GGUF's ModelConfig, from its metadata and tensor list only.
 
     Raises:
         ValueError: for an architecture other than llama/qwen2/mistral.
     """
-    import gguf
-
     reader = open_gguf(path)
     arch = _gguf_field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "mistral"):
@@ -241,7 +242,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if vocab is None:
         vocab = int(tensors["token_embd.weight"].shape[-1])
     head_dim = int(g("attention.key_length", hidden // n_heads))
-    cfg = ModelConfig(
+    return ModelConfig(
         hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")),
         num_layers=int(g("block_count")),
@@ -256,38 +257,98 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         attention_bias="blk.0.attn_q.bias" in tensors,
         name=str(_gguf_field(reader, "general.name", Path(path).stem)),
     )
+
+
+def gguf_our_name(gguf_name: str) -> Optional[str]:
+    """Our (Hugging Face) name of a GGUF tensor, or None for tensors we do not read (rope_freqs)."""
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def gguf_raw_slice(t, spec) -> tuple[np.ndarray, bool]:
+    """The stored rows/columns of GGUF tensor `t` that a tensor-parallel slice `spec`
+    (`engine.parallel.sharding.SliceSpec`, on the [out, in] matrix) covers, without reading
+    the rest: (array, sliced). Rows are cut from the raw data; columns too when they start
+    and end on quantization blocks (each row's blocks run along the input dimension).
+    `sliced` False: the array is the whole tensor (unaligned columns) and the caller slices
+    after dequantizing. The array is what `gguf.quants.dequantize` takes ([rows, bytes])."""
+    import gguf
+
+    data = np.asarray(t.data)
+    if spec is None:
+        return data, True
+    if len(t.shape) == 1:
+        return data[spec.start:spec.stop], True
+    out = int(t.shape.tolist()[1])
+    data = data.reshape(out, -1)
+    if spec.dim == 0:
+        return data[spec.start:spec.stop], True
+    if data.dtype != np.uint8:  # a float tensor: elements, not bytes
+        return np.ascontiguousarray(data[:, spec.start:spec.stop]), True
+    block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    if spec.start % block or spec.stop % block:
+        return data, False
+    return np.ascontiguousarray(data[:, spec.start // block * size: spec.stop // block * size]), True
+
+
+def load_gguf(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Llama-architecture GGUF: its config and dequantized fp32 weights.
+
+    Quantized tensors are expanded with the `gguf` package's own
+    `gguf.quants.dequantize`; q/k rows are un-permuted (see `unpermute_rope_rows`).
+    With `shard` (an `engine.parallel.sharding.TPShard`) only that rank's slice of each
+    tensor is read and dequantized (`gguf_raw_slice`); the un-permutation is per head, so
+    a slice of whole heads is un-permuted with its own head count.
+
+    Raises:
+        ValueError: for an architecture other than llama/qwen2/mistral.
+    """
+    import gguf
+
+    from .parallel.sharding import SINGLE, keeps_tensor, slice_spec
+
+    shard = shard or SINGLE
+    cfg = _gguf_config(path)
+    reader = open_gguf(path)
+    arch = _gguf_field(reader, "general.architecture")
+    n_heads, n_kv = cfg.num_heads // shard.world_size, cfg.num_kv_heads // shard.world_size
     state: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name in _GGUF_NAMES:
-            ours = _GGUF_NAMES[name]
-        elif name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
-                continue  # e.g. rope_freqs: recomputed from the config
-            ours = f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-        else:
+    for t in reader.tensors:
+        ours = gguf_our_name(t.name)
+        if ours is None or not keeps_tensor(ours, shard):
             continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape.tolist())])
+        spec = slice_spec(ours, cfg, shard)
+        raw, sliced = gguf_raw_slice(t, spec)
+        arr = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)
+        if len(t.shape) == 2:
+            arr = arr.reshape(raw.shape[0], -1)
+        if spec is not None and not sliced:
+            arr = arr[:, spec.start:spec.stop]
         if arch == "llama" or arch == "mistral":
             if ours.endswith("q_proj.weight") or ours.endswith("q_proj.bias"):
                 arr = unpermute_rope_rows(arr, n_heads)
             elif ours.endswith("k_proj.weight") or ours.endswith("k_proj.bias"):
                 arr = unpermute_rope_rows(arr, n_kv)
-        state[ours] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+        if spec is not None and spec.pad_to is not None and w.shape[0] < spec.pad_to:
+            w = torch.cat((w, w.new_zeros(spec.pad_to - w.shape[0], *w.shape[1:])))
+        state[ours] = w
     return cfg, state
 
 
 # ---------------------------------------------------------------- safetensors
 
-def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Hugging Face folder: config.json and every *.safetensors shard.
+def _hf_config(path: str) -> ModelConfig:
+    """A Hugging Face folder's ModelConfig (config.json only).
 
     Raises:
-        ValueError: when the folder has no safetensors or an unsupported model_type.
+        ValueError: for an unsupported model_type.
     """
-    from safetensors.torch import load_file
-
     folder = Path(path)
     c = json.loads((folder / "config.json").read_text())
     mtype = c.get("model_type", "llama")
@@ -299,7 +360,7 @@ def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3",):
         scaling = None
     n_heads = c["num_attention_heads"]
-    cfg = ModelConfig(
+    return ModelConfig(
         hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"],
         num_layers=c["num_hidden_layers"],
@@ -315,14 +376,42 @@ def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         attention_bias=bool(c.get("attention_bias", mtype == "qwen2")),
         name=folder.name,
     )
-    files = sorted(folder.glob("*.safetensors"))
+
+
+def load_hf_folder(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Hugging Face folder: config.json and every *.safetensors shard.
+
+    With `shard` (an `engine.parallel.sharding.TPShard`) each tensor is read through
+    safetensors' `get_slice`, so only that rank's rows or columns leave the file.
+
+    Raises:
+        ValueError: when the folder has no safetensors or an unsupported model_type.
+    """
+    from safetensors import safe_open
+
+    from .parallel.sharding import SINGLE, keeps_tensor, slice_spec
+
+    shard = shard or SINGLE
+    cfg = _hf_config(path)
+    files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        for k, v in load_file(str(f)).items():
-            k = k[len("model."):] if k.startswith("model.") else k
-            state[k] = v.float()
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                k = key[len("model."):] if key.startswith("model.") else key
+                if not keeps_tensor(k, shard):
+                    continue
+                spec = slice_spec(k, cfg, shard)
+                if spec is None:
+                    v = fh.get_tensor(key)
+                else:
+                    sl = fh.get_slice(key)
+                    v = sl[spec.start:spec.stop] if spec.dim == 0 else sl[:, spec.start:spec.stop]
+                    if spec.pad_to is not None and v.shape[0] < spec.pad_to:
+                        v = torch.cat((v, v.new_zeros(spec.pad_to - v.shape[0], *v.shape[1:])))
+                state[k] = v.float()
     return cfg, state
 
 
@@ -333,11 +422,21 @@ def dummy_config(preset: str) -> ModelConfig:
     return PRESETS[preset]
 
 
-def load_model_weights(source: ModelSource) -> tuple[ModelConfig, Optional[dict[str, torch.Tensor]]]:
-    """Config and fp32 CPU state dict of a resolved model; dummy models return None weights
-    (the model initialises random weights directly on its device)."""
+def model_config(source: ModelSource) -> ModelConfig:
+    """A resolved model's ModelConfig from its metadata only (no weights read)."""
     if source.kind == "gguf":
-        return load_gguf(source.path)
+        return _gguf_config(source.path)
     if source.kind == "hf":
-        return load_hf_folder(source.path)
+        return _hf_config(source.path)
+    return dummy_config(source.preset)
+
+
+def load_model_weights(source: ModelSource, shard=None) -> tuple[ModelConfig, Optional[dict[str, torch.Tensor]]]:
+    """Config and fp32 CPU state dict of a resolved model; dummy models return None weights
+    (the model initialises random weights directly on its device). With `shard` (an
+    `engine.parallel.sharding.TPShard`) the state dict holds that rank's slices only."""
+    if source.kind == "gguf":
+        return load_gguf(source.path, shard)
+    if source.kind == "hf":
+        return load_hf_folder(source.path, shard)
     return dummy_config(source.preset), None

@@ -10,6 +10,14 @@ embedding in the "rotate half" layout (Su et al. 2021, arXiv 2104.09864), with
 Llama 3.1's frequency scaling when configured; grouped-query attention
 (Ainslie et al. 2023, arXiv 2305.13245); SwiGLU MLP (Shazeer 2020, arXiv 2002.05202).
 q/k/v and gate/up projections are fused into one matmul each.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053): a model built for
+rank r of N (`shard`) holds that rank's slices (see `engine.parallel.sharding`) and its
+forward pass, given the group (`tp`), runs the same code with three collectives: the
+vocabulary-parallel embedding and each row-parallel projection (o, down) end in one
+all-reduce of the [T, H] residual stream, and the LM head's vocabulary slices of the
+logits are gathered on rank 0. Attention and the MLP activation run on the rank's own
+heads and columns, reading and writing its own paged KV cache.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention import AttentionBackend, AttentionMetadata
+from ..parallel.sharding import SINGLE, TPShard, local_shape, shard_fused, shard_tensor
 from ..weights import ModelConfig
 
 
@@ -99,19 +108,23 @@ class LlamaModel(nn.Module):
     """Decoder weights plus the varlen forward pass.
 
     Args:
-        cfg: model shape.
+        cfg: model shape (the whole model's, also on a tensor-parallel rank).
         dtype: weight and activation dtype.
         device: where weights live.
+        shard: the tensor-parallel rank this model holds the slices of (default: all of it);
+            `local` then holds the rank's head, MLP and vocabulary sizes.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard: TPShard = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
+        self.shard = shard
+        self.local = local_shape(cfg, shard)
         self.scale = cfg.head_dim ** -0.5
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.local.num_heads * cfg.head_dim
+        self.kv_size = self.local.num_kv_heads * cfg.head_dim
         inv = rope_inv_freq(cfg)
         self._inv_freq = inv
         self._rope_len = 0
@@ -127,7 +140,9 @@ class LlamaModel(nn.Module):
 
     # ------------------------------------------------------------ weights
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Fuse, cast and move a fp32 state dict (Hugging Face names without "model.").
+        """Fuse, cast and move a fp32 state dict (Hugging Face names without "model."): the
+        whole model's tensors, or on a tensor-parallel rank its slices (the loaders of
+        `engine.weights` read them so).
 
         Raises:
             KeyError: naming the first missing tensor.
@@ -163,30 +178,40 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     def init_dummy(self, seed: int = 0) -> None:
-        """Random weights of the configured shape, made directly on the device (for benchmarks)."""
-        cfg = self.cfg
+        """Random weights of the configured shape, made directly on the device (for benchmarks).
+
+        A tensor-parallel rank draws every full tensor in the same order as an unsharded
+        model and keeps its slice (one full tensor exists at a time), so the N ranks together
+        hold exactly the weights one device would: greedy outputs can be compared across N."""
+        cfg, sh = self.cfg, self.shard
         gen = torch.Generator(device=self.device).manual_seed(seed)
 
         def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
             return (torch.randn(*shape, generator=gen, device=self.device, dtype=self.dtype) * std)
 
         h, i = cfg.hidden_size, cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv_parts = [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv), ("self_attn.v_proj.weight", kv)]
+        qkv_bias_parts = [(n.replace("weight", "bias"), r) for n, r in qkv_parts]
         ones = lambda: torch.ones(h, device=self.device, dtype=self.dtype)  # noqa: E731
-        self.embed = rnd(cfg.vocab_size, h)
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, h))
+        self.embed = shard_tensor("embed_tokens.weight", rnd(cfg.vocab_size, h), cfg, sh)
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else
+                              shard_tensor("lm_head.weight", rnd(cfg.vocab_size, h), cfg, sh))
         self.final_norm = ones()
-        self.layers = nn.ModuleList([
-            DecoderLayer(
+        layers = []
+        for _ in range(cfg.num_layers):
+            qkv = shard_fused(qkv_parts, rnd(q + 2 * kv, h), cfg, sh)
+            qkv_b = shard_fused(qkv_bias_parts, rnd(q + 2 * kv), cfg, sh) if cfg.attention_bias else None
+            layers.append(DecoderLayer(
                 attn_norm=ones(),
-                qkv=Linear(rnd(self.q_size + 2 * self.kv_size, h),
-                           rnd(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None),
-                o=Linear(rnd(h, self.q_size)),
+                qkv=Linear(qkv, qkv_b),
+                o=Linear(shard_tensor("self_attn.o_proj.weight", rnd(h, q), cfg, sh)),
                 mlp_norm=ones(),
-                gate_up=Linear(rnd(2 * i, h)),
-                down=Linear(rnd(h, i)),
-            )
-            for _ in range(cfg.num_layers)
-        ])
+                gate_up=Linear(shard_fused([("mlp.gate_proj.weight", i), ("mlp.up_proj.weight", i)],
+                                           rnd(2 * i, h), cfg, sh)),
+                down=Linear(shard_tensor("mlp.down_proj.weight", rnd(h, i), cfg, sh)),
+            ))
+        self.layers = nn.ModuleList(layers)
 
     def linear_layers(self) -> list[tuple[str, Linear]]:
         """(name, layer) of every swappable linear layer, LM head last."""
@@ -237,7 +262,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
+        tp=None,
+    ) -> Optional[torch.Tensor]:
         """Run the decoder over a flattened batch.
 
         Each step allocates its activation buffers once ([T, H] residual and norm output,
@@ -252,22 +278,30 @@ class LlamaModel(nn.Module):
             kv_caches: per layer (k_cache, v_cache), in the backend's layout.
             backend: attention backend.
             logits_indices: [S] int64, which of the T positions need logits.
+            tp: the tensor-parallel group (`engine.parallel.TPGroup`) of a sharded model, with
+                every rank calling forward on the same inputs; None for an unsharded model.
         Returns:
-            [S, vocab_size] float32 logits.
+            [S, vocab_size] float32 logits (on a tensor-parallel rank other than 0: None).
+        Raises:
+            ValueError: a sharded model without its group.
         """
         cfg, ops = self.cfg, self.ops
+        if self.shard.is_sharded and (tp is None or tp.world_size != self.shard.world_size):
+            raise ValueError(f"this model holds rank {self.shard.rank} of {self.shard.world_size} tensor-parallel "
+                             f"slices: forward needs its group (tp=)")
+        tp = tp if self.shard.is_sharded else None
         T = input_ids.shape[0]
         if positions.device.type == "cpu":  # on CUDA the engine sizes the tables up front (no host sync)
             self._rope_tables(int(positions.max()) + 1)
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hq, hkv, d = self.local.num_heads, self.local.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids, tp)
         new = functools.partial(torch.empty, dtype=h.dtype, device=h.device)
         x = new(T, cfg.hidden_size)
         qkv = new(T, self.q_size + 2 * self.kv_size)
         a = new(T, hq * d)
-        gu = new(T, 2 * cfg.intermediate_size)
-        act = new(T, cfg.intermediate_size)
+        gu = new(T, 2 * self.local.intermediate_size)
+        act = new(T, self.local.intermediate_size)
         q = qkv[:, : self.q_size].view(T, hq, d)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, hkv, d)
         v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, d)
@@ -275,8 +309,34 @@ class LlamaModel(nn.Module):
             layer.qkv(ops.rms_norm(h, layer.attn_norm, eps, out=x), out=qkv)
             ops.rope_(q, k, positions, self.cos, self.sin)
             backend.forward(q, k, v, kc, vc, meta, self.scale, out=a.view(T, hq, d))
-            layer.o(a, residual=h)
+            self._row_parallel(layer.o, a, h, tp)
             layer.gate_up(ops.rms_norm(h, layer.mlp_norm, eps, out=x), out=gu)
-            layer.down(ops.silu_mul(gu, out=act), residual=h)
+            self._row_parallel(layer.down, ops.silu_mul(gu, out=act), h, tp)
         hs = h[logits_indices]
-        return self.lm_head(ops.rms_norm(hs, self.final_norm, eps)).float()
+        logits = self.lm_head(ops.rms_norm(hs, self.final_norm, eps))
+        if tp is not None:  # vocabulary-parallel LM head: rank 0 gathers the slices
+            logits = tp.gather_vocab(logits, cfg.vocab_size)
+        return None if logits is None else logits.float()
+
+    def _embed(self, input_ids: torch.Tensor, tp) -> torch.Tensor:
+        """[T, H] embeddings. Sharded: each rank looks up the ids in its vocabulary rows
+        [vocab_start, vocab_end), zeros elsewhere, and one all-reduce sums the ranks."""
+        if tp is None:
+            return F.embedding(input_ids, self.embed)
+        lo, hi = self.local.vocab_start, self.local.vocab_end
+        outside = (input_ids < lo) | (input_ids >= hi)
+        h = F.embedding((input_ids - lo).masked_fill_(outside, 0), self.embed)
+        h.masked_fill_(outside.unsqueeze(1), 0.0)
+        return tp.all_reduce_(h)
+
+    @staticmethod
+    def _row_parallel(layer, x: torch.Tensor, h: torch.Tensor, tp) -> None:
+        """h += x W^T for a row-parallel layer. Unsharded: one GEMM with the residual add fused.
+        Sharded (x and W hold the rank's input columns): rank 0 computes h + x_0 W_0^T, every
+        other rank x_r W_r^T into h, and one all-reduce leaves h + sum_r x_r W_r^T everywhere."""
+        if tp is None or tp.rank == 0:
+            layer(x, residual=h)
+        else:
+            layer(x, out=h)
+        if tp is not None:
+            tp.all_reduce_(h)

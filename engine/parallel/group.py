@@ -1,0 +1,113 @@
+"""A tensor-parallel process group: the three collectives the sharded forward pass needs.
+
+The group is a `torch.distributed` process group built directly on a `TCPStore` (gloo
+on the CPU, NCCL on CUDA), not the process-wide default group, so that several engines
+can live in one process (tests) and closing one never touches another. Rank 0 is the
+driver (the process that owns the scheduler); it hosts the store.
+
+Collectives (Megatron-LM, arXiv 1909.08053, section 3):
+- `all_reduce_`: the sum of the ranks' partial outputs of a row-parallel layer (o, down)
+  and of the vocabulary-parallel embedding, in place, on every rank;
+- `gather_vocab`: the LM head's vocabulary slices of the logits, concatenated on rank 0;
+- `broadcast_`: the driver's step inputs to every worker.
+
+`comm_s` / `num_all_reduces` count the time spent in `all_reduce_` (host wall time, so
+on CUDA it is the time to enqueue, not the transfer) for `benchmarks.tp_allreduce`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def store_address() -> tuple[str, int]:
+    """(host, port) of the group's store: MASTER_ADDR / MASTER_PORT when set, else 127.0.0.1
+    and port 0 (the OS picks a free port when the store binds)."""
+    host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = os.environ.get("MASTER_PORT")
+    return host, int(port) if port else 0
+
+
+def make_store(rank: int, world_size: int, host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store: rank 0 binds it (port 0 = any free port; read `.port`), the others connect.
+
+    Raises:
+        RuntimeError (from torch): the port is taken, or the master cannot be reached in time.
+    """
+    return dist.TCPStore(host, port, world_size, rank == 0, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class TPGroup:
+    """One rank's view of the tensor-parallel group.
+
+    Args:
+        store: the rendezvous store (`make_store`).
+        rank, world_size: this rank and the group size.
+        device: where the collectives' tensors live ("cpu" -> gloo, "cuda:i" -> NCCL).
+        timeout_s: how long a collective may wait for a peer before it raises.
+    Raises:
+        RuntimeError: the rendezvous did not complete within the timeout.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float = 600.0) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.store = store
+        if self.device.type == "cuda":
+            self.backend = "nccl"
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        else:
+            self.backend = "gloo"
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+        self.comm_s = 0.0
+        self.num_all_reduces = 0
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place on every rank (t contiguous, on the group's device)."""
+        t0 = time.perf_counter()
+        self.pg.allreduce([t]).wait()
+        self.comm_s += time.perf_counter() - t0
+        self.num_all_reduces += 1
+        return t
+
+    def gather_vocab(self, t: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
+        """Rank 0: the ranks' [S, Vp] logits slices side by side, cut to [S, vocab_size];
+        other ranks: None (they only send)."""
+        t = t.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(t) for _ in range(self.world_size)]
+            self.pg.gather([parts], [t], opts).wait()
+            return torch.cat(parts, dim=1)[:, :vocab_size]
+        self.pg.gather([], [t], opts).wait()
+        return None
+
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+        return t
+
+    def shutdown(self) -> None:
+        """Drop the process group and the store (their sockets close; peers' pending ops fail)."""
+        pg, self.pg = getattr(self, "pg", None), None
+        if pg is not None and hasattr(pg, "shutdown"):
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort: a peer may already be gone
+                pass
+        self.store = None
