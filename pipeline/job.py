@@ -74,7 +74,8 @@ class JobSpec(BaseModel):
     Engine options (None means the engine's default): model, dtype, device,
     quantization, max_num_seqs, max_num_batched_tokens, max_model_len,
     kv_cache_memory_bytes, enable_prefix_caching, seed, num_threads, speculative,
-    plus any other EngineConfig field in `engine_options` (e.g. speculative_config).
+    tensor_parallel_size, plus any other EngineConfig field in `engine_options` (e.g.
+    speculative_config).
 
     Sampling defaults (a row's `max_tokens`, `temperature`, `top_p`, `seed`,
     `stop` columns override them): max_tokens, temperature, top_p, top_k,
@@ -110,6 +111,9 @@ class JobSpec(BaseModel):
     speculative: Optional[Literal["auto", "ngram", "suffix", "draft_model", "off"]] = Field(
         None, description="speculative decoding: auto (the engine default: drafts where the measured step cost "
                           "makes them pay) | ngram | suffix | draft_model | off")
+    tensor_parallel_size: Optional[int] = Field(
+        None, ge=1, description="split the model over N devices (tensor parallelism; N processes, gloo on CPU, "
+                                "NCCL on CUDA); N must divide the model's KV heads (engine default 1)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig fields")
 
     max_tokens: int = Field(128, description="default new tokens per row")
@@ -154,7 +158,8 @@ class JobSpec(BaseModel):
 
     price_per_hour: float = Field(1.0, ge=0, description="USD per device-hour, for the cost report")
     device_name: Optional[str] = Field(None, description="device name in the report (default: the engine's)")
-    device_count: int = Field(1, ge=1, description="devices the job holds, for the cost report")
+    device_count: Optional[int] = Field(None, ge=1, description="devices the job holds, for the cost report "
+                                                                "(default: tensor_parallel_size, else 1)")
     output_token_weight: float = Field(4.0, gt=0, description="cost of one output token in uncached input tokens")
     overwrite: bool = Field(False, description="delete the job outputs already at the output and start over")
     progress: bool = Field(True, description="show a tqdm progress bar and what the job is doing")
@@ -218,12 +223,19 @@ class JobSpec(BaseModel):
         """JSON dumps (Prefect parameters, logs, files) never hold a secret value."""
         return mask_secrets(v)
 
+    def devices(self) -> int:
+        """Devices the cost report counts: device_count, else the engine's tensor_parallel_size
+        (here or in engine_options), else 1."""
+        if self.device_count is not None:
+            return self.device_count
+        return int(self.engine_kwargs().get("tensor_parallel_size") or 1)
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `engine.LLM` (unset options are left to the engine)."""
         kw: dict[str, Any] = {}
         for name in ("dtype", "device", "quantization", "max_num_seqs", "max_num_batched_tokens",
                      "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads",
-                     "speculative"):
+                     "speculative", "tensor_parallel_size"):
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
@@ -983,7 +995,7 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         counts = counts + r.counts
     report = cost_report(
         job_id=plan.job_id, run_id=plan.run_id, model=model, quantization=quantization, device=device,
-        device_count=spec.device_count, started_at=plan.started_at, finished_at=datetime.now(timezone.utc),
+        device_count=spec.devices(), started_at=plan.started_at, finished_at=datetime.now(timezone.utc),
         price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
         rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
         ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order, status=status, error=error,
