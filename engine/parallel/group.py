@@ -11,8 +11,9 @@ Collectives (Megatron-LM, arXiv 1909.08053, section 3):
 - `gather_vocab`: the LM head's vocabulary slices of the logits, concatenated on rank 0;
 - `broadcast_`: the driver's step inputs to every worker.
 
-`comm_s` / `num_all_reduces` count the time spent in `all_reduce_` (host wall time, so
-on CUDA it is the time to enqueue, not the transfer) for `benchmarks.tp_allreduce`.
+`comm_s` / `num_all_reduces`, `gather_s` and `broadcast_s` count the host wall time spent in
+each kind of collective (on the CPU the wait for the slowest rank included; on CUDA only
+the time to enqueue), for `benchmarks.tp_allreduce`.
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ class TPGroup:
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
         self.comm_s = 0.0
         self.num_all_reduces = 0
+        self.gather_s = 0.0
+        self.broadcast_s = 0.0
 
     @property
     def is_driver(self) -> bool:
@@ -85,21 +88,27 @@ class TPGroup:
     def gather_vocab(self, t: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
         """Rank 0: the ranks' [S, Vp] logits slices side by side, cut to [S, vocab_size];
         other ranks: None (they only send)."""
+        t0 = time.perf_counter()
         t = t.contiguous()
         opts = dist.GatherOptions()
         opts.rootRank = 0
+        out = None
         if self.rank == 0:
             parts = [torch.empty_like(t) for _ in range(self.world_size)]
             self.pg.gather([parts], [t], opts).wait()
-            return torch.cat(parts, dim=1)[:, :vocab_size]
-        self.pg.gather([], [t], opts).wait()
-        return None
+            out = torch.cat(parts, dim=1)[:, :vocab_size]
+        else:
+            self.pg.gather([], [t], opts).wait()
+        self.gather_s += time.perf_counter() - t0
+        return out
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place."""
+        t0 = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([t], opts).wait()
+        self.broadcast_s += time.perf_counter() - t0
         return t
 
     def shutdown(self) -> None:
