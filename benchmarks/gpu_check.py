@@ -37,6 +37,12 @@ Sections:
    (``engine.kernels.quant_matmul``), int8 per-channel and int4 group 32 with
    min, against torch fp16/bf16 dense matmul on Llama-3-8B shapes (M 1/16/256,
    N 4096/14336, K 4096): microseconds, weight GB/s, max error vs the reference.
+9. ``tensor_parallel`` (runs last, its own budget of ``TP_BUDGET_S``): Llama-3-70B
+   shapes (``dummy:llama-3-70b``, bf16, dummy weights: each rank draws the full tensors
+   in order and keeps its slices), TP = 2, 4 and 8 as far as the visible GPUs allow,
+   greedy 128/128 throughput (prompt count sized to the budget), NCCL between the
+   ranks, eager (no CUDA graphs under tensor parallelism). Skipped with a message on a
+   machine with one GPU. With ``--cpu-smoke``: TP = 2 over gloo on a tiny shape.
 
 Usage::
 
@@ -70,8 +76,9 @@ import torch  # noqa: E402
 H200_TBPS = 4.8
 H200_BF16_TFLOPS = 790.0
 TOTAL_BUDGET_S = 460.0  # leaves margin under 8 minutes
+TP_BUDGET_S = 300.0  # the tensor-parallel section, on a multi-GPU machine only
 SECTIONS = ("kernel_tests", "decode_attention", "prefill_attention", "quant_gemm", "throughput", "hf_peer",
-            "profile", "speculation")
+            "profile", "speculation", "tensor_parallel")
 
 
 class Log:
@@ -443,6 +450,48 @@ def run_speculation(log: Log, args) -> dict:
     return res
 
 
+def run_tensor_parallel(log: Log, args, budget_s: float) -> dict:
+    """Greedy 128/128 throughput of Llama-3-70B shapes at TP = 2/4/8 (as many GPUs as there are)."""
+    from engine import LLM, SamplingParams
+
+    n_gpu = torch.cuda.device_count() if args.device.type == "cuda" else 0
+    sizes = [2] if args.cpu_smoke else [n for n in (2, 4, 8) if n <= n_gpu]
+    if not sizes:
+        log(f"tensor_parallel: skipped: {n_gpu} GPU visible, tensor parallelism needs at least 2")
+        return {"skipped": f"{n_gpu} GPU visible"}
+    res: dict = {"model": args.tp_model, "sizes": {}}
+    t_start = time.perf_counter()
+    in_len, out_len = args.tp_workload
+    for n in sizes:
+        left = budget_s - (time.perf_counter() - t_start)
+        if left < 60 and res["sizes"]:
+            log(f"tensor_parallel TP={n}: skipped, {left:.0f}s of the section's budget left")
+            break
+        t = time.perf_counter()
+        with LLM(args.tp_model, dtype=args.llm_dtype, device=args.device.type, tensor_parallel_size=n,
+                 **args.tp_engine_kwargs) as llm:
+            load_s = time.perf_counter() - t
+            vocab = llm.model_config.vocab_size
+            params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+            t = time.perf_counter()
+            llm.generate(_prompts(args.tp_pilot, in_len, vocab, 3), params, use_tqdm=False)
+            pilot_s = time.perf_counter() - t
+            per_size = (budget_s - (time.perf_counter() - t_start)) / max(1, len(sizes) - sizes.index(n))
+            count = max(args.tp_pilot, min(args.tp_prompts, int(0.8 * per_size / max(pilot_s, 1e-3) * args.tp_pilot)))
+            t = time.perf_counter()
+            outs = llm.generate(_prompts(count, in_len, vocab, 4), params, use_tqdm=False)
+            wall = time.perf_counter() - t
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            g = llm.runner.tp
+            row = {"load_s": load_s, "pilot_prompts": args.tp_pilot, "pilot_s": pilot_s, "num_prompts": count,
+                   "wall_s": wall, "output_tok_s": n_out / wall, "kv_blocks": llm.num_total_blocks,
+                   "all_reduce_s": g.comm_s, "num_all_reduces": g.num_all_reduces}
+        res["sizes"][str(n)] = row
+        log(f"tensor_parallel TP={n}: loaded in {load_s:.0f}s, {count} prompts {in_len}/{out_len} in {wall:.1f}s -> "
+            f"{row['output_tok_s']:,.0f} output tok/s; {row['kv_blocks']} KV blocks per rank")
+    return res
+
+
 def run_hf_peer(log: Log, args, budget_s: float) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -523,6 +572,10 @@ def configure(args) -> None:
         args.spec_batch, args.spec_context, args.spec_new_tokens = 2, 24, 6
         args.spec_draft = "dummy:tiny-smoke"
         args.spec_engine_kwargs = {}
+        # a shape every spawned worker knows (PRESETS is static there); gloo, the torch attention
+        args.tp_model, args.tp_workload, args.tp_pilot, args.tp_prompts = "dummy:llama-tiny-4kv", (16, 4), 2, 4
+        args.tp_engine_kwargs = dict(attention_backend="torch", max_num_seqs=4, kv_cache_memory_bytes=8 << 20,
+                                     speculative=None, num_threads=1)
     else:
         args.model = "dummy:llama-3-8b"
         args.llm_dtype, args.llm_torch_dtype = "bfloat16", torch.bfloat16
@@ -543,6 +596,9 @@ def configure(args) -> None:
         args.spec_batch, args.spec_context, args.spec_new_tokens = 64, 128, 64
         args.spec_draft = "dummy:llama-3.2-1b"
         args.spec_engine_kwargs = dict(kv_cache_memory_fraction=0.3, max_num_seqs=64)
+        args.tp_model, args.tp_workload, args.tp_pilot, args.tp_prompts = "dummy:llama-3-70b", (128, 128), 64, 1000
+        args.tp_engine_kwargs = dict(max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_memory_fraction=0.5,
+                                     max_model_len=4096)
 
 
 def main(argv=None) -> int:
@@ -618,6 +674,11 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     left = TOTAL_BUDGET_S - log.elapsed
     section("hf_peer", lambda: run_hf_peer(log, args, budget_s=max(20.0, left - 30)))
+    _load_model.cache_clear()
+    gc.collect()
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    section("tensor_parallel", lambda: run_tensor_parallel(log, args, budget_s=TP_BUDGET_S))
     tm, hf = result["sections"].get("throughput", {}), result["sections"].get("hf_peer", {})
     for key in ("128/128", "1024/128"):
         if key in tm and key in hf:
