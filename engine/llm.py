@@ -193,11 +193,19 @@ class LLM:
         **engine_kwargs: fields of `EngineConfig` (dtype, device, block_size,
             kv_cache_memory_bytes, kv_cache_memory_fraction, max_num_seqs,
             max_num_batched_tokens, max_model_len, enable_chunked_prefill,
-            enable_prefix_caching, seed, num_threads).
+            enable_prefix_caching, seed, num_threads, tensor_parallel_size, ...).
+
+    With `tensor_parallel_size=N > 1` the model is split over this process and N - 1
+    worker processes (`engine.parallel`); call `close()` (or use `with LLM(...) as llm:`) to
+    stop them now, else they stop when the LLM is garbage collected or the interpreter
+    exits. The workers are started with multiprocessing's "spawn", so a script that creates
+    one must guard its entry point with `if __name__ == "__main__":` (as with vLLM).
 
     Raises:
-        ValueError: unknown model, unknown or invalid engine kwargs.
+        ValueError: unknown model, unknown or invalid engine kwargs (a tensor_parallel_size
+            that does not divide the model's KV heads names both numbers).
         FileNotFoundError: the default model's wheel is not installed.
+        engine.parallel.WorkerError: a tensor-parallel worker failed to start.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:

@@ -564,6 +564,15 @@ def validate_spec(spec: JobSpec) -> None:
         if layers is not None and not 1 <= int(draft[5:]) <= layers:
             raise ValueError(f"invalid engine option: speculative_config.draft_model {draft!r} needs 1..{layers} "
                              f"layers ({spec.model!r} has {layers})")
+    tp = kw.get("tensor_parallel_size") or 1
+    if tp > 1:  # the heads must split evenly: told now, before any worker starts or anything is written
+        from engine.parallel import check_tp_size
+        from engine.weights import model_config
+
+        try:
+            check_tp_size(model_config(source), int(tp))
+        except (ValueError, OSError, KeyError) as exc:
+            raise ValueError(f"invalid engine option: {exc}") from None
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
                          f"{spec.model!r} is a {source.kind} model (use int8 or int4)")

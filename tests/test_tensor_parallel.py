@@ -414,3 +414,17 @@ def test_killing_the_driver_leaves_no_worker():
         driver.kill()
         driver.wait(10)
     assert _gone(pids, 5.0), "the worker outlived its killed driver"
+
+
+def test_job_refuses_a_tp_size_the_model_cannot_split(tmp_path):
+    """A job's spec with --tensor-parallel-size 2 on SmolLM2 (3 KV heads) fails before anything
+    is written or started."""
+    from pipeline import JobSpec
+    from pipeline.job import validate_spec
+
+    spec = JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"invalid engine option: tensor_parallel_size=2 does not divide the "
+                                         r"model's 3 KV heads \(9 query heads\)"):
+        validate_spec(spec)
+    assert spec.devices() == 2 and JobSpec(input="a", output="b").devices() == 1
+    assert JobSpec(input="a", output="b", tensor_parallel_size=4, device_count=8).devices() == 8
