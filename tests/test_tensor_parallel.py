@@ -93,6 +93,18 @@ def _gone(pids: list[int], within_s: float = 10.0) -> bool:
     return False
 
 
+def _spawned_children() -> list[int]:
+    """Pids of this process's live children started by multiprocessing's spawn (not its resource tracker)."""
+    out = []
+    for c in psutil.Process().children():
+        try:
+            if "spawn_main" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE:
+                out.append(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _tiny(**kw) -> LLM:
     kw = {"kv_cache_memory_bytes": 16 << 20, "speculative": None, "num_threads": 1, **kw}
     return LLM(TINY, **kw)
@@ -120,12 +132,12 @@ def smol_tp3():
 # ------------------------------------------------------------------ sharding rules and loading
 
 def test_tp_size_must_divide_the_kv_heads():
-    before = {c.pid for c in psutil.Process().children()}
+    before = set(_spawned_children())
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 3 KV heads \(9 query heads\)"):
         LLM("smollm2-135m-instruct", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's 4 KV heads \(8 query heads\)"):
         LLM(TINY, tensor_parallel_size=3)
-    assert {c.pid for c in psutil.Process().children()} == before  # refused before any worker started
+    assert set(_spawned_children()) == before  # refused before any worker started
 
 
 def test_each_rank_reads_exactly_its_slices_from_gguf():
@@ -428,3 +440,12 @@ def test_job_refuses_a_tp_size_the_model_cannot_split(tmp_path):
         validate_spec(spec)
     assert spec.devices() == 2 and JobSpec(input="a", output="b").devices() == 1
     assert JobSpec(input="a", output="b", tensor_parallel_size=4, device_count=8).devices() == 8
+
+
+def test_a_driver_side_start_failure_stops_the_workers():
+    """The driver refuses a KV budget below one block after the workers started: they are stopped."""
+    before = set(_spawned_children())
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        _tiny(tensor_parallel_size=2, kv_cache_memory_bytes=1000)
+    assert _gone([pid for pid in _spawned_children() if pid not in before], 2.0)
+
