@@ -112,6 +112,19 @@ def _tiny(**kw) -> LLM:
 
 # ------------------------------------------------------------------ fixtures
 
+@pytest.fixture(scope="module", autouse=True)
+def _restore_threads():
+    """A TP engine sets this process's thread pools to 1 thread per rank; later test modules
+    reuse engines built before, so put the pools back as they were."""
+    from engine.kernels import cpu
+    from engine.threads import apply_num_threads
+
+    before = torch.get_num_threads()
+    yield
+    apply_num_threads(before)
+    assert torch.get_num_threads() == before and (not cpu.available() or cpu.get_num_threads() == before)
+
+
 @pytest.fixture(scope="module")
 def tiny_tp1():
     return _tiny()
@@ -300,6 +313,17 @@ def test_speculative_decoding_under_tp(tiny_tp1):
         got = _ids(spec.generate(prompts, params, use_tqdm=False))
         assert spec.stats.spec_verifies > 0 and spec.stats.spec_accepted_tokens > 0
     assert got == ref
+
+
+def test_structured_outputs_under_tp(tiny_tp1, tiny_tp2):
+    """A grammar's token mask is applied in the driver to the gathered full-vocabulary logits."""
+    prompts = _prompts(tiny_tp1.tokenizer)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"choice": ["positive", "negative",
+                                                                                             "neutral"]})
+    ref = tiny_tp1.generate(prompts, params, use_tqdm=False)
+    got = tiny_tp2.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in ref]
+    assert all(o.outputs[0].text in ("positive", "negative", "neutral") for o in got)
 
 
 def test_small_job_end_to_end_with_tp(tmp_path, tiny_tp1):
