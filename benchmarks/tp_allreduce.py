@@ -74,12 +74,12 @@ def step_figures(llm, rows: int, context: int, repeats: int) -> dict:
             pool.free(t)
 
 
-def _micro_worker(rank: int, world: int, port: int, shapes: list[tuple[int, int]], repeats: int) -> None:
+def _micro_worker(rank: int, world: int, where: tuple, shapes: list[tuple[int, int]], repeats: int) -> None:
     """Rank > 0 of the bare all-reduce measurement (1 thread): the same all-reduces as rank 0."""
     torch.set_num_threads(1)
     from engine.parallel.group import TPGroup, make_store
 
-    g = TPGroup(make_store(rank, world, "127.0.0.1", port, 60.0), rank, world, torch.device("cpu"), 60.0)
+    g = TPGroup(make_store(rank, world, where, 60.0), rank, world, torch.device("cpu"), 60.0)
     for t, h in shapes:
         x = torch.randn(t, h)
         for _ in range(3):
@@ -91,14 +91,17 @@ def _micro_worker(rank: int, world: int, port: int, shapes: list[tuple[int, int]
 
 def bare_all_reduce(world: int, shapes: list[tuple[int, int]], repeats: int) -> list[float]:
     """Median seconds of one gloo all-reduce per [T, H] fp32 shape between `world` processes."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
     from engine.parallel.group import make_store
 
-    store = make_store(0, world, "127.0.0.1", 0, 60.0)
-    port = store.port
+    tmp = tempfile.TemporaryDirectory(prefix="tokenmill-tp-bench-")
+    where = ("file", os.path.join(tmp.name, "store"))
+    store = make_store(0, world, where, 60.0)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_micro_worker, args=(r, world, port, shapes, repeats), daemon=True)
+    procs = [ctx.Process(target=_micro_worker, args=(r, world, where, shapes, repeats), daemon=True)
              for r in range(1, world)]
     for p in procs:
         p.start()
@@ -122,6 +125,7 @@ def bare_all_reduce(world: int, shapes: list[tuple[int, int]], repeats: int) -> 
     for p in procs:
         p.join(30)
     g.shutdown()
+    tmp.cleanup()
     torch.set_num_threads(torch_threads)
     return res
 

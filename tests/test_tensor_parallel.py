@@ -368,24 +368,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listening(pids: list[int]) -> list[str]:
+    """The addresses the processes listen on (TCP)."""
+    out = []
+    for pid in pids:
+        for c in psutil.Process(pid).net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN:
+                out.append(c.laddr.ip)
+    return out
+
+
 def test_close_and_garbage_collection_stop_the_workers(monkeypatch):
-    """close() reaps the workers; so does dropping the LLM. MASTER_PORT is honoured."""
+    """close() reaps the workers; so does dropping the LLM. By default the ranks meet in a
+    private file store and listen on 127.0.0.1 only; MASTER_PORT is honoured."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    b = _tiny(tensor_parallel_size=2)
+    assert b.workers.spec.store[0] == "file"
+    addrs = _listening([os.getpid()] + b.worker_pids)
+    assert addrs and set(addrs) == {"127.0.0.1"}, addrs
+    pids, folder = b.worker_pids, b.workers._dir
+    del b
+    gc.collect()
+    assert _gone(pids, 5.0), "dropping the LLM left its worker running"
+    assert not os.path.exists(folder)
     port = _free_port()
     monkeypatch.setenv("MASTER_PORT", str(port))
     a = _tiny(tensor_parallel_size=2)
-    assert a.workers.spec.store_port == port and a.workers.spec.store_host == "127.0.0.1"
+    assert a.workers.spec.store == ("tcp", "127.0.0.1", port)
     pids = a.worker_pids
     assert len(pids) == 1 and psutil.pid_exists(pids[0])
     assert a.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     a.close()
     assert _gone(pids, 1.0)
     a.close()  # idempotent
-    monkeypatch.delenv("MASTER_PORT")
-    b = _tiny(tensor_parallel_size=2)
-    pids = b.worker_pids
-    del b
-    gc.collect()
-    assert _gone(pids, 5.0), "dropping the LLM left its worker running"
 
 
 def test_worker_death_mid_step_raises_within_seconds():

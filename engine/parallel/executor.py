@@ -10,7 +10,9 @@ logits come back on rank 0 (the vocabulary slices gathered there). This is vLLM'
 driver-worker design.
 
 Lifecycle:
-- start: the store binds on MASTER_ADDR/MASTER_PORT, or 127.0.0.1 and a free port; the
+- start: the ranks meet in a `FileStore` in a private temporary folder, or, when
+  MASTER_ADDR / MASTER_PORT are set, a `TCPStore` there (default host 127.0.0.1, default
+  port any free one); gloo's sockets bind 127.0.0.1 (or MASTER_ADDR). The
   workers load their shards while the driver loads its own; `wait_ready` raises
   `WorkerError` (naming the rank, its pid and its traceback or exit code) if one fails
   or dies before it is ready, or is not ready within `start_timeout_s`; `init` sends the
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -38,7 +41,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .group import TPGroup, make_store, store_address
+from .group import TPGroup, make_store, store_location
 from .worker import CMD_COPY, CMD_RUN, CMD_STOP, HEADER_LEN, WorkerSpec, worker_main
 
 
@@ -69,8 +72,8 @@ class _State:
         self.closing = False
 
 
-def _stop_processes(procs: list, conns: list, grace_s: float = 2.0) -> None:
-    """Terminate (SIGTERM), then kill, then reap every worker; close the pipes."""
+def _stop_processes(procs: list, conns: list, grace_s: float = 2.0, folder: Optional[str] = None) -> None:
+    """Terminate (SIGTERM), then kill, then reap every worker; close the pipes; remove `folder`."""
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -83,6 +86,8 @@ def _stop_processes(procs: list, conns: list, grace_s: float = 2.0) -> None:
     for c in conns:
         with contextlib.suppress(OSError):
             c.close()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _read_error(conn) -> Optional[str]:
@@ -128,10 +133,17 @@ class WorkerGroup:
     def __init__(self, spec: WorkerSpec, target: Callable = worker_main) -> None:
         import torch.multiprocessing as mp
 
-        host, port = store_address()
         self.world_size = spec.world_size
-        self.store = make_store(0, spec.world_size, host, port, spec.timeout_s)
-        self.spec = spec = dataclasses.replace(spec, store_host=host, store_port=self.store.port)
+        self._dir = tempfile.mkdtemp(prefix="tokenmill-tp-")
+        where = store_location(self._dir)
+        try:
+            self.store = make_store(0, spec.world_size, where, spec.timeout_s)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        if where[0] == "tcp":
+            where = ("tcp", where[1], self.store.port)
+        self.spec = spec = dataclasses.replace(spec, store=where, host=where[1] if where[0] == "tcp" else "127.0.0.1")
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         for rank in range(1, spec.world_size):
@@ -145,7 +157,7 @@ class WorkerGroup:
         self._state = _State()
         self._wake_r, self._wake_w = ctx.Pipe(duplex=False)
         self._monitor: Optional[threading.Thread] = None
-        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns, 2.0, self._dir)
 
     # ------------------------------------------------------------ info
     @property
@@ -200,7 +212,7 @@ class WorkerGroup:
         for c in self.conns:
             c.send(("init", num_blocks, max_model_len))
         try:
-            self.group = TPGroup(self.store, 0, self.world_size, device, self.spec.timeout_s)
+            self.group = TPGroup(self.store, 0, self.world_size, device, self.spec.timeout_s, self.spec.host)
         except RuntimeError as e:
             self._abort(f"tensor-parallel group did not form: {e}")
         self._monitor = threading.Thread(target=_monitor, args=(self.procs, self.conns, self._state, self._wake_r),

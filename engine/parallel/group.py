@@ -26,20 +26,28 @@ import torch
 import torch.distributed as dist
 
 
-def store_address() -> tuple[str, int]:
-    """(host, port) of the group's store: MASTER_ADDR / MASTER_PORT when set, else 127.0.0.1
-    and port 0 (the OS picks a free port when the store binds)."""
-    host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = os.environ.get("MASTER_PORT")
-    return host, int(port) if port else 0
+def store_location(private_dir: str) -> tuple:
+    """Where the ranks meet: ("tcp", host, port) when MASTER_ADDR or MASTER_PORT is set (host
+    default 127.0.0.1, port default 0: any free port, read back from the bound store), else
+    ("file", path) in `private_dir`: a `FileStore`, so that nothing listens beyond the
+    collectives' own sockets (a `TCPStore` server binds every interface)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host or port:
+        return ("tcp", host or "127.0.0.1", int(port) if port else 0)
+    return ("file", os.path.join(private_dir, "store"))
 
 
-def make_store(rank: int, world_size: int, host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store: rank 0 binds it (port 0 = any free port; read `.port`), the others connect.
+def make_store(rank: int, world_size: int, where: tuple, timeout_s: float) -> dist.Store:
+    """The rendezvous store at `where` (`store_location`); over TCP rank 0 binds it (read `.port`).
 
     Raises:
         RuntimeError (from torch): the port is taken, or the master cannot be reached in time.
     """
+    if where[0] == "file":
+        store = dist.FileStore(where[1], world_size)
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store
+    _, host, port = where
     return dist.TCPStore(host, port, world_size, rank == 0, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
@@ -52,12 +60,13 @@ class TPGroup:
         rank, world_size: this rank and the group size.
         device: where the collectives' tensors live ("cpu" -> gloo, "cuda:i" -> NCCL).
         timeout_s: how long a collective may wait for a peer before it raises.
+        host: the address gloo's sockets bind to (127.0.0.1, or MASTER_ADDR when set).
     Raises:
         RuntimeError: the rendezvous did not complete within the timeout.
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, host: str = "127.0.0.1") -> None:
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.store = store
         if self.device.type == "cuda":
@@ -67,7 +76,10 @@ class TPGroup:
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         else:
             self.backend = "gloo"
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
         self.comm_s = 0.0
         self.num_all_reduces = 0
         self.gather_s = 0.0

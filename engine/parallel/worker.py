@@ -44,7 +44,9 @@ class WorkerSpec:
         block_size: tokens per KV block.
         num_threads: CPU threads of each rank (PyTorch's pool and the C kernels').
         world_size: ranks, driver included.
-        store_host, store_port: the rendezvous store rank 0 bound.
+        store: where the ranks meet (`engine.parallel.group.store_location`; a TCP port is the
+            one rank 0 bound).
+        host: the address the collectives' sockets bind to.
         timeout_s: how long a collective waits for a peer.
     """
 
@@ -60,8 +62,8 @@ class WorkerSpec:
     block_size: int
     num_threads: int
     world_size: int
-    store_host: str = "127.0.0.1"
-    store_port: int = 0
+    store: tuple = ()
+    host: str = "127.0.0.1"
     timeout_s: float = 600.0
 
     def rank_device(self, rank: int) -> str:
@@ -125,8 +127,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         shape = backend.cache_shape(num_blocks, spec.block_size, model.local.num_kv_heads, cfg.head_dim)
         kv = KVCache(cfg, num_blocks, spec.block_size, kv_dtype, dev, shape)
         model._rope_tables(max_model_len + 1)
-        group = TPGroup(make_store(rank, spec.world_size, spec.store_host, spec.store_port, spec.timeout_s),
-                        rank, spec.world_size, dev, spec.timeout_s)
+        group = TPGroup(make_store(rank, spec.world_size, spec.store, spec.timeout_s), rank, spec.world_size, dev,
+                        spec.timeout_s, spec.host)
         runner = ModelRunner(model, kv, backend, tp=group)
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
         with torch.inference_mode():
