@@ -402,6 +402,8 @@ def test_close_and_garbage_collection_stop_the_workers(monkeypatch):
     a.close()
     assert _gone(pids, 1.0)
     a.close()  # idempotent
+    with pytest.raises(WorkerError, match="closed"):
+        a.generate(["Hello"], GREEDY, use_tqdm=False)
 
 
 def test_worker_death_mid_step_raises_within_seconds():

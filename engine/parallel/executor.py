@@ -289,6 +289,8 @@ class WorkerGroup:
             for p in self.procs:
                 p.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()  # terminate / kill what is left, reap, close the pipes
+        with self._state.lock:
+            self._state.error = self._state.error or "the LLM was closed: its tensor-parallel workers are stopped"
         if self.group is not None:
             self.group.shutdown()
         self.store = None
