@@ -278,6 +278,58 @@ def test_jump_forward_appends_forced_tokens_and_counts_them(eng):
     assert st.fill_s > 0 and 0.0 <= st.hidden_share <= 1.0
 
 
+def test_jump_forward_equals_plain_decoding_and_skips_forced_forward_passes(eng):
+    """Jump-forward (the forced start computed with the prompt, forced runs in one chunk, the end
+    token appended once the grammar is complete) gives token for token what plain masked greedy
+    decoding gives, and computes fewer tokens: no forward pass for any row's final EOS. (Sampled
+    rows differ by design: a forced run is the grammar's own tokenization, where a sampler may
+    spell the same text in other tokens, and forced tokens draw no random numbers; they stay
+    valid.)"""
+    prompts, params = _mixed_batch(eng)
+    no_jf = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV,
+                structured_outputs_jump_forward=False)
+    runs = {}
+    for name, llm in (("on", eng), ("off", no_jf)):
+        t0 = llm.stats.num_batched_tokens_sum
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[name] = ([o.outputs[0] for o in outs], llm.stats.num_batched_tokens_sum - t0)
+    (on, on_tokens), (off, off_tokens) = runs["on"], runs["off"]
+    half = len(on) // 2  # greedy rows, then the same prompts sampled
+    assert [o.token_ids for o in on[:half]] == [o.token_ids for o in off[:half]]
+    assert [o.valid for o in on[:half]] == [o.valid for o in off[:half]]
+    assert all(o.valid == (o.finish_reason == "stop") for o in on)
+    assert all(o.num_forced_tokens == 0 for o in off)
+    ended = [o for o in on if o.finish_reason == "stop"]
+    assert len(ended) >= 40 and all(o.token_ids[-1] == eng.tokenizer.eos_token_id for o in ended)
+    assert all(o.num_forced_tokens >= 1 for o in ended)  # the final EOS at least
+    # every forced token skipped a forward pass of its own; each ended row's EOS was never computed
+    assert off_tokens - on_tokens >= len(ended)
+
+
+def test_jump_forward_computes_a_forced_start_in_the_prefill(eng):
+    """A JSON row alone: its forced opening ('{"name":') is appended before the prefill, so
+    every step samples exactly one token; a max_tokens shorter than the forced run keeps one token
+    to sample and ends with "length" as plain decoding does."""
+    prompt = _person_prompts(eng, 1)[0]
+    so = SO(json=PERSON)
+    s0 = eng.stats.num_steps
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs=so),
+                       use_tqdm=False)[0].outputs[0]
+    steps = eng.stats.num_steps - s0
+    ids = eng.structured.matcher_for(so)[0].forced_tokens()
+    assert eng.tokenizer.decode(ids).startswith('{"name') and out.token_ids[:len(ids)] == ids
+    assert out.finish_reason == "stop" and out.valid
+    assert steps == len(out.token_ids) - out.num_forced_tokens  # no step for a forced token
+    no_jf = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV,
+                structured_outputs_jump_forward=False)
+    for n in (1, 2):
+        p = SamplingParams(temperature=0, max_tokens=n, structured_outputs=so)
+        a = eng.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        b = no_jf.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        assert a.token_ids == b.token_ids and len(a.token_ids) == n and a.finish_reason == "length"
+        assert a.valid is False
+
+
 # ---------------------------------------------------------------- scoring mode
 
 def test_scoring_equals_a_direct_computation_and_ignores_caching_and_order():
