@@ -14,7 +14,10 @@ one token bitmask for all the step's logits rows is filled on a worker thread wh
 forward pass runs (a verification's row j gets the mask after draft[:j]) and applied
 before sampling; every appended token advances the sequence's matcher, and with
 jump-forward the tokens the grammar then forces are appended too, to be computed in the
-next step's forward pass as one chunk.
+next step's forward pass as one chunk. Jump-forward also appends the tokens a grammar
+forces before the first sampled one (computed with the prompt in the prefill) and the end
+token once the grammar is complete and allows nothing else (the row ends without a forward
+pass for it).
 
 `add_requests` / `step` / `has_unfinished` / `abort_all` are the public surface: the
 facade, the benchmarks and the pipeline drive the engine through them only.
@@ -69,10 +72,17 @@ class EngineCore:
 
     # ------------------------------------------------------------ public surface
     def add_requests(self, requests: list[Request]) -> None:
-        """Queue every sequence of valid requests (error requests are the caller's to report)."""
+        """Queue every sequence of valid requests (error requests are the caller's to report).
+
+        With jump-forward, a constrained sequence whose grammar forces its first tokens (the
+        keys that open a JSON object, say) gets them appended now, so its prefill computes them
+        with the prompt and its first sampled token is the first one the grammar leaves open.
+        """
         for r in requests:
             if r.error is None:
                 for s in r.seqs:
+                    if s.grammar is not None and self.jump_forward:
+                        self._force_start(s)
                     self.scheduler.add(s)
 
     def has_unfinished(self) -> bool:
@@ -213,7 +223,7 @@ class EngineCore:
                 for j in range(k):
                     m.accept_token(c.draft[j])
                     took += 1
-                    if m.forced_tokens():
+                    if m.forced_tokens() or m.is_stopped():
                         k = j  # keep the tokens before it; the target token lands where draft[j] was
                         break
                 m.rollback(took)
@@ -222,6 +232,48 @@ class EngineCore:
                 c.num_tokens = 1 + k
                 if not c.draft:
                     c.proposer = None
+
+    def _force_start(self, seq: Sequence) -> None:
+        """Append the tokens seq's grammar forces before its first sampled token (jump-forward
+        before the prefill). Kept to what can never finish the sequence, so that it is still
+        queued like any other: at most max_tokens - 1 tokens, no end or stop token, and none
+        for a request with stop strings (a stop string inside them would end it unscheduled)."""
+        m = seq.grammar
+        p = seq.request.params
+        if m.is_error() or p.stop:
+            return
+        forced = m.forced_tokens()
+        limit = min(p.max_tokens if p.max_tokens is not None else self.max_model_len,
+                    self.max_model_len - seq.num_tokens) - 1
+        ends = set(self.sampler.eos_token_ids) | set(p.stop_token_ids)
+        take = []
+        for tok in forced[:max(limit, 0)]:
+            if tok in ends:
+                break
+            take.append(tok)
+        for tok in take:
+            seq.token_ids.append(tok)
+            if seq.logprobs is not None:
+                seq.logprobs.append(None)
+            m.accept_token(tok)
+            self._check_stop(seq, tok)
+        seq.num_forced_tokens += len(take)
+        self.stats.structured_forced_tokens += len(take)
+
+    def _forced_next(self, seq: Sequence) -> list[int]:
+        """The tokens seq's grammar forces after its last token: its forced continuation, or
+        the end token when the grammar is complete and allows nothing else (then the row ends
+        without a forward pass for it; not when EOS is suppressed: ignore_eos, min_tokens)."""
+        m = seq.grammar
+        forced = m.forced_tokens()
+        if forced or self.structured is None:
+            return forced
+        eos = self.structured.backend.eos_token_id
+        p = seq.request.params
+        if (eos is not None and m.is_stopped() and not p.ignore_eos
+                and seq.num_output_tokens >= p.min_tokens):
+            return [eos]
+        return []
 
     def _refuse_head(self, res: StepResult) -> None:
         """Nothing fits even with nothing running: the head sequence can never be served."""
@@ -262,7 +314,7 @@ class EngineCore:
             if seq.is_finished:
                 break
             if i == len(tokens) and seq.grammar is not None and self.jump_forward and not seq.grammar.is_error():
-                forced = seq.grammar.forced_tokens()  # jump-forward: appended without sampling each
+                forced = self._forced_next(seq)  # jump-forward: appended without sampling each
                 if forced:
                     seq.num_forced_tokens += len(forced)
                     self.stats.structured_forced_tokens += len(forced)
