@@ -335,7 +335,8 @@ class LlamaModel(nn.Module):
         q = qkv[:, : self.q_size].view(T, hq, d)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, hkv, d)
         v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, d)
-        plan = self._c_decoder_plan(q, kv_caches, backend, meta)
+        # (a tensor-parallel rank runs the loop: its all-reduces sit between the C kernels)
+        plan = self._c_decoder_plan(q, kv_caches, backend, meta) if tp is None else None
         if plan is not None:  # every layer in one C call: the same kernels as the loop below
             self._c_decoder.run(h, positions, self.cos, self.sin, meta.slot_mapping, plan, meta.block_size,
                                 self.scale, (x, qkv, a, gu, act))
