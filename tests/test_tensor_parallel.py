@@ -491,3 +491,30 @@ def test_a_driver_side_start_failure_stops_the_workers():
         _tiny(tensor_parallel_size=2, kv_cache_memory_bytes=1000)
     assert _gone([pid for pid in _spawned_children() if pid not in before], 2.0)
 
+
+
+def test_killing_a_running_job_leaves_no_worker(tmp_path):
+    """SIGKILL `tokenmill run --tensor-parallel-size 2` after its first shard committed: no worker
+    (found by an environment mark) outlives it."""
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [f"r{i}" for i in range(64)], "prompt": [f"Item {i}: tell a story" for i in range(64)]}) \
+        .write_parquet(inp)
+    out = tmp_path / "out"
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENMILL_TEST_MARK": mark}
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(inp), "--output", str(out), "--model", TINY,
+           "--max-tokens", "48", "--shard-size", "4", "--shards-in-flight", "1",
+           "--no-progress", "--tensor-parallel-size", "2", "--num-threads", "1", "--speculative", "off",
+           "--kv-cache-memory-bytes", str(16 << 20)]
+    job = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("part-*.parquet")) and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        workers = [p.pid for p in psutil.process_iter() if _marked(p, mark) and p.pid != job.pid]
+        assert job.poll() is None, f"the job ended before it could be killed: {job.stderr.read()[-2000:]}"
+        assert workers, "no tensor-parallel worker found while the job ran"
+    finally:
+        job.kill()
+        job.wait(10)
+    assert _gone(workers, 5.0), "a worker outlived its killed job"
