@@ -125,9 +125,10 @@ class WorkerGroup:
 
     Args:
         spec: what each rank builds (`WorkerSpec`; its store address is filled in here).
-        target: the worker entry point (`worker_main`; tests pass one that fails).
+        target: the worker entry point, called as target(rank, spec, pipe) in the new
+            process (default `worker_main`).
     Raises:
-        RuntimeError: the store cannot bind (MASTER_PORT taken).
+        RuntimeError: the TCP store cannot bind (MASTER_PORT taken).
     """
 
     def __init__(self, spec: WorkerSpec, target: Callable = worker_main) -> None:
