@@ -518,3 +518,15 @@ def test_killing_a_running_job_leaves_no_worker(tmp_path):
         job.kill()
         job.wait(10)
     assert _gone(workers, 5.0), "a worker outlived its killed job"
+
+
+def test_a_taken_master_port_is_a_clear_error(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+        before = set(_spawned_children())
+        with pytest.raises(RuntimeError, match=r"rendezvous store cannot listen on 127\.0\.0\.1:\d+ "
+                                               r"\(MASTER_ADDR / MASTER_PORT\).*EADDRINUSE"):
+            _tiny(tensor_parallel_size=2)
+        assert set(_spawned_children()) == before

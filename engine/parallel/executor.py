@@ -139,8 +139,11 @@ class WorkerGroup:
         where = store_location(self._dir)
         try:
             self.store = make_store(0, spec.world_size, where, spec.timeout_s)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(self._dir, ignore_errors=True)
+            if isinstance(e, RuntimeError) and where[0] == "tcp":
+                raise RuntimeError(f"tensor parallelism: the rendezvous store cannot listen on {where[1]}:{where[2]} "
+                                   f"(MASTER_ADDR / MASTER_PORT): {str(e).splitlines()[0]}") from None
             raise
         if where[0] == "tcp":
             where = ("tcp", where[1], self.store.port)
