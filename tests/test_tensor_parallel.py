@@ -222,6 +222,26 @@ def test_each_rank_keeps_its_slices_of_the_gguf_blocks():
         assert torch.equal(parts_to_layer(part[name]).dequantize(), want), name
 
 
+def test_step_inputs_survive_the_broadcast_format(tiny_tp1):
+    """`StepInputs.unpack(pack())` gives back every field a worker's forward reads."""
+    from engine.model_runner import ChunkSpec, StepInputs
+
+    ids = list(range(1, 60))
+    decodes = [ChunkSpec(ids, 20, 1, [3, 4], "last"), ChunkSpec(ids, 40, 1, [5, 6, 7], "last")]
+    prefills = [ChunkSpec(ids, 0, 17, [8, 9], "last"), ChunkSpec(ids, 16, 30, [10, 11, 12], "all", logits_from=4)]
+    x = tiny_tp1.runner.prepare(decodes, prefills)
+    y = StepInputs.unpack(x.pack())
+    for f in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(x, f), getattr(y, f)), f
+    a, b = x.meta, y.meta
+    for f in ("slot_mapping", "decode_seq_lens", "decode_block_tables"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert (a.num_decode_tokens, a.prefill_query_starts, a.prefill_query_lens, a.prefill_seq_lens, a.block_size) == \
+        (b.num_decode_tokens, b.prefill_query_starts, b.prefill_query_lens, b.prefill_seq_lens, b.block_size)
+    assert [t.tolist() for t in a.prefill_block_tables] == [t.tolist() for t in b.prefill_block_tables]
+    assert y.num_decodes == 2 and y.num_tokens == 2 + 17 + 30
+
+
 # ------------------------------------------------------------------ greedy parity
 
 def test_smollm2_tp3_greedy_equals_one_device(llm, smol_tp3):
