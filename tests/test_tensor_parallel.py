@@ -426,6 +426,17 @@ def test_close_and_garbage_collection_stop_the_workers(monkeypatch):
         a.generate(["Hello"], GREEDY, use_tqdm=False)
 
 
+def test_an_idle_engine_outlasts_the_collective_timeout(tiny_tp1):
+    """Workers wait for the next step however long the engine idles (the 2 s collective timeout
+    applies within a step only)."""
+    prompts = _prompts(tiny_tp1.tokenizer)[:2]
+    ref = _ids(tiny_tp1.generate(prompts, GREEDY, use_tqdm=False))
+    with _tiny(tensor_parallel_size=2, distributed_timeout_s=2.0) as llm:
+        assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
+        time.sleep(3.0)
+        assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
+
+
 def test_worker_death_mid_step_raises_within_seconds():
     """SIGKILL a worker while the engine generates: the driver raises WorkerError naming the rank
     within seconds, every later step raises at once, and no process is left."""

@@ -114,11 +114,15 @@ class TPGroup:
         self.gather_s += time.perf_counter() - t0
         return out
 
-    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place."""
+    def broadcast_(self, t: torch.Tensor, timeout_s: Optional[float] = None) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place;
+        `timeout_s` overrides the group's timeout for this one call (a worker waiting for
+        the next step waits as long as the engine stays idle)."""
         t0 = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        if timeout_s is not None:
+            opts.timeout = timedelta(seconds=timeout_s)
         self.pg.broadcast([t], opts).wait()
         self.broadcast_s += time.perf_counter() - t0
         return t

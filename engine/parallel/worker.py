@@ -10,7 +10,8 @@ A worker is started once per engine by `engine.parallel.WorkerGroup` (torch.mult
 2. init: receive ("init", num_blocks, max_model_len) from the driver, allocate its paged KV
    cache (its num_kv_heads / N heads, the driver's block count, so the driver's block tables
    address it), join the process group;
-3. loop: receive a header [command, payload length] broadcast by the driver, then the
+3. loop: receive a header [command, payload length] broadcast by the driver (waiting as
+   long as the engine is idle: the group's timeout applies within a step), then the
    payload: RUN (a packed `StepInputs`: the same forward as the driver's, whose collectives
    meet the driver's), COPY (KV blocks src -> dst), STOP (leave the group, exit 0).
 
@@ -30,6 +31,7 @@ from typing import Optional
 
 CMD_STOP, CMD_RUN, CMD_COPY = 0, 1, 2
 HEADER_LEN = 4  # [command, payload length, a, b]
+IDLE_TIMEOUT_S = 365 * 24 * 3600.0  # waiting for the next step: no timeout (the driver's death ends it)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
         with torch.inference_mode():
             while True:
-                group.broadcast_(header)
+                group.broadcast_(header, IDLE_TIMEOUT_S)  # the engine may stay idle for hours
                 cmd, n, a, _ = header.tolist()
                 if cmd == CMD_STOP:
                     break
