@@ -391,6 +391,7 @@ class LLM:
                 raise ValueError(f"tensor_parallel_size={tp} needs CUDA devices {base}..{base + tp - 1}; "
                                  f"{torch.cuda.device_count()} are visible")
             device = f"cuda:{base}"
+            torch.cuda.set_device(base)  # NCCL works on the current device of each rank
         return WorkerGroup(WorkerSpec(
             source=source, dtype=self.dtype, device=device, seed=cfg.seed, quantization=quant, group_size=group_size,
             cpu_kernels=cfg.cpu_kernels, attention_backend=self.attention_backend, kv_cache_dtype=cfg.kv_cache_dtype,
