@@ -41,7 +41,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .group import TPGroup, make_store, store_location
+from .group import RENDEZVOUS_TIMEOUT_S, TPGroup, make_store, store_location
 from .worker import CMD_COPY, CMD_RUN, CMD_STOP, HEADER_LEN, WorkerSpec, worker_main
 
 
@@ -138,7 +138,7 @@ class WorkerGroup:
         self._dir = tempfile.mkdtemp(prefix="tokenmill-tp-")
         where = store_location(self._dir)
         try:
-            self.store = make_store(0, spec.world_size, where, spec.timeout_s)
+            self.store = make_store(0, spec.world_size, where, min(spec.timeout_s, RENDEZVOUS_TIMEOUT_S))
         except BaseException as e:
             shutil.rmtree(self._dir, ignore_errors=True)
             if isinstance(e, RuntimeError) and where[0] == "tcp":

@@ -37,8 +37,12 @@ def store_location(private_dir: str) -> tuple:
     return ("file", os.path.join(private_dir, "store"))
 
 
-def make_store(rank: int, world_size: int, where: tuple, timeout_s: float) -> dist.Store:
+RENDEZVOUS_TIMEOUT_S = 120.0  # how long ranks wait for each other while the group forms
+
+
+def make_store(rank: int, world_size: int, where: tuple, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> dist.Store:
     """The rendezvous store at `where` (`store_location`); over TCP rank 0 binds it (read `.port`).
+    Its timeout bounds the group's formation only (the collectives have their own).
 
     Raises:
         RuntimeError (from torch): the port is taken, or the master cannot be reached in time.

@@ -113,7 +113,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         from ..kv_cache import KVCache
         from ..model_runner import ModelRunner, StepInputs
         from ..threads import apply_num_threads
-        from .group import TPGroup, make_store
+        from .group import RENDEZVOUS_TIMEOUT_S, TPGroup, make_store
 
         if spec.device == "cpu":
             apply_num_threads(spec.num_threads)
@@ -129,8 +129,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         shape = backend.cache_shape(num_blocks, spec.block_size, model.local.num_kv_heads, cfg.head_dim)
         kv = KVCache(cfg, num_blocks, spec.block_size, kv_dtype, dev, shape)
         model._rope_tables(max_model_len + 1)
-        group = TPGroup(make_store(rank, spec.world_size, spec.store, spec.timeout_s), rank, spec.world_size, dev,
-                        spec.timeout_s, spec.host)
+        store = make_store(rank, spec.world_size, spec.store, min(spec.timeout_s, RENDEZVOUS_TIMEOUT_S))
+        group = TPGroup(store, rank, spec.world_size, dev, spec.timeout_s, spec.host)
         runner = ModelRunner(model, kv, backend, tp=group)
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
         with torch.inference_mode():
