@@ -146,9 +146,11 @@ def smol_tp3():
 
 def test_tp_size_must_divide_the_kv_heads():
     before = set(_spawned_children())
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 3 KV heads \(9 query heads\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 3 KV heads "
+                                         r"\(9 query heads\)"):
         LLM("smollm2-135m-instruct", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's 4 KV heads \(8 query heads\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's 4 KV heads "
+                                         r"\(8 query heads\)"):
         LLM(TINY, tensor_parallel_size=3)
     assert set(_spawned_children()) == before  # refused before any worker started
 
