@@ -162,6 +162,21 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     return model, tokenizer
 
 
+def finish_sharded_quantization(model: LlamaModel, source, dtype: torch.dtype, device: str, seed: int,
+                                quantization: Optional[str], cpu_kernels: bool, shard: TPShard, with_tokenizer: bool,
+                                tp) -> None:
+    """What a tensor-parallel rank's quantization needs once its group exists: for "int8", the
+    row-parallel layers' scales of whole rows (`engine.quant.sync_row_parallel_int8`; one
+    all-reduce per layer, every rank in the same order). Nothing for other schemes: int4
+    groups and GGUF blocks never straddle a shard boundary."""
+    if quantization != "int8" or not shard.is_sharded:
+        return
+    from .quant import sync_row_parallel_int8
+
+    base, _ = _load_model(source, dtype, device, seed, None, 32, cpu_kernels, shard, with_tokenizer)
+    sync_row_parallel_int8(model, base, tp)
+
+
 def _is_valid(seq: Sequence, tokenizer: Any) -> Optional[bool]:
     """For a constrained sequence (None for others): finished with "stop" and its grammar accepts
     the output text. A row cut by a stop string is valid only when the cut falls on a token
@@ -324,7 +339,12 @@ class LLM:
         self.kv_capacity_tokens = num_blocks * bs
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.model._rope_tables(self.max_model_len + 1)  # the forward never resizes them on a device
-        tp_group = self.workers.init(num_blocks, self.max_model_len, self.device) if self.workers is not None else None
+        tp_group = None
+        if self.workers is not None:
+            tp_group = self.workers.init(num_blocks, self.max_model_len, self.device)
+            with self.workers.guard():
+                finish_sharded_quantization(self.model, source, self.dtype, str(self.device), cfg.seed, quant,
+                                            cfg.cpu_kernels, shard, True, tp_group)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, tp=tp_group, workers=self.workers)
         if not cfg.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len, cfg.max_num_batched_tokens)

@@ -280,6 +280,40 @@ def quantized_copy(model, scheme: str, group_size: int = 32, gguf_path: Optional
     return q
 
 
+def sync_row_parallel_int8(model, base, tp) -> int:
+    """int8 on a tensor-parallel rank: requantize the row-parallel layers (o, down) with the
+    scale of the whole row, so every rank's codes are exactly one device's.
+
+    A rank holds only its input columns of o and down, so the per-output-channel absmax it
+    would take from its slice alone is its share's, not the row's. Here every rank takes its
+    slice's absmax per row from its float weights (`base`, the float shard `quantized_copy`
+    started from), one all-reduce(max) per layer gives the row's, and the slice is quantized
+    as `quantize_int8` quantizes the whole row. Every rank must call this, in the same order.
+
+    Args:
+        model: the rank's int8 model (its o and down layers are replaced).
+        base: the rank's float model of the same shard.
+        tp: the group (`engine.parallel.TPGroup`).
+    Returns:
+        the number of layers requantized.
+    """
+    from .kernels.cpu.layers import CpuQuantLinear
+
+    n = 0
+    for qlayer, flayer in zip(model.layers, base.layers):
+        for name in ("o", "down"):
+            lin, w = getattr(qlayer, name), getattr(flayer, name).weight.data.float()
+            amax = tp.all_reduce_max_(w.abs().amax(dim=1).contiguous())
+            s = (amax / 127.0).clamp_min(1e-12)[:, None]
+            q = torch.round(w / s).clamp_(-127, 127).to(torch.int8)
+            new: nn.Module = QuantLinear(q, s, None, 8, w.shape[1], lin.bias, model.dtype).to(w.device)
+            if isinstance(lin, CpuQuantLinear):
+                new = CpuQuantLinear(new, lib=lin.lib)
+            setattr(qlayer, name, new)
+            n += 1
+    return n
+
+
 def model_weight_bytes(model) -> int:
     """Bytes of all weights as held in memory: the embedding table, norms and every
     linear layer (a quantized LM head is a separate copy of the tied embedding; a

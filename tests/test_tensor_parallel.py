@@ -313,14 +313,20 @@ def test_preemption_and_chunked_prefill_under_tp(tiny_tp1):
     assert _ids(outs) == _ids(ref)
 
 
-def test_quantized_int4_under_tp(tiny_tp1):
-    """quantization="int4": each rank quantizes its own slices (groups of 32 never straddle a
-    shard boundary, so the codes are one device's); ids equal int4 at TP = 1."""
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_quantized_weights_under_tp(tiny_tp1, scheme):
+    """Each rank quantizes its own slices: int4 groups of 32 never straddle a shard boundary,
+    and int8's row-parallel scales are the whole rows' (one all-reduce(max) at start), so the
+    codes are one device's; ids equal the same scheme at TP = 1."""
     prompts = _prompts(tiny_tp1.tokenizer)[:8]
-    ref = _ids(_tiny(quantization="int4").generate(prompts, GREEDY, use_tqdm=False))
-    with _tiny(quantization="int4", tensor_parallel_size=2) as q:
-        assert type(q.model.layers[0].o).__name__ in ("CpuQuantLinear", "QuantLinear")
-        assert q.model.layers[0].o.in_features == 128  # its half of the 8 x 32 attention columns
+    one = _tiny(quantization=scheme)
+    ref = _ids(one.generate(prompts, GREEDY, use_tqdm=False))
+    with _tiny(quantization=scheme, tensor_parallel_size=2) as q:
+        o = q.model.layers[0].o
+        assert type(o).__name__ in ("CpuQuantLinear", "QuantLinear")
+        assert o.in_features == 128  # its half of the 8 x 32 attention columns
+        want = one.model.layers[0].o.dequantize()[:, :128]  # rank 0's columns of one device's codes
+        assert torch.equal(o.dequantize(), want)
         got = _ids(q.generate(prompts, GREEDY, use_tqdm=False))
     assert got == ref
 

@@ -101,6 +101,14 @@ class TPGroup:
         self.num_all_reduces += 1
         return t
 
+    def all_reduce_max_(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of `t` over the ranks, in place on every rank (load time only:
+        not counted in `comm_s`)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.pg.allreduce([t], opts).wait()
+        return t
+
     def gather_vocab(self, t: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
         """Rank 0: the ranks' [S, Vp] logits slices side by side, cut to [S, vocab_size];
         other ranks: None (they only send)."""

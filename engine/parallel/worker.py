@@ -9,7 +9,8 @@ A worker is started once per engine by `engine.parallel.WorkerGroup` (torch.mult
    or ("error", traceback) and exit 1;
 2. init: receive ("init", num_blocks, max_model_len) from the driver, allocate its paged KV
    cache (its num_kv_heads / N heads, the driver's block count, so the driver's block tables
-   address it), join the process group;
+   address it), join the process group (and, for int8, agree on the row-parallel scales:
+   `engine.llm.finish_sharded_quantization`);
 3. loop: receive a header [command, payload length] broadcast by the driver (waiting as
    long as the engine is idle: the group's timeout applies within a step), then the
    payload: RUN (a packed `StepInputs`: the same forward as the driver's, whose collectives
@@ -111,7 +112,9 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         import torch
 
         from ..kv_cache import KVCache
+        from ..llm import finish_sharded_quantization
         from ..model_runner import ModelRunner, StepInputs
+        from .sharding import TPShard
         from ..threads import apply_num_threads
         from .group import RENDEZVOUS_TIMEOUT_S, TPGroup, make_store
 
@@ -131,6 +134,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         model._rope_tables(max_model_len + 1)
         store = make_store(rank, spec.world_size, spec.store, min(spec.timeout_s, RENDEZVOUS_TIMEOUT_S))
         group = TPGroup(store, rank, spec.world_size, dev, spec.timeout_s, spec.host)
+        finish_sharded_quantization(model, spec.source, spec.dtype, str(dev), spec.seed, spec.quantization,
+                                    spec.cpu_kernels, TPShard(rank, spec.world_size), False, group)
         runner = ModelRunner(model, kv, backend, tp=group)
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
         with torch.inference_mode():
