@@ -270,6 +270,17 @@ def test_tiny_llama_tp2_greedy_equals_one_device(tiny_tp1, tiny_tp2):
     assert tiny_tp2.kv_cache.layers[0][0].shape[0] == 2  # this rank's KV heads (torch layout: heads first)
 
 
+def test_tiny_llama_tp4_greedy_equals_one_device(tiny_tp1):
+    """Four ranks, one KV head each (oversubscribed 2:1 on this machine: few tokens)."""
+    prompts = _prompts(tiny_tp1.tokenizer)[:12]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ref = _ids(tiny_tp1.generate(prompts, params, use_tqdm=False))
+    with _tiny(tensor_parallel_size=4) as llm:
+        assert len(llm.worker_pids) == 3 and llm.model.local.num_kv_heads == 1
+        got = _ids(llm.generate(prompts, params, use_tqdm=False))
+    _assert_greedy_equal(tiny_tp1, prompts, ref, got)
+
+
 def test_score_choices_under_tp(tiny_tp1, tiny_tp2):
     """Scoring copies KV blocks (every rank copies its own heads): log-probabilities as on one device."""
     prompt = tiny_tp1.tokenizer.encode("The weather today is")
