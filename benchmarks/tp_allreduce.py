@@ -19,7 +19,7 @@ On a 2-core machine tensor parallelism cannot speed anything up (the ranks share
 that one process would use); the point is the measured cost of communication.
 
     python -m benchmarks.tp_allreduce [--model dummy:qwen2-0.5b] [--tp 2] [--rows 1,8,32,128]
-        [--context 128] [--repeats 5] [--output-json benchmarks/results/tp_allreduce.json]
+        [--context 128] [--repeats 5] [--kv-cache-memory-bytes N] [--output-json F]
 """
 from __future__ import annotations
 
@@ -149,6 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="per rank")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
     from engine import LLM
@@ -158,7 +159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cores = default_num_threads()
     load0 = machine_load()
     print(f"{args.model}, TP = {args.tp} vs 1, decode rows at context {args.context}; {cores} cores; {_fmt_load(load0)}")
-    kw = dict(speculative=None, kv_cache_memory_bytes=1 << 30, max_num_seqs=max(rows + [args.prompts]))
+    kw = dict(speculative=None, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              max_num_seqs=max(rows + [args.prompts]))
     prompts = [f"Item {i}: the quick brown fox jumps over the lazy dog, and then" for i in range(args.prompts)]
     report: dict = {"model": args.model, "tp": args.tp, "context": args.context, "cores": cores, "load_start": load0}
     for label, threads in (("tp1_1thread", 1), (f"tp1_{cores}threads", cores)):

@@ -382,3 +382,21 @@ def test_step_cost_and_spec_tail_run_and_report(tmp_path, tok):
     res = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in res] == ["off", "ngram"] and res[0]["spec_draft_tokens"] == 0
     assert all(0 <= r["tail_s"] <= r["makespan_s"] for r in res)
+
+
+def test_tp_allreduce_runs_and_reports(tmp_path):
+    """The tensor-parallel communication benchmark runs end to end on a tiny shape and writes
+    what it prints: per-step all-reduce time, its share, and 2 L + 1 all-reduces per step."""
+    import json
+
+    from benchmarks import tp_allreduce
+
+    out = tmp_path / "tp.json"
+    assert tp_allreduce.main(["--model", "dummy:llama-tiny-4kv", "--rows", "1,4", "--repeats", "1", "--prompts", "2",
+                              "--max-tokens", "2", "--kv-cache-memory-bytes", str(4 << 20),
+                              "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [x["rows"] for x in r["tp2"]] == [1, 4]
+    assert all(x["all_reduces_per_step"] == 2 * 4 + 1 == r["all_reduces_per_step"] for x in r["tp2"])
+    assert all(0 < x["all_reduce_ms"] and 0 < x["all_reduce_share"] < 1 for x in r["tp2"])
+    assert set(r["bare_all_reduce_ms"]) == {"1", "4"} and r["tp2_generate_tok_s"] > 0
