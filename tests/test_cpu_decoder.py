@@ -59,6 +59,13 @@ def test_driver_steps_aside_for_a_hook_and_for_a_swapped_layer():
     model.layers[0].down = CpuLinear(old.weight.data.clone())
     assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want
     assert model._c_decoder is not first and model._c_decoder.modules[3] is model.layers[0].down
+    # a hook added after the description was made: the loop runs again while it is there
+    seen.clear()
+    handle = model.layers[7].gate_up.register_forward_hook(lambda mod, args, out: seen.append(out.shape[0]))
+    try:
+        assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want and len(seen) >= 4
+    finally:
+        handle.remove()
 
 
 def test_describe_refuses_layers_it_cannot_run():
