@@ -19,7 +19,8 @@ Measured in one run, on the same machine state:
    into linear layers, attention, the other model ops (embedding, RMSNorm, RoPE, SiLU x up,
    final norm), sampling, scheduling, input preparation and the rest of the loop. Timers
    wrap this run's engine objects from outside (the engine's code is untouched); the
-   non-linear share is everything but the linear layers.
+   non-linear share is everything but the linear layers. This run uses the Python layer
+   loop, not the C decoder driver, whose one call per step would hide the boundaries.
 5. **MBU of decode at batch 1**: step time = (wall with N new tokens - wall with 1) / (N - 1);
    bytes per step = weights read per decode step + the KV of the mean context;
    MBU = bytes / step time / copy bandwidth. For each of ``--schemes``.
@@ -143,6 +144,11 @@ class StepTimers:
         self.steps = 0
         self._undo: list[tuple[Any, str]] = []
         m = llm.model
+        # the C decoder driver (engine.kernels.cpu.decoder) runs every layer in one call, which
+        # would hide the kernel boundaries these timers need: the breakdown runs the Python layer
+        # loop (the same kernels; it differs only by the dispatch the driver removes)
+        m.use_c_decoder = False
+        self._undo.append((m, "use_c_decoder"))
         for _, lin in m.linear_layers():
             self._wrap(lin, "forward", "linear layers")
         self._wrap(llm.backend, "forward", "attention")
