@@ -20,7 +20,9 @@ Measured in one run, on the same machine state:
    final norm), sampling, scheduling, input preparation and the rest of the loop. Timers
    wrap this run's engine objects from outside (the engine's code is untouched); the
    non-linear share is everything but the linear layers. This run uses the Python layer
-   loop, not the C decoder driver, whose one call per step would hide the boundaries.
+   loop, not the C decoder driver, whose one call per step would hide the boundaries; a
+   second run of the same shape with the driver times its decode-only steps, and its
+   non-linear share is its step time less the loop run's linear-layer time.
 5. **MBU of decode at batch 1**: step time = (wall with N new tokens - wall with 1) / (N - 1);
    bytes per step = weights read per decode step + the KV of the mean context;
    MBU = bytes / step time / copy bandwidth. For each of ``--schemes``.
@@ -137,12 +139,43 @@ class StepTimers:
     this engine's linear layers, attention backend, model ops, sampler, scheduler and runner.
     Instance attributes shadow the class methods; `close()` removes them."""
 
-    def __init__(self, llm: Any, decode_only: bool = True) -> None:
+    def __init__(self, llm: Any, decode_only: bool = True, kernels: bool = True) -> None:
         self.t: dict[str, float] = collections.defaultdict(float)
         self.decode_only = decode_only
         self.in_decode_step = False
         self.steps = 0
         self._undo: list[tuple[Any, str]] = []
+        self._sampler = None
+        if kernels:
+            self._wrap_kernels(llm)
+        run = llm.runner.run
+
+        def run_step(inputs: Any) -> Any:
+            self.in_decode_step = inputs.num_decodes == inputs.num_tokens
+            return run(inputs)
+
+        llm.runner.run = run_step
+        self._undo.append((llm.runner, "run"))
+        step = llm.core.step
+
+        def timed_step() -> Any:
+            t0 = time.perf_counter()
+            self.in_decode_step = False
+            r = step()
+            if self.in_decode_step or not self.decode_only:
+                self.t["step"] += time.perf_counter() - t0
+                self.steps += 1
+            else:  # a step with prefill: drop what it added
+                for k in list(self._pending):
+                    self.t[k] -= self._pending[k]
+            self._pending.clear()
+            return r
+
+        self._pending: dict[str, float] = collections.defaultdict(float)
+        llm.core.step = timed_step
+        self._undo.append((llm.core, "step"))
+
+    def _wrap_kernels(self, llm: Any) -> None:
         m = llm.model
         # the C decoder driver (engine.kernels.cpu.decoder) runs every layer in one call, which
         # would hide the kernel boundaries these timers need: the breakdown runs the Python layer
@@ -173,32 +206,6 @@ class StepTimers:
         self._wrap(llm.scheduler, "schedule", "scheduler")
         self._wrap(llm.runner, "prepare_scheduled", "input preparation")
         self._wrap(m, "forward", "model forward")
-        run = llm.runner.run
-
-        def run_step(inputs: Any) -> Any:
-            self.in_decode_step = inputs.num_decodes == inputs.num_tokens
-            return run(inputs)
-
-        llm.runner.run = run_step
-        self._undo.append((llm.runner, "run"))
-        step = llm.core.step
-
-        def timed_step() -> Any:
-            t0 = time.perf_counter()
-            self.in_decode_step = False
-            r = step()
-            if self.in_decode_step or not self.decode_only:
-                self.t["step"] += time.perf_counter() - t0
-                self.steps += 1
-            else:  # a step with prefill: drop what it added
-                for k in list(self._pending):
-                    self.t[k] -= self._pending[k]
-            self._pending.clear()
-            return r
-
-        self._pending: dict[str, float] = collections.defaultdict(float)
-        llm.core.step = timed_step
-        self._undo.append((llm.core, "step"))
 
     def _wrap(self, obj: Any, attr: str, label: str) -> None:
         fn = getattr(obj, attr)
@@ -215,8 +222,9 @@ class StepTimers:
         self._undo.append((obj, attr))
 
     def close(self) -> None:
-        llm, sampler = self._sampler
-        llm.core.sampler = sampler
+        if self._sampler is not None:
+            llm, sampler = self._sampler
+            llm.core.sampler = sampler
         for obj, attr in reversed(self._undo):
             try:
                 delattr(obj, attr)
@@ -358,6 +366,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {k:<52} {100 * v:5.1f}%")
     print(f"  non-linear share (everything but the linear layers)   {100 * (1 - split['linear layers']):5.1f}%",
           flush=True)
+    # the same workload (other prompts of the same shape) with the C decoder driver, which runs the
+    # same linear kernels on the same shapes: its non-linear share is 1 - (the loop run's linear
+    # time per step) / (its own step time). The loop's linear time includes the layers' own Python
+    # dispatch (a few us per call, 120 calls), so this share errs low by about that much.
+    if llm.model.use_c_decoder:
+        rnd2 = build_workload("in99-out64", tok, num_prompts=batch, seed=2, max_output_tokens=16 if q else None)
+        clock = StepTimers(llm, kernels=False)
+        try:
+            llm.generate(rnd2.prompt_token_ids, rnd2.sampling_params(), use_tqdm=False)
+        finally:
+            clock.close()
+        drv_ms = 1e3 * clock.t["step"] / max(clock.steps, 1)
+        lin_ms = step_ms * split["linear layers"]
+        if llm.model._c_decoder is not None and clock.steps:
+            share = max(0.0, 1 - lin_ms / drv_ms)
+            report["breakdown"]["c_decoder"] = {"decode_steps": clock.steps, "ms_per_decode_step": drv_ms,
+                                                "non_linear": share}
+            print(f"  with the C decoder driver: {drv_ms:.1f} ms per decode-only step ({clock.steps} steps); "
+                  f"non-linear share {100 * share:.1f}% (its step less the loop run's {lin_ms:.1f} ms of linear "
+                  f"layers)", flush=True)
 
     # 5. MBU at batch 1, per scheme
     report["mbu"] = {}
