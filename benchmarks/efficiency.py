@@ -34,7 +34,7 @@ other processes), as in `benchmarks.hf_compare`.
 Usage::
 
     python -m benchmarks.efficiency [--quick] [--batch 64] [--schemes fp32,int8,gguf,w8a8]
-                                    [--output-json F]
+                                    [--kv-cache-dtype auto|int8] [--output-json F]
 """
 from __future__ import annotations
 
@@ -254,6 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--matmul-size", type=int, default=None, help="cube of the peak matmul (2048; quick 1024)")
     p.add_argument("--schemes", default="fp32,int8,gguf", help=f"MBU at batch 1 for these ({','.join(SCHEMES)})")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|int8")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -282,12 +283,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from engine.tokenizer import Tokenizer
 
     llm = make_llm(args.model, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                   num_threads=args.threads)
+                   num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
     model = llm.model
     isa = cpu.isa() if cpu.available() else "none"
     print(f"tokenmill efficiency: torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"CPU kernels {isa} ({cpu.get_num_threads() if cpu.available() else 0} threads), "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs", flush=True)
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs, KV cache "
+          f"{args.kv_cache_dtype}", flush=True)
     report.update(torch_threads=torch.get_num_threads(), kernels_isa=isa)
 
     # 1 + 2. peak and the linear layers per M
