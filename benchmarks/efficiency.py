@@ -28,6 +28,8 @@ Measured in one run, on the same machine state:
    MBU = bytes / step time / copy bandwidth. For each of ``--schemes``.
 6. **KV cache utilisation** of the batch run.
 
+Speculative decoding is off in every engine here: the figures are of plain steps.
+
 Every figure is printed next to the machine load (load average and cores kept busy by
 other processes), as in `benchmarks.hf_compare`.
 
@@ -282,8 +284,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from engine.kernels import cpu
     from engine.tokenizer import Tokenizer
 
+    # speculation off everywhere here: these figures are of plain steps (a verification step runs
+    # more tokens per row, and the MBU runs repeat one prompt, whose output the job-wide suffix
+    # proposer would learn and then draft whole)
     llm = make_llm(args.model, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                   num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
+                   num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype, speculative=None)
     model = llm.model
     isa = cpu.isa() if cpu.available() else "none"
     print(f"tokenmill efficiency: torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
@@ -395,7 +400,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     prompt = wl.prompt_token_ids[0][:32]
     for scheme in schemes:
         llm1 = make_llm(args.model, max_num_seqs=1, enable_prefix_caching=False, num_threads=args.threads,
-                        **SCHEMES[scheme])
+                        speculative=None, **SCHEMES[scheme])
         llm1.generate([prompt[::-1]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         m = measure(f"mbu {scheme}")
         walls = {}
