@@ -79,9 +79,14 @@ class EngineConfig:
         distributed_timeout_s: how long a tensor-parallel collective waits for a peer before
             it raises (a dead worker is detected within seconds regardless).
         structured_outputs_jump_forward: for constrained requests, append the tokens the
-            grammar forces (its only legal continuation) without sampling each of them; they
-            are computed in the next step's forward pass as one chunk (counted in
-            `EngineStats.structured_forced_tokens`). See `engine.structured`.
+            grammar forces (its only legal continuation) without sampling each of them: a
+            forced start with the prompt in the prefill, a forced run in the next step's
+            forward pass as one chunk, and the end token of a complete grammar with no
+            forward pass at all (counted in `EngineStats.structured_forced_tokens`). See
+            `engine.core` and `engine.structured`.
+        structured_outputs_backend: the grammar engine: "llguidance" (the default) or
+            "xgrammar" (optional: `pip install 'tokenmill[xgrammar]'`; no end-token
+            jump-forward, see `engine.structured.xgrammar_backend`).
 
     Raises:
         ValueError: naming the parameter, for any out-of-range value.
@@ -109,6 +114,7 @@ class EngineConfig:
     speculative: Optional[str] = "auto"
     speculative_config: Optional[dict] = None
     structured_outputs_jump_forward: bool = True
+    structured_outputs_backend: str = "llguidance"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 600.0
 
@@ -137,6 +143,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be None|int8|int4|gguf|w8a8, got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
+        if self.structured_outputs_backend not in ("llguidance", "xgrammar"):
+            raise ValueError(f"structured_outputs_backend must be llguidance|xgrammar, got "
+                             f"{self.structured_outputs_backend!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto|int8|fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":

@@ -7,9 +7,10 @@ each plain row and verifies each draft; new tokens are checked one by one agains
 stop token ids, stop strings and length; blocks past a verification's accepted tokens
 are given back; finished sequences free their blocks.
 
-Constrained sequences (`engine.structured`) add three things to a step: drafts are cut at
-the first token their grammar rejects (and, with jump-forward, before a token after which
-the grammar forces its continuation, so that speculation never changes what is appended);
+Constrained sequences (`engine.structured`) add three things to a step: the speculative
+decoder cuts their drafts at the first token their grammar rejects (and, with jump-forward,
+before a token after which the grammar forces its continuation, so that speculation never
+changes what is appended), before it sizes them and grows their blocks;
 one token bitmask for all the step's logits rows is filled on a worker thread while the
 forward pass runs (a verification's row j gets the mask after draft[:j]) and applied
 before sampling; every appended token advances the sequence's matcher, and with
@@ -25,6 +26,7 @@ facade, the benchmarks and the pipeline drive the engine through them only.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -69,6 +71,9 @@ class EngineCore:
         self.structured = structured  # an engine.structured.StructuredOutputManager, or None
         self.jump_forward = jump_forward
         self.stats = EngineStats()
+        if spec is not None and structured is not None:  # drafts are cut to what the grammar allows
+            method = weakref.WeakMethod(self._grammar_prefix)  # weak: no cycle keeps the engine alive
+            spec.draft_filter = lambda seq, draft: method()(seq, draft)
 
     # ------------------------------------------------------------ public surface
     def add_requests(self, requests: list[Request]) -> None:
@@ -137,8 +142,6 @@ class EngineCore:
             st.time_total_s += time.perf_counter() - t0
             return res
         now = time.time()
-        if self.structured is not None:
-            self._validate_drafts(out.decodes)
         plain = [c for c in out.decodes if not c.draft]
         verify = [c for c in out.decodes if c.draft]
         # (a chunk of tokens jump-forward appended runs as a prefill chunk and is counted here too)
@@ -209,29 +212,26 @@ class EngineCore:
         return res
 
     # ------------------------------------------------------------ internals
-    def _validate_drafts(self, decodes: list) -> None:
-        """Cut each constrained sequence's draft at the first token its grammar rejects; with
-        jump-forward also before the first token after which the grammar forces tokens (plain
-        decoding would append the forced tokens there, not the next draft or target token)."""
-        for c in decodes:
-            m = c.seq.grammar
-            if not c.draft or m is None:
-                continue
-            k = m.validate_tokens(c.draft) if not m.is_error() else 0
-            if self.jump_forward and k:
-                took = 0
-                for j in range(k):
-                    m.accept_token(c.draft[j])
-                    took += 1
-                    if m.forced_tokens() or m.is_stopped():
-                        k = j  # keep the tokens before it; the target token lands where draft[j] was
-                        break
-                m.rollback(took)
-            if k < len(c.draft):
-                c.draft = list(c.draft[:k])
-                c.num_tokens = 1 + k
-                if not c.draft:
-                    c.proposer = None
+    def _grammar_prefix(self, seq: Sequence, draft: list[int]) -> int:
+        """How many leading tokens of a constrained sequence's draft may be verified (the
+        speculative decoder's `draft_filter`): up to the first token its grammar rejects; with
+        jump-forward also before the first token after which the grammar forces tokens or
+        allows only the end (plain decoding would append those there, not the next draft or
+        target token). The matcher is left where it was."""
+        m = seq.grammar
+        if m is None or not draft:
+            return len(draft)
+        k = m.validate_tokens(draft) if not m.is_error() else 0
+        if self.jump_forward and k:
+            took = 0
+            for j in range(k):
+                m.accept_token(draft[j])
+                took += 1
+                if m.forced_tokens() or m.is_stopped():
+                    k = j  # keep the tokens before it; the target token lands where draft[j] was
+                    break
+            m.rollback(took)
+        return k
 
     def _force_start(self, seq: Sequence) -> None:
         """Append the tokens seq's grammar forces before its first sampled token (jump-forward

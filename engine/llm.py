@@ -373,7 +373,18 @@ class LLM:
                                                        cfg.max_num_seqs, self.max_model_len, bs)
         tokenizer = self.tokenizer  # the factory holds no reference back to this LLM (freed by refcount)
 
+        if cfg.structured_outputs_backend == "xgrammar":
+            from .structured import xgrammar_backend
+
+            if not xgrammar_backend.available():
+                raise ValueError("structured_outputs_backend='xgrammar': xgrammar is not installed "
+                                 "(pip install 'tokenmill[xgrammar]')")
+
         def grammar_backend():
+            if cfg.structured_outputs_backend == "xgrammar":
+                from .structured.xgrammar_backend import XGrammarBackend
+
+                return XGrammarBackend(tokenizer)
             from .structured.llguidance_backend import LLGuidanceBackend
 
             return LLGuidanceBackend(tokenizer)

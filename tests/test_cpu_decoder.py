@@ -23,12 +23,13 @@ def _run(llm, use: bool, params):
         LlamaModel.use_c_decoder = True
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf", "int8", "w8a8"])
-def test_driver_equals_the_python_layer_loop_bit_for_bit(quantization):
+@pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("gguf", "auto"), ("int8", "auto"), ("w8a8", "auto"),
+                                             ("gguf", "int8")])
+def test_driver_equals_the_python_layer_loop_bit_for_bit(quantization, kv):
     # a small token budget splits prefills into chunks that share steps with decodes; no prefix
     # cache, so both runs compute the same rows in the same steps
     llm = LLM("smollm2-135m-instruct", speculative=None, quantization=quantization, enable_prefix_caching=False,
-              max_num_batched_tokens=48, kv_cache_memory_bytes=64 << 20)
+              max_num_batched_tokens=48, kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv)
     p = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     steps0 = llm.stats.num_steps
     on = _run(llm, True, p)
@@ -59,6 +60,13 @@ def test_driver_steps_aside_for_a_hook_and_for_a_swapped_layer():
     model.layers[0].down = CpuLinear(old.weight.data.clone())
     assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want
     assert model._c_decoder is not first and model._c_decoder.modules[3] is model.layers[0].down
+    # a hook added after the description was made: the loop runs again while it is there
+    seen.clear()
+    handle = model.layers[7].gate_up.register_forward_hook(lambda mod, args, out: seen.append(out.shape[0]))
+    try:
+        assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want and len(seen) >= 4
+    finally:
+        handle.remove()
 
 
 def test_describe_refuses_layers_it_cannot_run():

@@ -10,9 +10,9 @@ bit for bit the loop's.
 
 It serves a step only when everything the loop would do is one of those kernels: every
 linear layer a `CpuLinear`, `CpuQuantLinear` or `W8A8Linear` without hooks, `CpuOps` for
-the small ops, fp32 KV caches and the torch attention backend with its C kernel serving
-the step. Anything else (a hook observing a layer for calibration, another backend, an int8
-KV cache, a layer of another class) runs the Python loop.
+the small ops, fp32 or int8 KV caches and the torch attention backend (or its int8-cache
+subclass) with its C kernel serving the step. Anything else (a hook observing a layer for
+calibration, another backend, a layer of another class) runs the Python loop.
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ class CpuDecoder:
 
     Args:
         model: the model (its `layers`, `cfg`).
-        kv_caches: per layer (k_cache, v_cache), fp32 [Hkv, S, D] contiguous.
+        kv_caches: per layer (k_cache, v_cache), contiguous: fp32 [Hkv, S, D], or int8 rows
+            [Hkv, S, D + 4] (D codes and the fp32 scale, `TorchQuantKVAttentionBackend`'s layout).
         lib: a specific build (tests); default the native one.
     Attributes:
         desc: [num_layers * words] int64, the layer descriptions (pointers into the model's
@@ -69,11 +70,14 @@ class CpuDecoder:
         self._fn = self.lib.tm_decoder_forward
         self.desc = desc
         self.modules = self.layer_modules(model)
+        self._layer_modules = [(*layer._modules.values(), *layer._parameters.values()) for layer in model.layers]
+        self._hook_dicts = [d for lin in self.modules for d in (lin._forward_pre_hooks, lin._forward_hooks)]
         self.kv_caches = kv_caches
         self.num_layers = len(model.layers)
-        s = kv_caches[0][0].shape[1]
+        kc = kv_caches[0][0]
         self.dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  cfg.intermediate_size, s, 0, 0], dtype=torch.int64)
+                                  cfg.intermediate_size, kc.shape[1], 0, int(kc.dtype == torch.int8)],
+                                 dtype=torch.int64)
         self.eps = float(cfg.rms_norm_eps)
         self.w8a8 = [lin for lin in self.modules if desc_kind(lin) == DEC_W8A8]
         kps = [(-(-lin.in_features // 4) * 4, lin.group_size) for lin in self.w8a8]  # codes per row, group size
@@ -95,35 +99,37 @@ class CpuDecoder:
         """The int64 description of every layer (decoder.c's layout), or None when a layer or
         cache is something the driver does not run."""
         words = []
+        d = model.cfg.head_dim
         for layer, (kc, vc) in zip(model.layers, kv_caches):
-            if not (kc.dtype == torch.float32 and vc.dtype == torch.float32 and kc.is_contiguous()
+            fp32 = kc.dtype == torch.float32 and kc.shape[-1] == d
+            int8 = kc.dtype == torch.int8 and kc.shape[-1] == d + 4  # rows of D codes and an fp32 scale
+            if not ((fp32 or int8) and vc.dtype == kc.dtype and vc.shape == kc.shape and kc.is_contiguous()
                     and vc.is_contiguous() and kc.device.type == "cpu"):
                 return None
             w = [layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), kc.data_ptr(), vc.data_ptr()]
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                d = _describe_linear(lin)
-                if d is None:
+                lw = _describe_linear(lin)
+                if lw is None:
                     return None
-                w += d
+                w += lw
             words += w
         if len(model.layers) != len(kv_caches) or not words:
             return None
         return torch.tensor(words, dtype=torch.int64)
 
     def current(self, model, kv_caches) -> bool:
-        """Whether this description still matches the model's modules and caches (no swap, no
-        hook added since, the same cache tensors)."""
+        """Whether this description still matches the model's modules, norm weights and caches
+        (no swap, no hook added since, the same cache tensors)."""
         if kv_caches is not self.kv_caches and any(
                 a[0] is not b[0] or a[1] is not b[1] for a, b in zip(kv_caches, self.kv_caches)):
             return False
-        mods = self.modules
-        i = 0
-        for layer in model.layers:
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                if lin is not mods[i] or lin._forward_pre_hooks or lin._forward_hooks:
-                    return False
-                i += 1
-        return True
+        # (module dicts and hook dicts read directly: this runs every step, about 10 us)
+        if [(*layer._modules.values(), *layer._parameters.values())
+                for layer in model.layers._modules.values()] != self._layer_modules:
+            return False
+        from torch.nn.modules import module as _m
+
+        return not (any(map(len, self._hook_dicts)) or _m._global_forward_pre_hooks or _m._global_forward_hooks)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             slot_mapping: torch.Tensor, plan: tuple, block_size: int, scale: float,
