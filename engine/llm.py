@@ -359,8 +359,8 @@ class LLM:
 
             core_ref = []  # filled below; no reference back to this LLM, so dropping it frees the KV cache at once
 
-            def profile(n: int, ctx: int) -> float:
-                return core_ref[0].profile_step(n, ctx)
+            def profile(n: int, ctx: int, seqs: Optional[int] = None) -> float:
+                return core_ref[0].profile_step(n, ctx, seqs)
 
             self.spec = SpecDecoder(spec_cfg, self.max_model_len, draft_factory, profile=profile)
         self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
