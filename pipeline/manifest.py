@@ -136,6 +136,12 @@ def mark_done(output: str, shard_name: str, result: ShardResult, extra: dict,
     return ShardResult.from_json(existing) if existing is not None else result
 
 
+def read_marker(output: str, shard_name: str, storage_options: dict[str, Any]) -> ShardResult | None:
+    """The shard's done marker, or None when the shard is not done."""
+    d = io.read_json(marker_url(output, shard_name), storage_options)
+    return ShardResult.from_json(d) if d is not None else None
+
+
 def shard_workers(output: str, storage_options: dict[str, Any]) -> dict[int, str]:
     """Which worker committed each done shard, by index (from the done markers)."""
     return {i: r.worker for i, r in done_shards(output, storage_options).items()}
