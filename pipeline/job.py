@@ -844,14 +844,23 @@ def _counts(gen: pl.DataFrame, labels: list[str]) -> TokenCounts:
     return counts
 
 
-def _adopt_part(spec: JobSpec, shard: Shard, url: str, ids: pl.Series, structured: bool) -> tuple[pl.DataFrame, list[str]]:
-    """The part file another attempt of this shard committed first: (its rows, its valid choice labels).
+PART_WORKER_KEY = "tokenmill.worker"  # Parquet key-value metadata of a part file: the worker that wrote it
+
+
+def _adopt_part(spec: JobSpec, shard: Shard, url: str, ids: pl.Series,
+                structured: bool) -> tuple[pl.DataFrame, list[str], str]:
+    """The part file another attempt of this shard committed first: (its rows, its valid choice labels,
+    the worker that wrote it, from the file's metadata; "" if it has none).
 
     Raises:
         JobSpecChanged: the file holds other ids than this shard (something else wrote the output).
         StorageError: it could not be read.
     """
-    existing = io.read_parquet(url, spec.storage_options)
+    fs, path = io.filesystem(url, spec.storage_options)
+    with storage_call("read", url, io.resolve_storage_options(url, spec.storage_options)):
+        data = fs.cat_file(path)
+    existing = pl.read_parquet(BytesIO(data))
+    writer = pl.read_parquet_metadata(BytesIO(data)).get(PART_WORKER_KEY, "")
     theirs = existing.get_column(ids.name).to_list() if ids.name in existing.columns else None
     if theirs != ids.to_list():
         raise JobSpecChanged(f"{url} already exists and does not hold shard {shard.index}'s rows (was the output "
@@ -862,7 +871,7 @@ def _adopt_part(spec: JobSpec, shard: Shard, url: str, ids: pl.Series, structure
         col = "label" if "label" in existing.columns else "generation"
         labels = [v for v, ok in zip(existing.get_column(col).to_list(), existing.get_column("valid").to_list())
                   if ok and v is not None]
-    return existing, labels
+    return existing, labels, writer
 
 
 def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str,
@@ -892,19 +901,22 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str,
     out = pl.concat([pl.DataFrame([ids.alias(layout.id_column)]), df.select(layout.passthrough), gen],
                     how="horizontal")
     url = io.join(spec.output, shard.name)
+    worker = worker or default_worker()
     buf = BytesIO()
-    out.write_parquet(buf, compression="zstd")
+    out.write_parquet(buf, compression="zstd", metadata={PART_WORKER_KEY: worker})
     adopted = not io.create_exclusive(url, buf.getvalue(), so)
+    writer = worker
     if adopted:  # an earlier attempt's part file (a worker lost mid-commit, a killed run): keep it
-        out, labels = _adopt_part(spec, shard, url, ids.alias(layout.id_column), state.structured)
+        out, labels, writer = _adopt_part(spec, shard, url, ids.alias(layout.id_column), state.structured)
+        writer = writer or worker
         gen = out.select([c for c in gen_cols if c in out.columns])
     else:
         labels = [r.get("_label") for r in state.results if r is not None and r.get("_label") is not None]
     result = ShardResult(index=shard.index, rows=shard.length, counts=_counts(gen, labels), device=device,
-                         seconds=time.perf_counter() - state.started, worker=worker or default_worker())
+                         seconds=time.perf_counter() - state.started, worker=writer)
     return manifest.mark_done(spec.output, shard.name, result,
                               {"run_id": run_id, "finished_at": datetime.now(timezone.utc).isoformat(),
-                               "adopted_part": adopted}, so)
+                               "adopted_part": adopted, "committed_by": worker}, so)
 
 
 def read_shard(shard: Shard, storage_options: Optional[dict[str, Any]] = None,

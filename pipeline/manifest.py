@@ -34,8 +34,10 @@ class ShardResult:
         counts: ok/error rows and token counts of the shard.
         device: the engine's device name.
         seconds: wall seconds from reading the shard to its commit.
-        worker: who committed it: a Dask worker's address (tcp://HOST:PORT) on a cluster, else
-            HOST:PID of the process ("" in markers written before workers were recorded).
+        worker: who ran it, i.e. wrote its part file: a Dask worker's address (tcp://HOST:PORT) on
+            a cluster, else HOST:PID of the process ("" in markers written before workers were
+            recorded). The marker's `committed_by` names who wrote the marker, another worker when
+            it adopted a part file whose writer died before marking it (`adopted_part`).
     """
 
     index: int
