@@ -196,12 +196,27 @@ def _require_api_for_cluster(spec: JobSpec) -> None:
 
 @contextlib.contextmanager
 def _cluster_runner(spec: JobSpec) -> Iterator[Any]:
-    """A started DaskTaskRunner connected to `spec.cluster`, or None (the flow's own task runner)."""
+    """A started DaskTaskRunner connected to `spec.cluster`, or None (the flow's own task runner).
+
+    Raises:
+        ValueError: this process has a default Dask client of another scheduler (DaskTaskRunner
+            would submit to that one instead of `spec.cluster`).
+    """
     if not spec.cluster:
         yield None
         return
+    import distributed
+    from distributed.comm import resolve_address
     from prefect_dask import DaskTaskRunner
 
+    try:
+        current = distributed.Client.current()
+    except ValueError:
+        current = None
+    if current is not None and resolve_address(current.scheduler.address) != resolve_address(spec.cluster):
+        raise ValueError(f"cluster={spec.cluster!r}: this process's default Dask client is connected to "
+                         f"{current.scheduler.address}, and prefect-dask submits to a default client before an "
+                         f"address; close that client or create it with set_as_default=False")
     with DaskTaskRunner(address=spec.cluster) as runner:
         yield runner
 
