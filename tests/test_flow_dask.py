@@ -73,7 +73,7 @@ def start_cluster(api: str):
                 "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     return distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, host="127.0.0.1",
-                                    dashboard_address=None, env=env, silence_logs=40)
+                                    dashboard_address=":0", env=env, silence_logs=40)
 
 
 @pytest.fixture(scope="module")
