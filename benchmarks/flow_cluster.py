@@ -20,8 +20,9 @@ Part 2, cluster: a `distributed.LocalCluster` of 2 process workers with 1 thread
 (TOKENMILL_NUM_THREADS=1), the job through the flow with `cluster=` its address, in shards of
 32 rows and one shard per window (a window takes the next shard too when it continues the
 prefix group), so that both workers get windows: a cold run (each worker loads its engine on
-its first window) and a warm one (every worker's engine loaded before, `client.run(get_llm)`). Rows/s, and the overhead: wall time minus
-the busiest worker's compute (the sum over its windows of the window's time from reading its
+its first window) and a warm one (every worker's engine loaded before,
+`client.run(preload_engine, spec)`). Rows/s, and the overhead: wall time minus the busiest
+worker's compute (the sum over its windows of the window's time from reading its
 shards to its last commit, from the done markers). Two workers of one thread each share the
 same 2 cores as the one 2-thread process of part 1: no speed-up is possible here; the figure
 measures what the cluster costs, not what it gains.
@@ -156,9 +157,9 @@ def cluster_part(inp: str, tmp: Path, api: str, reference) -> dict[str, Any]:
             fields = {**job_fields(inp, str(tmp / f"cluster-{name}")), "shard_size": 32, "shards_in_flight": 1}
             spec = JobSpec(**fields, cluster=cluster.scheduler_address)
             if name == "warm":  # every worker has its engine before the warm run
-                from pipeline import get_llm
+                from pipeline.job import preload_engine
 
-                client.run(lambda: get_llm(spec) and None)
+                client.run(preload_engine, spec)
             load0 = machine_load()
             t0 = time.perf_counter()
             with contextlib.redirect_stdout(_io.StringIO()):

@@ -393,6 +393,13 @@ def get_llm(spec: JobSpec) -> Any:
         return _ENGINES[key]
 
 
+def preload_engine(spec: JobSpec) -> str:
+    """Load the spec's engine into this process now (`get_llm`); returns its device name. Small enough to
+    come back from Dask's `client.run(preload_engine, spec)`, which loads every worker's engine before the
+    first window."""
+    return str(getattr(get_llm(spec), "device_name", "unknown"))
+
+
 def engine_loads() -> int:
     """How many engines `get_llm` has loaded in this process (a Dask worker loads one per engine spec)."""
     return _ENGINE_LOADS
