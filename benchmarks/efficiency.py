@@ -19,7 +19,10 @@ Measured in one run, on the same machine state:
    into linear layers, attention, the other model ops (embedding, RMSNorm, RoPE, SiLU x up,
    final norm), sampling, scheduling, input preparation and the rest of the loop. Timers
    wrap this run's engine objects from outside (the engine's code is untouched); the
-   non-linear share is everything but the linear layers.
+   non-linear share is everything but the linear layers. This run uses the Python layer
+   loop, not the C decoder driver, whose one call per step would hide the boundaries; a
+   second run of the same shape with the driver times its decode-only steps, and its
+   non-linear share is its step time less the loop run's linear-layer time.
 5. **MBU of decode at batch 1**: step time = (wall with N new tokens - wall with 1) / (N - 1);
    bytes per step = weights read per decode step + the KV of the mean context;
    MBU = bytes / step time / copy bandwidth. For each of ``--schemes``.
@@ -136,37 +139,15 @@ class StepTimers:
     this engine's linear layers, attention backend, model ops, sampler, scheduler and runner.
     Instance attributes shadow the class methods; `close()` removes them."""
 
-    def __init__(self, llm: Any, decode_only: bool = True) -> None:
+    def __init__(self, llm: Any, decode_only: bool = True, kernels: bool = True) -> None:
         self.t: dict[str, float] = collections.defaultdict(float)
         self.decode_only = decode_only
         self.in_decode_step = False
         self.steps = 0
         self._undo: list[tuple[Any, str]] = []
-        m = llm.model
-        for _, lin in m.linear_layers():
-            self._wrap(lin, "forward", "linear layers")
-        self._wrap(llm.backend, "forward", "attention")
-        for name in ("rms_norm", "rope_", "silu_mul"):
-            self._wrap(m.ops, name, "other model ops")
-        sampler = llm.sampler  # a call goes through the type's __call__: wrap the object itself
-
-        class _TimedSampler:
-            def __getattr__(_, name: str) -> Any:
-                return getattr(sampler, name)
-
-            def __call__(_, *a: Any, **k: Any) -> Any:
-                t0 = time.perf_counter()
-                r = sampler(*a, **k)
-                dt = time.perf_counter() - t0
-                self.t["sampler"] += dt
-                self._pending["sampler"] += dt
-                return r
-
-        llm.core.sampler = _TimedSampler()
-        self._sampler = (llm, sampler)
-        self._wrap(llm.scheduler, "schedule", "scheduler")
-        self._wrap(llm.runner, "prepare_scheduled", "input preparation")
-        self._wrap(m, "forward", "model forward")
+        self._sampler = None
+        if kernels:
+            self._wrap_kernels(llm)
         run = llm.runner.run
 
         def run_step(inputs: Any) -> Any:
@@ -194,6 +175,38 @@ class StepTimers:
         llm.core.step = timed_step
         self._undo.append((llm.core, "step"))
 
+    def _wrap_kernels(self, llm: Any) -> None:
+        m = llm.model
+        # the C decoder driver (engine.kernels.cpu.decoder) runs every layer in one call, which
+        # would hide the kernel boundaries these timers need: the breakdown runs the Python layer
+        # loop (the same kernels; it differs only by the dispatch the driver removes)
+        m.use_c_decoder = False
+        self._undo.append((m, "use_c_decoder"))
+        for _, lin in m.linear_layers():
+            self._wrap(lin, "forward", "linear layers")
+        self._wrap(llm.backend, "forward", "attention")
+        for name in ("rms_norm", "rope_", "silu_mul"):
+            self._wrap(m.ops, name, "other model ops")
+        sampler = llm.sampler  # a call goes through the type's __call__: wrap the object itself
+
+        class _TimedSampler:
+            def __getattr__(_, name: str) -> Any:
+                return getattr(sampler, name)
+
+            def __call__(_, *a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                r = sampler(*a, **k)
+                dt = time.perf_counter() - t0
+                self.t["sampler"] += dt
+                self._pending["sampler"] += dt
+                return r
+
+        llm.core.sampler = _TimedSampler()
+        self._sampler = (llm, sampler)
+        self._wrap(llm.scheduler, "schedule", "scheduler")
+        self._wrap(llm.runner, "prepare_scheduled", "input preparation")
+        self._wrap(m, "forward", "model forward")
+
     def _wrap(self, obj: Any, attr: str, label: str) -> None:
         fn = getattr(obj, attr)
 
@@ -209,8 +222,9 @@ class StepTimers:
         self._undo.append((obj, attr))
 
     def close(self) -> None:
-        llm, sampler = self._sampler
-        llm.core.sampler = sampler
+        if self._sampler is not None:
+            llm, sampler = self._sampler
+            llm.core.sampler = sampler
         for obj, attr in reversed(self._undo):
             try:
                 delattr(obj, attr)
@@ -352,6 +366,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {k:<52} {100 * v:5.1f}%")
     print(f"  non-linear share (everything but the linear layers)   {100 * (1 - split['linear layers']):5.1f}%",
           flush=True)
+    # the same workload (other prompts of the same shape) with the C decoder driver, which runs the
+    # same linear kernels on the same shapes: its non-linear share is 1 - (the loop run's linear
+    # time per step) / (its own step time). The loop's linear time includes the layers' own Python
+    # dispatch (a few us per call, 120 calls), so this share errs low by about that much.
+    if llm.model.use_c_decoder:
+        rnd2 = build_workload("in99-out64", tok, num_prompts=batch, seed=2, max_output_tokens=16 if q else None)
+        clock = StepTimers(llm, kernels=False)
+        try:
+            llm.generate(rnd2.prompt_token_ids, rnd2.sampling_params(), use_tqdm=False)
+        finally:
+            clock.close()
+        drv_ms = 1e3 * clock.t["step"] / max(clock.steps, 1)
+        lin_ms = step_ms * split["linear layers"]
+        if llm.model._c_decoder is not None and clock.steps:
+            share = max(0.0, 1 - lin_ms / drv_ms)
+            report["breakdown"]["c_decoder"] = {"decode_steps": clock.steps, "ms_per_decode_step": drv_ms,
+                                                "non_linear": share}
+            print(f"  with the C decoder driver: {drv_ms:.1f} ms per decode-only step ({clock.steps} steps); "
+                  f"non-linear share {100 * share:.1f}% (its step less the loop run's {lin_ms:.1f} ms of linear "
+                  f"layers)", flush=True)
 
     # 5. MBU at batch 1, per scheme
     report["mbu"] = {}

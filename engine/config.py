@@ -72,9 +72,11 @@ class EngineConfig:
             prompt_lookup_min, prompt_lookup_max, suffix_max_tokens,
             suffix_max_depth, draft_model).
         structured_outputs_jump_forward: for constrained requests, append the tokens the
-            grammar forces (its only legal continuation) without sampling each of them; they
-            are computed in the next step's forward pass as one chunk (counted in
-            `EngineStats.structured_forced_tokens`). See `engine.structured`.
+            grammar forces (its only legal continuation) without sampling each of them: a
+            forced start with the prompt in the prefill, a forced run in the next step's
+            forward pass as one chunk, and the end token of a complete grammar with no
+            forward pass at all (counted in `EngineStats.structured_forced_tokens`). See
+            `engine.core` and `engine.structured`.
 
     Raises:
         ValueError: naming the parameter, for any out-of-range value.

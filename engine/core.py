@@ -7,14 +7,18 @@ each plain row and verifies each draft; new tokens are checked one by one agains
 stop token ids, stop strings and length; blocks past a verification's accepted tokens
 are given back; finished sequences free their blocks.
 
-Constrained sequences (`engine.structured`) add three things to a step: drafts are cut at
-the first token their grammar rejects (and, with jump-forward, before a token after which
-the grammar forces its continuation, so that speculation never changes what is appended);
+Constrained sequences (`engine.structured`) add three things to a step: the speculative
+decoder cuts their drafts at the first token their grammar rejects (and, with jump-forward,
+before a token after which the grammar forces its continuation, so that speculation never
+changes what is appended), before it sizes them and grows their blocks;
 one token bitmask for all the step's logits rows is filled on a worker thread while the
 forward pass runs (a verification's row j gets the mask after draft[:j]) and applied
 before sampling; every appended token advances the sequence's matcher, and with
 jump-forward the tokens the grammar then forces are appended too, to be computed in the
-next step's forward pass as one chunk.
+next step's forward pass as one chunk. Jump-forward also appends the tokens a grammar
+forces before the first sampled one (computed with the prompt in the prefill) and the end
+token once the grammar is complete and allows nothing else (the row ends without a forward
+pass for it).
 
 `add_requests` / `step` / `has_unfinished` / `abort_all` are the public surface: the
 facade, the benchmarks and the pipeline drive the engine through them only.
@@ -22,6 +26,7 @@ facade, the benchmarks and the pipeline drive the engine through them only.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -66,13 +71,23 @@ class EngineCore:
         self.structured = structured  # an engine.structured.StructuredOutputManager, or None
         self.jump_forward = jump_forward
         self.stats = EngineStats()
+        if spec is not None and structured is not None:  # drafts are cut to what the grammar allows
+            method = weakref.WeakMethod(self._grammar_prefix)  # weak: no cycle keeps the engine alive
+            spec.draft_filter = lambda seq, draft: method()(seq, draft)
 
     # ------------------------------------------------------------ public surface
     def add_requests(self, requests: list[Request]) -> None:
-        """Queue every sequence of valid requests (error requests are the caller's to report)."""
+        """Queue every sequence of valid requests (error requests are the caller's to report).
+
+        With jump-forward, a constrained sequence whose grammar forces its first tokens (the
+        keys that open a JSON object, say) gets them appended now, so its prefill computes them
+        with the prompt and its first sampled token is the first one the grammar leaves open.
+        """
         for r in requests:
             if r.error is None:
                 for s in r.seqs:
+                    if s.grammar is not None and self.jump_forward:
+                        self._force_start(s)
                     self.scheduler.add(s)
 
     def has_unfinished(self) -> bool:
@@ -127,8 +142,6 @@ class EngineCore:
             st.time_total_s += time.perf_counter() - t0
             return res
         now = time.time()
-        if self.structured is not None:
-            self._validate_drafts(out.decodes)
         plain = [c for c in out.decodes if not c.draft]
         verify = [c for c in out.decodes if c.draft]
         # (a chunk of tokens jump-forward appended runs as a prefill chunk and is counted here too)
@@ -199,29 +212,68 @@ class EngineCore:
         return res
 
     # ------------------------------------------------------------ internals
-    def _validate_drafts(self, decodes: list) -> None:
-        """Cut each constrained sequence's draft at the first token its grammar rejects; with
-        jump-forward also before the first token after which the grammar forces tokens (plain
-        decoding would append the forced tokens there, not the next draft or target token)."""
-        for c in decodes:
-            m = c.seq.grammar
-            if not c.draft or m is None:
-                continue
-            k = m.validate_tokens(c.draft) if not m.is_error() else 0
-            if self.jump_forward and k:
-                took = 0
-                for j in range(k):
-                    m.accept_token(c.draft[j])
-                    took += 1
-                    if m.forced_tokens():
-                        k = j  # keep the tokens before it; the target token lands where draft[j] was
-                        break
-                m.rollback(took)
-            if k < len(c.draft):
-                c.draft = list(c.draft[:k])
-                c.num_tokens = 1 + k
-                if not c.draft:
-                    c.proposer = None
+    def _grammar_prefix(self, seq: Sequence, draft: list[int]) -> int:
+        """How many leading tokens of a constrained sequence's draft may be verified (the
+        speculative decoder's `draft_filter`): up to the first token its grammar rejects; with
+        jump-forward also before the first token after which the grammar forces tokens or
+        allows only the end (plain decoding would append those there, not the next draft or
+        target token). The matcher is left where it was."""
+        m = seq.grammar
+        if m is None or not draft:
+            return len(draft)
+        k = m.validate_tokens(draft) if not m.is_error() else 0
+        if self.jump_forward and k:
+            took = 0
+            for j in range(k):
+                m.accept_token(draft[j])
+                took += 1
+                if m.forced_tokens() or m.is_stopped():
+                    k = j  # keep the tokens before it; the target token lands where draft[j] was
+                    break
+            m.rollback(took)
+        return k
+
+    def _force_start(self, seq: Sequence) -> None:
+        """Append the tokens seq's grammar forces before its first sampled token (jump-forward
+        before the prefill). Kept to what can never finish the sequence, so that it is still
+        queued like any other: at most max_tokens - 1 tokens, no end or stop token, and none
+        for a request with stop strings (a stop string inside them would end it unscheduled)."""
+        m = seq.grammar
+        p = seq.request.params
+        if m.is_error() or p.stop:
+            return
+        forced = m.forced_tokens()
+        limit = min(p.max_tokens if p.max_tokens is not None else self.max_model_len,
+                    self.max_model_len - seq.num_tokens) - 1
+        ends = set(self.sampler.eos_token_ids) | set(p.stop_token_ids)
+        take = []
+        for tok in forced[:max(limit, 0)]:
+            if tok in ends:
+                break
+            take.append(tok)
+        for tok in take:
+            seq.token_ids.append(tok)
+            if seq.logprobs is not None:
+                seq.logprobs.append(None)
+            m.accept_token(tok)
+            self._check_stop(seq, tok)
+        seq.num_forced_tokens += len(take)
+        self.stats.structured_forced_tokens += len(take)
+
+    def _forced_next(self, seq: Sequence) -> list[int]:
+        """The tokens seq's grammar forces after its last token: its forced continuation, or
+        the end token when the grammar is complete and allows nothing else (then the row ends
+        without a forward pass for it; not when EOS is suppressed: ignore_eos, min_tokens)."""
+        m = seq.grammar
+        forced = m.forced_tokens()
+        if forced or self.structured is None:
+            return forced
+        eos = self.structured.backend.eos_token_id
+        p = seq.request.params
+        if (eos is not None and m.is_stopped() and not p.ignore_eos
+                and seq.num_output_tokens >= p.min_tokens):
+            return [eos]
+        return []
 
     def _refuse_head(self, res: StepResult) -> None:
         """Nothing fits even with nothing running: the head sequence can never be served."""
@@ -262,7 +314,7 @@ class EngineCore:
             if seq.is_finished:
                 break
             if i == len(tokens) and seq.grammar is not None and self.jump_forward and not seq.grammar.is_error():
-                forced = seq.grammar.forced_tokens()  # jump-forward: appended without sampling each
+                forced = self._forced_next(seq)  # jump-forward: appended without sampling each
                 if forced:
                     seq.num_forced_tokens += len(forced)
                     self.stats.structured_forced_tokens += len(forced)

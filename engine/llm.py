@@ -18,7 +18,7 @@ import math
 import os
 import time
 import weakref
-from typing import Iterator, Optional, Sequence as Seq, Union
+from typing import Any, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -139,13 +139,45 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     return model, tokenizer
 
 
-def _is_valid(seq: Sequence) -> Optional[bool]:
-    """For a constrained sequence: finished with "stop" and its grammar accepts the output; else None."""
+def _is_valid(seq: Sequence, tokenizer: Any) -> Optional[bool]:
+    """For a constrained sequence (None for others): finished with "stop" and its grammar accepts
+    the output text. A row cut by a stop string is valid only when the cut falls on a token
+    boundary where the grammar was complete (`{"a":1` cut from `{"a":1}` by the stop string "}" is
+    not); the matcher is left where it was."""
     g = seq.grammar
     if g is None:
         return None
-    return seq.finish_reason == "stop" and not g.is_error() and g.is_accepting()
+    if seq.finish_reason != "stop" or g.is_error():
+        return False
+    if not isinstance(seq.stop_reason, str):
+        return g.is_accepting()
+    out = seq.output_token_ids
+    skip = seq.request.params.skip_special_tokens
+    k = len(out)
+    while k >= 0:  # the longest output prefix whose text is the cut text (the cut is near the end)
+        text = tokenizer.decode(out[:k], skip_special_tokens=skip)
+        if text == seq.text:
+            break
+        if len(text) < len(seq.text):
+            return False
+        k -= 1
+    if k < 0:
+        return False
+    try:
+        g.rollback(len(out) - k)
+    except Exception:  # noqa: BLE001 - a backend that cannot roll back that far: not provably valid
+        return False
+    ok = g.is_accepting()
+    for tok in out[k:]:
+        g.accept_token(tok)
+    return ok
 
+
+
+def _has_token_prefix(toks: list[list[int]]) -> bool:
+    """True when some token list is a proper prefix of another (duplicates are refused earlier)."""
+    seen = {tuple(t) for t in toks}
+    return any(tuple(t[:j]) in seen for t in toks for j in range(1, len(t)))
 
 
 def _batches(items: list, size, budget: int):
@@ -396,7 +428,11 @@ class LLM:
         score every choice's first token; many prompts per forward pass), then each choice of
         more than one token runs its remaining tokens over a copy of that block.
         A choice is tokenized on its own (`encode(c, add_special_tokens=False)`); its
-        log-probability is the sum over its tokens (natural log); no end token is added.
+        log-probability is the sum over its tokens (natural log). No end token is added, except
+        when one choice's tokens are a proper prefix of another's ("pos" and "positive"): then
+        every choice of that prompt is scored followed by the tokenizer's EOS, the probability
+        that the answer is exactly that choice (without it a prefix always scores at least as
+        high as each of its extensions).
         Each prompt's figures depend only on its own tokens: not on the other prompts, their
         order or whether the prefix cache served its blocks.
 
@@ -421,6 +457,9 @@ class LLM:
             if bad is not None:
                 results[i] = f"score_choices: {bad!r} has no tokens"
                 continue
+            eos = self.tokenizer.eos_token_id
+            if eos is not None and _has_token_prefix(toks):
+                toks = [t + [eos] for t in toks]  # "exactly this label": else a prefix outscores its extensions
             long = next((c for c, t in zip(choices, toks) if len(P) + len(t) > self.max_model_len), None)
             if long is not None:
                 results[i] = (f"score_choices: the prompt ({len(P)} tokens) and {long!r} exceed "
@@ -761,7 +800,7 @@ class LLM:
         else:
             outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
                                      finish_reason=s.finish_reason, logprobs=s.logprobs, stop_reason=s.stop_reason,
-                                     valid=_is_valid(s), num_forced_tokens=s.num_forced_tokens)
+                                     valid=_is_valid(s, self.tokenizer), num_forced_tokens=s.num_forced_tokens)
                     for s in req.seqs]
         m.output_tokens = sum(len(o.token_ids) for o in outs)
         cached = req.seqs[0].num_cached_tokens if req.seqs else 0

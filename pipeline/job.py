@@ -147,6 +147,8 @@ class JobSpec(BaseModel):
     choice: Optional[list[str]] = Field(None, description="default output constraint: the output is exactly one of "
                                                           "these (comma-separated: positive,negative)")
     grammar: Optional[str] = Field(None, description="default output constraint: a Lark (or GBNF) grammar file")
+    json_object: bool = Field(False, description="default output constraint: any JSON object (compact), for when "
+                                                 "there is no schema")
     score_choices: Optional[list[str]] = Field(
         None, description="score these labels instead of generating (comma-separated); writes label and "
                           "label_logprobs")
@@ -202,11 +204,14 @@ class JobSpec(BaseModel):
                 cannot be read or is not valid JSON (named).
         """
         given = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
         if not given:
             return None
         if len(given) > 1:
-            raise ValueError(f"set at most one of json_schema, regex, choice, grammar; got {given}")
+            raise ValueError(f"set at most one of json_schema, regex, choice, grammar, json_object; got {given}")
         kind = given[0]
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
         value = getattr(self, kind)
         if kind in ("json_schema", "grammar") and isinstance(value, str):
             import fsspec
@@ -229,7 +234,7 @@ class JobSpec(BaseModel):
     @property
     def constrained(self) -> bool:
         """True when the job has a default constraint or scores choices."""
-        return self.score_choices is not None or any(
+        return self.score_choices is not None or self.json_object or any(
             getattr(self, k) is not None for k in ("json_schema", "regex", "choice", "grammar"))
 
     @field_validator("cluster")

@@ -153,6 +153,35 @@ def test_cli_and_yaml_give_the_constraint_fields(tmp_path):
     assert "structured" not in JobSpec(input="i", output="o").fingerprint_fields()
 
 
+def test_json_object_job_default_writes_parsed_objects(eng, tmp_path):
+    """--json-object (any JSON object, compact): every row that ends with "stop" parses to a dict,
+    `parsed` holds the same object, the flag changes the fingerprint, and it conflicts with a
+    second default constraint."""
+    names = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo"]
+    pl.DataFrame({"id": [f"p{i}" for i in range(6)],
+                  "prompt": [f"Describe a person called {n} as JSON with name and age." for n in names]}
+                 ).write_parquet(tmp_path / "in.parquet")
+    args = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), "--json-object",
+            "--max-tokens", "48", "--no-progress"]
+    spec = spec_from_args(build_parser().parse_args(args))
+    assert spec.json_object and spec.structured_outputs().json_object is True
+    assert spec.fingerprint_fields()["structured"] != JobSpec(input="i", output="o").fingerprint_fields().get(
+        "structured")
+    report = run_job(spec, eng)
+    out = pl.read_parquet(tmp_path / "out" / "part-00000.parquet").sort("id")
+    assert out["id"].to_list() == [f"p{i}" for i in range(6)]
+    for r in out.iter_rows(named=True):
+        assert r["valid"] == (r["finish_reason"] == "stop")
+        if r["valid"]:
+            obj = json.loads(r["generation"])
+            assert isinstance(obj, dict) and json.loads(r["parsed"]) == obj
+            if "\\" not in r["generation"]:  # compact: no whitespace outside strings
+                assert r["generation"] == json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    assert report.rows_valid == int(out["valid"].sum()) >= 3
+    with pytest.raises(ValueError, match="at most one of"):
+        JobSpec(input="i", output="o", json_object=True, regex="x").structured_outputs()
+
+
 @pytest.mark.parametrize("fields,message", [
     ({"regex": "a(b"}, "invalid default output constraint: structured_outputs.regex"),
     ({"choice": "a,a"}, "duplicate"),

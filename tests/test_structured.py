@@ -278,6 +278,81 @@ def test_jump_forward_appends_forced_tokens_and_counts_them(eng):
     assert st.fill_s > 0 and 0.0 <= st.hidden_share <= 1.0
 
 
+def test_a_row_cut_by_a_stop_string_is_valid_only_where_its_grammar_was_complete(eng):
+    prompts = [_chat(eng, f"Give me a three digit number, then a semicolon. Number {i}.") for i in range(4)]
+    # EOS is suppressed below 4 tokens, so after three digits the only legal token is ';': the stop string
+    digits = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop=[";"],
+                                                  structured_outputs=SO(regex=r"[0-9]{3};?")), use_tqdm=False)
+    for o in digits:
+        c = o.outputs[0]
+        assert re.fullmatch(r"[0-9]{3}", c.text) and c.stop_reason == ";" and c.valid is True, c
+    needs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, stop=[";"],
+                                                 structured_outputs=SO(regex=r"[0-9]{3};[0-9]")), use_tqdm=False)
+    for o in needs:
+        c = o.outputs[0]
+        assert re.fullmatch(r"[0-9]{3}", c.text) and c.stop_reason == ";" and c.valid is False, c
+    labelled = _labelling_prompts(eng, 4)
+    schema = {"type": "object", "properties": {"topic": {"enum": LABELS}}, "required": ["topic"],
+              "additionalProperties": False}
+    cut = eng.generate(labelled, SamplingParams(temperature=0, max_tokens=16, stop=["}"],
+                                                structured_outputs=SO(json=schema)), use_tqdm=False)
+    for o in cut:
+        c = o.outputs[0]
+        assert c.stop_reason == "}" and c.text.startswith('{"topic":"') and c.valid is False, c
+
+
+def test_jump_forward_equals_plain_decoding_and_skips_forced_forward_passes(eng):
+    """Jump-forward (the forced start computed with the prompt, forced runs in one chunk, the end
+    token appended once the grammar is complete) gives token for token what plain masked greedy
+    decoding gives, and computes fewer tokens: no forward pass for any row's final EOS. (Sampled
+    rows differ by design: a forced run is the grammar's own tokenization, where a sampler may
+    spell the same text in other tokens, and forced tokens draw no random numbers; they stay
+    valid.)"""
+    prompts, params = _mixed_batch(eng)
+    no_jf = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV,
+                structured_outputs_jump_forward=False)
+    runs = {}
+    for name, llm in (("on", eng), ("off", no_jf)):
+        t0 = llm.stats.num_batched_tokens_sum
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[name] = ([o.outputs[0] for o in outs], llm.stats.num_batched_tokens_sum - t0)
+    (on, on_tokens), (off, off_tokens) = runs["on"], runs["off"]
+    half = len(on) // 2  # greedy rows, then the same prompts sampled
+    assert [o.token_ids for o in on[:half]] == [o.token_ids for o in off[:half]]
+    assert [o.valid for o in on[:half]] == [o.valid for o in off[:half]]
+    assert all(o.valid == (o.finish_reason == "stop") for o in on)
+    assert all(o.num_forced_tokens == 0 for o in off)
+    ended = [o for o in on if o.finish_reason == "stop"]
+    assert len(ended) >= 40 and all(o.token_ids[-1] == eng.tokenizer.eos_token_id for o in ended)
+    assert all(o.num_forced_tokens >= 1 for o in ended)  # the final EOS at least
+    # every forced token skipped a forward pass of its own; each ended row's EOS was never computed
+    assert off_tokens - on_tokens >= len(ended)
+
+
+def test_jump_forward_computes_a_forced_start_in_the_prefill(eng):
+    """A JSON row alone: its forced opening ('{"name":') is appended before the prefill, so
+    every step samples exactly one token; a max_tokens shorter than the forced run keeps one token
+    to sample and ends with "length" as plain decoding does."""
+    prompt = _person_prompts(eng, 1)[0]
+    so = SO(json=PERSON)
+    s0 = eng.stats.num_steps
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs=so),
+                       use_tqdm=False)[0].outputs[0]
+    steps = eng.stats.num_steps - s0
+    ids = eng.structured.matcher_for(so)[0].forced_tokens()
+    assert eng.tokenizer.decode(ids).startswith('{"name') and out.token_ids[:len(ids)] == ids
+    assert out.finish_reason == "stop" and out.valid
+    assert steps == len(out.token_ids) - out.num_forced_tokens  # no step for a forced token
+    no_jf = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV,
+                structured_outputs_jump_forward=False)
+    for n in (1, 2):
+        p = SamplingParams(temperature=0, max_tokens=n, structured_outputs=so)
+        a = eng.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        b = no_jf.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        assert a.token_ids == b.token_ids and len(a.token_ids) == n and a.finish_reason == "length"
+        assert a.valid is False
+
+
 # ---------------------------------------------------------------- scoring mode
 
 def test_scoring_equals_a_direct_computation_and_ignores_caching_and_order():
@@ -304,3 +379,22 @@ def test_scoring_equals_a_direct_computation_and_ignores_caching_and_order():
             direct = float(on.score(ids + t)[0][-len(t):].double().sum())
             assert r[c] == pytest.approx(direct, abs=2e-4)
     assert on.block_pool.num_free_blocks == on.block_pool.num_blocks  # nothing held after scoring
+
+
+def test_scoring_choices_that_are_token_prefixes_of_each_other_scores_them_with_the_end_token(eng):
+    """"yes" is a token prefix of "yes please": both are scored followed by EOS (the answer is exactly
+    that choice), equal to the direct computation; without the end token "yes" could never lose."""
+    choices = ["yes", "yes please", "no"]
+    toks = [eng.tokenizer.encode(c, add_special_tokens=False) for c in choices]
+    assert toks[1][:len(toks[0])] == toks[0]
+    eos = eng.tokenizer.eos_token_id
+    prompts = [_chat(eng, q) for q in ("Say yes please.", "Do you want tea? Answer yes or no.", "Say no.")]
+    outs = eng.generate(prompts, SamplingParams(score_choices=choices), use_tqdm=False)
+    for prompt, o in zip(prompts, outs):
+        ids = eng.tokenizer.encode(prompt)
+        r = o.outputs[0].label_logprobs
+        for c, t in zip(choices, toks):
+            t = t + [eos]
+            direct = float(eng.score(ids + t)[0][-len(t):].double().sum())
+            assert r[c] == pytest.approx(direct, abs=2e-4), (c, r)
+        assert o.outputs[0].text == max(r, key=r.get)

@@ -124,6 +124,7 @@ class LlamaModel(nn.Module):
         from .ops import select_ops
 
         self.ops = select_ops(device, dtype)  # how the small ops run (see models/ops.py)
+        self._c_decoder = None  # engine.kernels.cpu.decoder.CpuDecoder, made on first use
 
     # ------------------------------------------------------------ weights
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -228,6 +229,39 @@ class LlamaModel(nn.Module):
         return TorchOps.rms_norm(x, w, self.cfg.rms_norm_eps)
 
     # ------------------------------------------------------------ forward
+    use_c_decoder = True  # run the layers through engine.kernels.cpu.decoder where it serves the step
+
+    def _c_decoder_plan(self, q: torch.Tensor, kv_caches, backend: AttentionBackend, meta: AttentionMetadata):
+        """The attention backend's kernel plan when `engine.kernels.cpu.decoder` can run this
+        step's layers (C small ops and linear layers, fp32 or int8 KV caches, the torch
+        backend's C kernel serving the step), else None. The model's description is made on first use and
+        remade after a layer swap."""
+        if (not self.use_c_decoder or getattr(self.ops, "name", "") != "cpu" or not kv_caches
+                or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()):
+            return None
+        from ..attention.torch_quant_kv import TorchQuantKVAttentionBackend
+        from ..attention.torch_ref import TorchAttentionBackend
+
+        kc = kv_caches[0][0]
+        kind = type(backend)
+        if kind is TorchAttentionBackend:
+            ok = kc.dtype == torch.float32
+        else:  # the int8 cache (rows of codes and a scale) goes through the same C kernels
+            ok = kind is TorchQuantKVAttentionBackend and backend.kv_cache_dtype == "int8" and kc.dtype == torch.int8
+        if not (ok and backend.use_cpu_kernel and backend._kernel_serves(q, kc, meta)):
+            return None
+        from ..kernels.cpu.decoder import CpuDecoder
+
+        drv = getattr(self, "_c_decoder", None)
+        if drv is None or not drv.current(self, kv_caches):
+            drv = None
+            if CpuDecoder.describe(self, kv_caches) is not None:
+                drv = CpuDecoder(self, kv_caches)
+            self._c_decoder = drv
+            if drv is None:
+                return None
+        return backend._kernel_plan(meta, q, kc)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -271,6 +305,11 @@ class LlamaModel(nn.Module):
         q = qkv[:, : self.q_size].view(T, hq, d)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, hkv, d)
         v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, d)
+        plan = self._c_decoder_plan(q, kv_caches, backend, meta)
+        if plan is not None:  # every layer in one C call: the same kernels as the loop below
+            self._c_decoder.run(h, positions, self.cos, self.sin, meta.slot_mapping, plan, meta.block_size,
+                                self.scale, (x, qkv, a, gu, act))
+            kv_caches = ()
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             layer.qkv(ops.rms_norm(h, layer.attn_norm, eps, out=x), out=qkv)
             ops.rope_(q, k, positions, self.cos, self.sin)

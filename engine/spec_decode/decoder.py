@@ -64,6 +64,9 @@ class SpecDecoder:
         self.stats = SpecStats()
         self._profile = profile
         self._profiled_sizes: set[int] = set()
+        # draft_filter(seq, draft) -> how many leading draft tokens seq may verify (the engine sets
+        # it for constrained sequences: the grammar's valid prefix); None keeps every draft whole
+        self.draft_filter: Optional[Callable[[object, list[int]], int]] = None
 
     # ------------------------------------------------------------ scheduling
     def _cap(self, seq) -> int:
@@ -81,6 +84,12 @@ class SpecDecoder:
         if p.max_tokens is not None:
             left = min(left, p.max_tokens - seq.num_output_tokens)
         return max(0, left)
+
+    def _filtered(self, seq, draft: list[int]) -> list[int]:
+        """draft cut by `draft_filter` for a constrained sequence (whole otherwise)."""
+        if draft and self.draft_filter is not None and getattr(seq, "grammar", None) is not None:
+            return list(draft[: self.draft_filter(seq, draft)])
+        return draft
 
     def attach_drafts(self, decodes: list, budget: int, step_tokens: int, grow: Callable,
                       queue_empty: bool = False) -> None:
@@ -137,6 +146,7 @@ class SpecDecoder:
                 break
             got = p.propose([seqs[j] for j in want], [kmax[j] for j in want])
             for j, d in zip(want, got):
+                d = self._filtered(seqs[j], d)  # before sizing and blocks: only what may be verified
                 if d:
                     props[j] = (p, d)
         expensive = [p for p in self.proposers if not p.cheap]
@@ -162,8 +172,8 @@ class SpecDecoder:
             idx = [j for j, (pp, _) in enumerate(props) if pp is p and ks[j] > 0]
             if idx:
                 got = p.propose([seqs[j] for j in idx], [ks[j] for j in idx])
-                for j, d in zip(idx, got):
-                    props[j] = (p, d)
+                for j, d in zip(idx, got):  # drafted after its blocks were grown: the rest is rolled back
+                    props[j] = (p, self._filtered(seqs[j], d))
         for (i, c), (pp, d), k in zip(cand, props, ks):
             d = list(d[:k])
             if d:

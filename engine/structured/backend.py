@@ -52,6 +52,11 @@ class GrammarMatcher(ABC):
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (the only legal continuation), possibly none."""
 
+    def is_stopped(self) -> bool:
+        """True when the output is complete and the grammar allows nothing but the end token
+        (`GrammarBackend.eos_token_id`) next. Default False: never assumed."""
+        return False
+
 
 class CompiledGrammar(ABC):
     """A compiled constraint; `matcher()` gives a fresh matcher at its start state."""
@@ -67,10 +72,13 @@ class GrammarBackend(ABC):
     Attributes:
         name: "llguidance", ...
         vocab_size: tokens the bitmask covers (the tokenizer's vocabulary).
+        eos_token_id: the one end token a complete match allows (None: the backend allows
+            several and never reports `is_stopped`).
     """
 
     name = "backend"
     vocab_size: int = 0
+    eos_token_id: "int | None" = None
 
     @property
     def bitmask_width(self) -> int:

@@ -47,6 +47,9 @@ class LLGuidanceMatcher(GrammarMatcher):
     def forced_tokens(self) -> list[int]:
         return list(self.m.compute_ff_tokens())
 
+    def is_stopped(self) -> bool:
+        return bool(self.m.is_stopped())
+
 
 class LLGuidanceGrammar(CompiledGrammar):
     def __init__(self, template: Any) -> None:
@@ -58,8 +61,11 @@ class LLGuidanceGrammar(CompiledGrammar):
 
 class LLGuidanceBackend(GrammarBackend):
     """Args:
-        tokenizer: the engine's `engine.tokenizer.Tokenizer` (a Hugging Face fast tokenizer);
-            its EOS ids end a matched output.
+        tokenizer: the engine's `engine.tokenizer.Tokenizer` (a Hugging Face fast tokenizer).
+            A matched output ends with the tokenizer's own EOS (`eos_token_id`), the one end
+            token the masks allow, so that jump-forward can append it without a forward pass
+            and give exactly what sampling would; a tokenizer without one allows every id of
+            `eos_token_ids`.
         num_threads: threads of llguidance's mask executor (None: its default).
 
     Building the token trie takes about 0.3 s for a 49k vocabulary: build one backend per engine.
@@ -72,8 +78,10 @@ class LLGuidanceBackend(GrammarBackend):
         import llguidance.hf
 
         self.vocab_size = int(tokenizer.vocab_size)
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=self.vocab_size,
-                                                      eos_token=sorted(tokenizer.eos_token_ids))
+        primary = tokenizer.eos_token_id
+        self.eos_token_id = int(primary) if primary is not None else None
+        eos = [self.eos_token_id] if primary is not None else sorted(tokenizer.eos_token_ids)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=self.vocab_size, eos_token=eos)
         self.executor = llg.LLExecutor(num_threads) if num_threads else llg.LLExecutor()
 
     @staticmethod

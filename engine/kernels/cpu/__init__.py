@@ -56,6 +56,9 @@ _SIGNATURES = {
     "tm_kv_write": (None, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I]),
     "tm_attention_tile_rows": (_I, [_I64]),
     "tm_paged_attention": (_I, [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I64] * 5 + [_F]),
+    "tm_decoder_layer_words": (_I, []),
+    "tm_decoder_forward": (_I, [_P, _I64, _P, _F, _F, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64]
+                           + [_P] * 7),
 }
 _bound: set[int] = set()
 

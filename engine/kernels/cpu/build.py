@@ -33,7 +33,7 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).resolve().parent
-SOURCES = ("pool.c", "gemm.c", "gemm_i8.c", "ops.c", "attention.c")
+SOURCES = ("pool.c", "gemm.c", "gemm_i8.c", "ops.c", "attention.c", "decoder.c")
 HEADERS = ("tm_cpu.h",)
 # -fassociative-math lets gcc vectorize reductions; no finite-math assumption, so the
 # attention kernel's -inf running maximum keeps its meaning.

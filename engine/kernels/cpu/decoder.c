@@ -1,0 +1,102 @@
+/*
+ * The decoder layers of a Llama-family model in one call: the same kernels the Python layer
+ * loop calls (RMSNorm, the linear layers, RoPE, the KV write, paged attention, SiLU * up), in
+ * the same order on the same buffers, so the result is bit for bit what that loop computes;
+ * only the interpreter's dispatch between kernels (about 300 calls per step for 30 layers) is
+ * gone, which is what a small batch pays for.
+ *
+ * A model is described once by a flat int64 array, TM_DEC_LAYER_WORDS words per layer:
+ *   [0]  attn_norm weight pointer     [1] mlp_norm weight pointer
+ *   [2]  k cache pointer              [3] v cache pointer
+ *   then four linear layers (qkv, o, gate_up, down), TM_DEC_LIN_WORDS words each:
+ *   kind (TM_DEC_F32 | TM_DEC_Q | TM_DEC_W8A8), weight format (TM_W_Q8 / TM_W_Q4 for Q),
+ *   has_min, n, k, kpad (Q) or kp (W8A8), group size, packed weight pointer, bias pointer (or 0).
+ */
+#include "tm_cpu.h"
+
+#define TM_DEC_F32 0
+#define TM_DEC_Q 1
+#define TM_DEC_W8A8 2
+#define TM_DEC_LIN_WORDS 9
+#define TM_DEC_LAYER_WORDS (4 + 4 * TM_DEC_LIN_WORDS)
+
+void tm_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t m, int64_t k,
+                 float eps);
+void tm_rope(float *x, int64_t ldx, int64_t t, int64_t heads, int64_t d, const int64_t *positions,
+             const float *cos_t, const float *sin_t);
+void tm_silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t m, int64_t n);
+void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t t, int64_t hkv, int64_t d,
+                 const int64_t *slots, void *k_cache, void *v_cache, int64_t s, int is_int8);
+int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int is_int8,
+                       const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
+                       const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *out, int64_t ldo,
+                       int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale);
+void tm_gemm_f32(const float *x, int64_t ldx, const float *w_packed, const float *bias, float *y, int64_t ldy,
+                 int64_t m, int64_t n, int64_t k, int accumulate);
+int tm_gemm_q(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y,
+              int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t kpad, int64_t gs, int accumulate);
+void tm_quantize_act(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int64_t gs,
+                     unsigned char *codes, float *scales);
+int tm_gemm_w8a8(const unsigned char *a, const float *sa, int64_t kp, int64_t gs, const void *w_packed,
+                 const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int accumulate);
+
+int tm_decoder_layer_words(void) { return TM_DEC_LAYER_WORDS; }
+
+/* y [m, n] (+)= x [m, k] W^T for one described linear layer; codes / scales: W8A8 scratch. */
+static int linear(const int64_t *l, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t m, int accumulate,
+                  unsigned char *codes, float *scales) {
+    const int64_t kind = l[0], fmt = l[1], has_min = l[2], n = l[3], k = l[4], kpad = l[5], gs = l[6];
+    const void *w = (const void *)(intptr_t)l[7];
+    const float *bias = (const float *)(intptr_t)l[8];
+    if (kind == TM_DEC_F32) {
+        tm_gemm_f32(x, ldx, (const float *)w, bias, y, ldy, m, n, k, accumulate);
+        return 0;
+    }
+    if (kind == TM_DEC_Q)
+        return tm_gemm_q((int)fmt, (int)has_min, x, ldx, w, bias, y, ldy, m, n, k, kpad, gs, accumulate);
+    if (kind == TM_DEC_W8A8) {
+        tm_quantize_act(x, ldx, m, k, kpad, gs, codes, scales);
+        return tm_gemm_w8a8(codes, scales, kpad, gs, w, bias, y, ldy, m, n, accumulate);
+    }
+    return -1;
+}
+
+/*
+ * Every decoder layer over t tokens, in place on the residual stream h [t, hidden].
+ *
+ * dims: hidden, q heads, kv heads, head_dim, intermediate, kv slots (s), block size, is_int8 cache.
+ * positions [t] int64; cos/sin [max_pos, head_dim / 2] fp32; slots [t] int64 (KV write targets);
+ * block_tables [rows, max_blocks] int32, row_seq [t] int32 or NULL, kv_len [t] int64, tiles
+ * [num_tiles, 2] int64 (the attention plan, as tm_paged_attention takes it).
+ * Scratch: x [t, hidden], qkv [t, (hq + 2 hkv) d], a [t, hq d], gu [t, 2 inter], act [t, inter];
+ * codes / scales: W8A8 activation scratch for the widest layer input (may be NULL without W8A8).
+ * Returns 0, or the 1-based index of the layer a kernel refused.
+ */
+int tm_decoder_forward(const int64_t *desc, int64_t num_layers, const int64_t *dims, float eps, float scale,
+                       float *h, int64_t t, const int64_t *positions, const float *cos_t, const float *sin_t,
+                       const int64_t *slots, const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
+                       const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *x, float *qkv,
+                       float *a, float *gu, float *act, unsigned char *codes, float *scales) {
+    const int64_t hidden = dims[0], hq = dims[1], hkv = dims[2], d = dims[3], inter = dims[4], s = dims[5];
+    const int64_t bs = dims[6];
+    const int is_int8 = (int)dims[7];
+    const int64_t q_size = hq * d, kv_size = hkv * d, ldqkv = q_size + 2 * kv_size;
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const int64_t *L = desc + i * TM_DEC_LAYER_WORDS;
+        const int64_t *lin = L + 4;
+        void *kc = (void *)(intptr_t)L[2], *vc = (void *)(intptr_t)L[3];
+        tm_rms_norm(h, hidden, (const float *)(intptr_t)L[0], x, hidden, t, hidden, eps);
+        if (linear(lin, x, hidden, qkv, ldqkv, t, 0, codes, scales)) return (int)i + 1;
+        tm_rope(qkv, ldqkv, t, hq + hkv, d, positions, cos_t, sin_t);
+        tm_kv_write(qkv + q_size, ldqkv, qkv + q_size + kv_size, ldqkv, t, hkv, d, slots, kc, vc, s, is_int8);
+        if (tm_paged_attention(qkv, ldqkv, kc, vc, is_int8, block_tables, max_blocks, row_seq, kv_len, tiles,
+                               num_tiles, a, q_size, hq, hkv, d, s, bs, scale))
+            return (int)i + 1;
+        if (linear(lin + TM_DEC_LIN_WORDS, a, q_size, h, hidden, t, 1, codes, scales)) return (int)i + 1;
+        tm_rms_norm(h, hidden, (const float *)(intptr_t)L[1], x, hidden, t, hidden, eps);
+        if (linear(lin + 2 * TM_DEC_LIN_WORDS, x, hidden, gu, 2 * inter, t, 0, codes, scales)) return (int)i + 1;
+        tm_silu_mul(gu, 2 * inter, act, inter, t, inter);
+        if (linear(lin + 3 * TM_DEC_LIN_WORDS, act, inter, h, hidden, t, 1, codes, scales)) return (int)i + 1;
+    }
+    return 0;
+}

@@ -1,0 +1,87 @@
+"""The C decoder driver (`engine.kernels.cpu.decoder`): all layers of a step in one call give bit
+for bit what the Python layer loop gives, for every weight format, on prefill, mixed and decode
+steps; it steps aside for what it does not run (a hook on a layer, a swapped layer)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels import cpu
+from engine.models.llama import LlamaModel
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernel library is unavailable")
+
+PROMPTS = [[1 + (i * 7 + j) % 900 for j in range(9 + 23 * i)] for i in range(5)]
+
+
+def _run(llm, use: bool, params):
+    LlamaModel.use_c_decoder = use
+    try:
+        return llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        LlamaModel.use_c_decoder = True
+
+
+@pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("gguf", "auto"), ("int8", "auto"), ("w8a8", "auto"),
+                                             ("gguf", "int8")])
+def test_driver_equals_the_python_layer_loop_bit_for_bit(quantization, kv):
+    # a small token budget splits prefills into chunks that share steps with decodes; no prefix
+    # cache, so both runs compute the same rows in the same steps
+    llm = LLM("smollm2-135m-instruct", speculative=None, quantization=quantization, enable_prefix_caching=False,
+              max_num_batched_tokens=48, kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv)
+    p = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    steps0 = llm.stats.num_steps
+    on = _run(llm, True, p)
+    assert llm.model._c_decoder is not None and llm.stats.num_steps - steps0 > 6  # it ran, over several steps
+    off = _run(llm, False, p)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert [o.outputs[0].logprobs for o in on] == [o.outputs[0].logprobs for o in off]  # exact floats
+
+
+def test_driver_steps_aside_for_a_hook_and_for_a_swapped_layer():
+    llm = LLM("smollm2-135m-instruct", speculative=None, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _run(llm, False, p)]
+    model = llm.model
+    seen = []
+    handle = model.layers[3].o.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
+    try:
+        got = [o.outputs[0].token_ids for o in _run(llm, True, p)]
+    finally:
+        handle.remove()
+    assert got == want and len(seen) > 0  # the hook saw every step: the Python loop ran them
+    assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want and model._c_decoder is not None
+    first = model._c_decoder
+    # a layer swapped for another module of the same weights: the description is remade
+    from engine.kernels.cpu.layers import CpuLinear
+
+    old = model.layers[0].down
+    model.layers[0].down = CpuLinear(old.weight.data.clone())
+    assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want
+    assert model._c_decoder is not first and model._c_decoder.modules[3] is model.layers[0].down
+    # a hook added after the description was made: the loop runs again while it is there
+    seen.clear()
+    handle = model.layers[7].gate_up.register_forward_hook(lambda mod, args, out: seen.append(out.shape[0]))
+    try:
+        assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want and len(seen) >= 4
+    finally:
+        handle.remove()
+
+
+def test_describe_refuses_layers_it_cannot_run():
+    from engine.kernels.cpu.decoder import CpuDecoder
+    from engine.models.llama import Linear
+
+    llm = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=32 << 20)
+    model = llm.model
+    caches = llm.kv_cache.layers
+    assert CpuDecoder.describe(model, caches) is not None
+    old = model.layers[1].qkv
+    model.layers[1].qkv = Linear(torch.zeros(old.out_features, old.in_features))
+    try:
+        assert CpuDecoder.describe(model, caches) is None
+        with pytest.raises(ValueError, match="not all served"):
+            CpuDecoder(model, caches)
+    finally:
+        model.layers[1].qkv = old
