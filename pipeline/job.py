@@ -864,6 +864,10 @@ def _adopt_part(spec: JobSpec, shard: Shard, url: str, ids: pl.Series,
     """The part file another attempt of this shard committed first: (its rows, its valid choice labels,
     the worker that wrote it, from the file's metadata; "" if it has none).
 
+    Labels are counted for a job-wide `choice` constraint or `score_choices`; the labels of rows
+    constrained by their own `choice` column are not recovered from the file (only the marker's
+    label distribution misses them; the rows are whole).
+
     Raises:
         JobSpecChanged: the file holds other ids than this shard (something else wrote the output).
         StorageError: it could not be read.
