@@ -155,6 +155,30 @@ def block_at_marker(flag: str, after: int):
     return install
 
 
+def block_mid_shard(flag: str, after_rows: int):
+    """A function for `client.run`: in that worker, the row after the first `after_rows` finished ones
+    writes `flag` and hangs before it reaches its shard (so that shard is half computed), until the
+    process dies."""
+    def install() -> None:
+        import pathlib
+        import time as _time
+
+        import pipeline.job as job
+
+        real, calls = job._output_row, [0]
+
+        def output_row(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] > after_rows:
+                pathlib.Path(flag).write_text(str(calls[0]))
+                _time.sleep(3600)
+            return real(*args, **kwargs)
+
+        job._output_row = output_row
+
+    return install
+
+
 def in_thread(fn, *args, **kwargs):
     """Run fn in a thread, in this thread's context (Prefect's settings are context variables); returns
     (thread, box) where box gets "result" or "error"."""
@@ -265,8 +289,8 @@ def test_a_rerun_after_the_whole_cluster_died_resumes_from_the_done_markers(pref
         spec = job(inp, out, cluster=c.scheduler_address)
         pids = workers_of(client)
         flags = {w: tmp_path / f"blocked-{i}" for i, w in enumerate(pids)}
-        for w, flag in flags.items():  # each worker commits one shard, then hangs in its next commit
-            client.run(block_at_marker(str(flag), after=1), workers=[w])
+        for w, flag in flags.items():  # each worker commits one shard (2 rows), then hangs halfway through the next
+            client.run(block_mid_shard(str(flag), after_rows=3), workers=[w])
         t, box = in_thread(batch_generate, spec, shard_retries=0)
         wait_for("both workers to hang", lambda: all(f.exists() for f in flags.values()), box)
         for pid in pids.values():  # the whole cluster dies: workers, then scheduler
@@ -284,6 +308,7 @@ def test_a_rerun_after_the_whole_cluster_died_resumes_from_the_done_markers(pref
     failed = read_metrics(out).row(0, named=True)
     assert failed["status"] == "failed" and 2 <= failed["rows_ok"] <= 2 * len(first)
 
+    assert not [m for m in io.list_names(out) if m.startswith("part-") and int(m[5:10]) not in first]  # no half shard
     # the re-run (here in this process, the cluster being gone) computes only the shards not done
     rerun = batch_generate(job(inp, out, kv_cache_memory_bytes=None), shard_retries=0)
     assert rerun["rows_skipped"] == 2 * len(first) and rerun["rows_ok"] == ROWS - 2 * len(first)
@@ -310,6 +335,14 @@ def test_cluster_options_are_checked_before_anything_runs(tmp_path, cluster):
         with pytest.raises(ValueError, match=f"default Dask client is connected to {other.scheduler.address}"):
             with _cluster_runner(spec):
                 pass
+    import dask
+
+    from flows.batch_generate import _resources
+
+    with _resources(spec.model_copy(update={"device": "cuda"}), runner=object()):
+        assert dask.get_annotations() == {"resources": {"GPU": 1}}  # one engine per GPU worker
+    with _resources(spec, runner=object()):  # device auto: no resource asked for
+        assert dask.get_annotations() == {}
     with pytest.raises(ValueError, match="a cluster job runs through the Prefect flow"):
         from pipeline import run_job
 
