@@ -9,21 +9,23 @@ with new ids up to that count. Every run uses the same spec, with a KV pool of 1
 engines live at once in the cluster part).
 
 Part 1, one process: `tokenmill run` (in process, `pipeline.cli.main`) and the flow
-`batch_generate` on its default thread runner, both on one engine loaded before timing, after
-one warm-up run of the whole job, in the order CLI, flow, flow, CLI, ... (`--repeats` pairs)
-so both see the same prefix-cache state. The flow reports to a temporary Prefect API
+`batch_generate` on its default thread runner, in the order CLI, flow, flow, CLI, ...
+(`--repeats` pairs). Each run gets a fresh engine built before its timing starts (the weights
+are loaded once per process; an empty prefix cache, so no run reuses another's blocks), after
+one warm-up run of the whole job. The flow reports to a temporary Prefect API
 (`prefect_test_harness`) started before timing. Output tok/s = the run's completion tokens /
 the wall time of the call (plan, run, report); the ratio is flow / CLI, medians. The part
-files of every run are compared with the first CLI run's (ids, generations).
+files of every run are compared with the first CLI run's (ids, generations). Prefect's own
+fixed cost of a flow run (an empty `@flow`, median of 3) is measured beside it.
 
 Part 2, cluster: a `distributed.LocalCluster` of 2 process workers with 1 thread each
 (TOKENMILL_NUM_THREADS=1), the job through the flow with `cluster=` its address, in shards of
 32 rows and one shard per window (a window takes the next shard too when it continues the
 prefix group), so that both workers get windows: a cold run (each worker loads its engine on
-its first window) and a warm one (every worker's engine loaded before,
-`client.run(preload_engine, spec)`). Rows/s, and the overhead: wall time minus the busiest
-worker's compute (the sum over its windows of the window's time from reading its
-shards to its last commit, from the done markers). Two workers of one thread each share the
+its first window) and a warm one (every worker given a fresh engine, loaded but with an
+empty prefix cache, before the run: `client.run(fresh_engine, spec)`). Rows/s, and the
+overhead: wall time minus the busiest worker's compute (the sum over its windows of the
+window's time from reading its shards to its last commit, from the done markers). Two workers of one thread each share the
 same 2 cores as the one 2-thread process of part 1: no speed-up is possible here; the figure
 measures what the cluster costs, not what it gains.
 
@@ -102,11 +104,39 @@ def read_rows(out: str):
     return pl.concat([pl.read_parquet(p) for p in parts]).sort("id").select(["id", "generation", "finish_reason"])
 
 
+def fresh_engine(spec: Any) -> str:
+    """Give this process a new engine for `spec` (weights from the per-process cache, an empty prefix
+    cache): what `get_llm` returns from now on. Returns its device name (for `client.run`)."""
+    from engine import LLM
+    from pipeline import cache_llm
+
+    llm = LLM(spec.model, **spec.engine_kwargs())
+    cache_llm(spec, llm)
+    return str(llm.device_name)
+
+
+def empty_flow_s(repeats: int = 3) -> float:
+    """Prefect's fixed cost of one flow run here: the median wall time of an empty flow."""
+    from prefect import flow
+
+    @flow(name="tokenmill-bench-empty")
+    def empty() -> int:
+        return 0
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        empty()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times), 3)
+
+
 def timed(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """One run of the job (kind "cli" or "flow"); its wall time and the cost report's figures."""
+    """One run of the job (kind "cli" or "flow") on a fresh engine; its wall time and the report's figures."""
     from pipeline import JobSpec, read_metrics
     from pipeline.cli import main
 
+    fresh_engine(JobSpec(**fields))
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(_io.StringIO()):
         if kind == "cli":
@@ -156,10 +186,8 @@ def cluster_part(inp: str, tmp: Path, api: str, reference) -> dict[str, Any]:
             # shards of 32 rows, one (two with their prefix group) per window: 4 windows for 2 workers
             fields = {**job_fields(inp, str(tmp / f"cluster-{name}")), "shard_size": 32, "shards_in_flight": 1}
             spec = JobSpec(**fields, cluster=cluster.scheduler_address)
-            if name == "warm":  # every worker has its engine before the warm run
-                from pipeline.job import preload_engine
-
-                client.run(preload_engine, spec)
+            if name == "warm":  # every worker has a loaded engine, with an empty prefix cache
+                client.run(fresh_engine, spec)
             load0 = machine_load()
             t0 = time.perf_counter()
             with contextlib.redirect_stdout(_io.StringIO()):
@@ -202,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     run_job(JobSpec(**job_fields(inp, str(tmp / "warmup"))))  # kernels, allocator and prefix cache warm
 
     with prefect_test_harness(server_startup_timeout=120):
+        result["empty_flow_s"] = empty_flow_s()
         runs = []
         order = [k for i in range(args.repeats) for k in (("cli", "flow") if i % 2 == 0 else ("flow", "cli"))]
         for i, kind in enumerate(order):
@@ -225,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
              f"engine loaded in {result['engine_load_s']} s before timing",
              f"  tokenmill run : {cli:.1f} output tok/s (median)",
              f"  flow (threads): {flw:.1f} output tok/s (median) = {result['ratio']:.3f}x the CLI; "
-             f"same rows in every run: {same}"]
+             f"same rows in every run: {same}",
+             f"  Prefect's fixed cost of a flow run here (an empty flow): {result['empty_flow_s']:.2f} s"]
     for i, r in enumerate(runs):
         lines.append(f"    {r['kind']:4} {i}: {r['wall_s']:.2f} s wall, {r['completion_tokens']} tokens, "
                      f"{r['output_tok_s']:.1f} tok/s, quantization {r['quantization']}, cached {r['cached_tokens']}; "
