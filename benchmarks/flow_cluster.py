@@ -25,9 +25,9 @@ prefix group), so that both workers get windows: a cold run (each worker loads i
 its first window) and a warm one (every worker given a fresh engine, loaded but with an
 empty prefix cache, before the run: `client.run(fresh_engine, spec)`). Rows/s, and the
 overhead: wall time minus the busiest worker's compute (the sum over its windows of the
-window's time from reading its shards to its last commit, from the done markers). Two workers of one thread each share the
-same 2 cores as the one 2-thread process of part 1: no speed-up is possible here; the figure
-measures what the cluster costs, not what it gains.
+window's time from reading its shards to its last commit, from the done markers). Two
+workers of one thread each share the same 2 cores as the one 2-thread process of part 1: no
+speed-up is possible here; the figure measures what the cluster costs, not what it gains.
 
 Results: benchmarks/results/flow_cluster.{txt,json}.
 """

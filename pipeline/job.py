@@ -1101,7 +1101,8 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         counts = counts + r.counts
     report = cost_report(
         job_id=plan.job_id, run_id=plan.run_id, model=model, quantization=quantization, device=device,
-        device_count=device_count or spec.device_count, started_at=plan.started_at, finished_at=datetime.now(timezone.utc),
+        device_count=device_count or spec.device_count, started_at=plan.started_at,
+        finished_at=datetime.now(timezone.utc),
         price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
         rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
         ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order, status=status, error=error,

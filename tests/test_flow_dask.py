@@ -270,10 +270,10 @@ def test_a_worker_killed_mid_shard_is_replaced_and_every_id_lands_once(cluster, 
     assert len([n for n in io.list_names(spec.output) if n.startswith("part-")]) == 8
     markers = done_shards(spec.output, {})
     assert sorted(markers) == list(range(8))
-    index = int(stuck.split("-")[1].split(".")[0])
     # the stuck shard was finished by another worker, which kept the victim's part file (first wins)
     marker = io.read_json(marker_url(spec.output, stuck))
     assert marker["adopted_part"] is True and marker["worker"] == victim and marker["committed_by"] != victim
+    assert markers[int(stuck[5:10])].counts.completion_tokens == 6  # counted from the adopted file
     assert sum(r.worker == victim for r in markers.values()) == 2  # its first commit and its orphaned part file
 
 
