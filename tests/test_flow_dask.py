@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import distributed  # a pinned dependency, like prefect-dask: a missing one fails here, it is not skipped
 import polars as pl
 import pytest
 
@@ -31,8 +32,6 @@ except ImportError:  # tests/ is not a package: pytest puts it on sys.path
     from s3_server import job_llm, s3_bucket, s3_server  # noqa: F401
     from test_flow_deploy_server import _free_port, _get, _stop, _wait
 
-pytest.importorskip("prefect_dask")
-distributed = pytest.importorskip("distributed")
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = 16
