@@ -258,6 +258,9 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
     logger = get_run_logger()
     refuse_inline_secrets(spec)
     _require_api_for_cluster(spec)
+    if spec.cluster and any("://" not in str(u) or str(u).startswith("file://") for u in (spec.input, spec.output)):
+        logger.warning("cluster job with a local input or output path (%s -> %s): every worker must see it at the "
+                       "same path (a shared file system); object storage needs no sharing", spec.input, spec.output)
     job_spec = resolve_storage_secret(spec, storage_secret)
     plan = prepare_job(job_spec)
     runs: list[WindowRun] = []
