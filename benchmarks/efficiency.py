@@ -28,13 +28,15 @@ Measured in one run, on the same machine state:
    MBU = bytes / step time / copy bandwidth. For each of ``--schemes``.
 6. **KV cache utilisation** of the batch run.
 
+Speculative decoding is off in every engine here: the figures are of plain steps.
+
 Every figure is printed next to the machine load (load average and cores kept busy by
 other processes), as in `benchmarks.hf_compare`.
 
 Usage::
 
     python -m benchmarks.efficiency [--quick] [--batch 64] [--schemes fp32,int8,gguf,w8a8]
-                                    [--output-json F]
+                                    [--kv-cache-dtype auto|int8] [--output-json F]
 """
 from __future__ import annotations
 
@@ -254,6 +256,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--matmul-size", type=int, default=None, help="cube of the peak matmul (2048; quick 1024)")
     p.add_argument("--schemes", default="fp32,int8,gguf", help=f"MBU at batch 1 for these ({','.join(SCHEMES)})")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|int8")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -281,13 +284,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     from engine.kernels import cpu
     from engine.tokenizer import Tokenizer
 
+    # speculation off everywhere here: these figures are of plain steps (a verification step runs
+    # more tokens per row, and the MBU runs repeat one prompt, whose output the job-wide suffix
+    # proposer would learn and then draft whole)
     llm = make_llm(args.model, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                   num_threads=args.threads)
+                   num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype, speculative=None)
     model = llm.model
     isa = cpu.isa() if cpu.available() else "none"
     print(f"tokenmill efficiency: torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"CPU kernels {isa} ({cpu.get_num_threads() if cpu.available() else 0} threads), "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs", flush=True)
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs, KV cache "
+          f"{args.kv_cache_dtype}", flush=True)
     report.update(torch_threads=torch.get_num_threads(), kernels_isa=isa)
 
     # 1 + 2. peak and the linear layers per M
@@ -393,7 +400,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     prompt = wl.prompt_token_ids[0][:32]
     for scheme in schemes:
         llm1 = make_llm(args.model, max_num_seqs=1, enable_prefix_caching=False, num_threads=args.threads,
-                        **SCHEMES[scheme])
+                        speculative=None, **SCHEMES[scheme])
         llm1.generate([prompt[::-1]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         m = measure(f"mbu {scheme}")
         walls = {}

@@ -77,6 +77,9 @@ class EngineConfig:
             forward pass as one chunk, and the end token of a complete grammar with no
             forward pass at all (counted in `EngineStats.structured_forced_tokens`). See
             `engine.core` and `engine.structured`.
+        structured_outputs_backend: the grammar engine: "llguidance" (the default) or
+            "xgrammar" (optional: `pip install 'tokenmill[xgrammar]'`; no end-token
+            jump-forward, see `engine.structured.xgrammar_backend`).
 
     Raises:
         ValueError: naming the parameter, for any out-of-range value.
@@ -104,6 +107,7 @@ class EngineConfig:
     speculative: Optional[str] = "auto"
     speculative_config: Optional[dict] = None
     structured_outputs_jump_forward: bool = True
+    structured_outputs_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -128,6 +132,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be None|int8|int4|gguf|w8a8, got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
+        if self.structured_outputs_backend not in ("llguidance", "xgrammar"):
+            raise ValueError(f"structured_outputs_backend must be llguidance|xgrammar, got "
+                             f"{self.structured_outputs_backend!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto|int8|fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":

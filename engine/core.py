@@ -100,25 +100,40 @@ class EngineCore:
             self.scheduler.finish(s)
         self.scheduler.clear_waiting()
 
-    def profile_step(self, num_tokens: int, context: int = 0) -> float:
-        """Seconds of one decode-like forward pass for the speculation policy's step-cost model:
-        num_tokens one-token rows, each attending to `context` earlier tokens, on scratch
-        blocks (one table per row when the pool has the blocks, else one table shared by
-        every row); 0.0 when the pool cannot hold even one table.
+    def profile_step(self, num_tokens: int, context: int = 0, num_seqs: Optional[int] = None) -> float:
+        """Seconds of one decode-like forward pass for the speculation policy's step-cost model.
+
+        num_tokens query rows over scratch blocks, every sequence attending to `context`
+        earlier tokens: with num_seqs (< num_tokens), num_seqs sequences of about
+        num_tokens / num_seqs rows each with logits for every row, shaped as a step whose
+        sequences verify drafts (their rows share one KV read per tile, which separate
+        sequences do not); else num_tokens one-token sequences (one table per row when the pool
+        has the blocks, else one table shared by every row). 0.0 when the pool cannot hold
+        even one table.
 
         The scratch K/V are garbage; the blocks go back to the pool unregistered."""
         bs = self.runner.block_size
         pool = self.scheduler.pool
-        per_row = context // bs + 1
         tables = []
         try:
-            rows = num_tokens if num_tokens * per_row <= pool.num_free_blocks // 2 else 1
-            if per_row > pool.num_free_blocks:
-                return 0.0
-            tables = [pool.allocate(per_row) for _ in range(rows)]
-            ids = [1 + (i % 997) for i in range(context + 1)]
-            specs = [ChunkSpec(ids, context, 1, tables[i % rows], "last") for i in range(num_tokens)]
-            inputs = self.runner.prepare(specs, [])
+            if num_seqs is not None and 0 < num_seqs < num_tokens:
+                q = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+                per_seq = [-(-(context + qi) // bs) for qi in q]
+                if sum(per_seq) > pool.num_free_blocks // 2:
+                    return 0.0
+                tables = [pool.allocate(n) for n in per_seq]
+                chunks = [ChunkSpec([1 + (j % 997) for j in range(context + qi)], context, qi, t, "all")
+                          for qi, t in zip(q, tables)]
+                inputs = self.runner.prepare([], chunks)  # multi-token chunks, as verifications run
+            else:
+                per_row = context // bs + 1
+                rows = num_tokens if num_tokens * per_row <= pool.num_free_blocks // 2 else 1
+                if per_row > pool.num_free_blocks:
+                    return 0.0
+                tables = [pool.allocate(per_row) for _ in range(rows)]
+                ids = [1 + (i % 997) for i in range(context + 1)]
+                specs = [ChunkSpec(ids, context, 1, tables[i % rows], "last") for i in range(num_tokens)]
+                inputs = self.runner.prepare(specs, [])
             t0 = time.perf_counter()
             with torch.inference_mode():
                 self.runner.run(inputs)

@@ -289,8 +289,8 @@ class LLM:
 
             core_ref = []  # filled below; no reference back to this LLM, so dropping it frees the KV cache at once
 
-            def profile(n: int, ctx: int) -> float:
-                return core_ref[0].profile_step(n, ctx)
+            def profile(n: int, ctx: int, seqs: Optional[int] = None) -> float:
+                return core_ref[0].profile_step(n, ctx, seqs)
 
             self.spec = SpecDecoder(spec_cfg, self.max_model_len, draft_factory, profile=profile)
         self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -302,7 +302,18 @@ class LLM:
                                                        cfg.max_num_seqs, self.max_model_len, bs)
         tokenizer = self.tokenizer  # the factory holds no reference back to this LLM (freed by refcount)
 
+        if cfg.structured_outputs_backend == "xgrammar":
+            from .structured import xgrammar_backend
+
+            if not xgrammar_backend.available():
+                raise ValueError("structured_outputs_backend='xgrammar': xgrammar is not installed "
+                                 "(pip install 'tokenmill[xgrammar]')")
+
         def grammar_backend():
+            if cfg.structured_outputs_backend == "xgrammar":
+                from .structured.xgrammar_backend import XGrammarBackend
+
+                return XGrammarBackend(tokenizer)
             from .structured.llguidance_backend import LLGuidanceBackend
 
             return LLGuidanceBackend(tokenizer)

@@ -259,6 +259,15 @@ def test_policy_drafts_when_tokens_are_cheap_and_not_when_the_machine_is_saturat
     assert sum(ks) == 0  # every token costs its share: a 50% draft never pays
     assert not worth_drafting(1.0, 64, 64, 64.0, linear.cost, 1000)  # not even a sure one: proposers skipped
     assert worth_drafting(0.5, 2, 2, 2.0, flat.cost, 100)
+    # a bump in the step cost (3 tokens cost far more than 2, 8 hardly more than 3): the first draft
+    # token alone lowers goodput, six of them raise it 2x; the plan is the best prefix, not the first stop
+    bump = StepCostModel()
+    for n, t in ((2, 0.010), (3, 0.016), (8, 0.017)):
+        bump.observe(n, t)
+    ks = choose_lengths([0.9, 0.9], [6, 6], base_tokens=2, base_yield=2.0, cost=bump.cost, budget=100)
+    assert sum(ks) >= 6 and abs(ks[0] - ks[1]) <= 1
+    y = 2.0 + sum(sum(0.9 ** j for j in range(1, k + 1)) for k in ks)
+    assert y / bump.cost(2 + sum(ks)) > 2 * (2.0 / 0.010)
     assert not worth_drafting(0.5, 2, 2, 2.0, StepCostModel().cost, 100)  # nothing measured yet
     acc = AcceptanceTracker(prior=0.5)
     assert acc.rate(7, "ngram") == 0.5

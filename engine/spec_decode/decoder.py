@@ -132,7 +132,7 @@ class SpecDecoder:
             ctx = sum(c.seq.num_tokens for c in decodes) // len(decodes)
             kcap = max(caps[i] for i, _ in cand)
             for n in (step_tokens, step_tokens + len(seqs), step_tokens + min(len(seqs) * kcap, budget)):
-                self._ensure_point(n, ctx)
+                self._ensure_point(n, ctx, len(decodes))
             best = max(max(self.acceptance.rate(s.seq_id, p.name) for p in self.proposers) for s in seqs)
             if not worth_drafting(best, len(seqs), step_tokens, base_yield, cost, budget):
                 self.stats.steps_skipped += 1
@@ -179,16 +179,18 @@ class SpecDecoder:
             if d:
                 c.draft, c.num_tokens, c.proposer = d, 1 + len(d), pp.name
 
-    def _ensure_point(self, rows: int, context: int) -> None:
-        """Profile a decode-like step of `rows` one-token rows once, if the cost model has no
-        measurement near its size yet (later real steps refine every point)."""
+    def _ensure_point(self, rows: int, context: int, num_seqs: int) -> None:
+        """Profile a step of `rows` query rows from `num_seqs` sequences once (shaped as this
+        step's verifications: the rows past one per sequence are drafts), if the cost model has
+        no measurement near its size yet (later real steps refine every point)."""
         x = rows
         if self._profile is None or not 0 < rows <= 16 or self.cost.has_bucket(x) or rows in self._profiled_sizes:
             return  # bigger steps are learnt from the steps themselves (interpolated between them)
         self._profiled_sizes.add(rows)
         t0 = time.perf_counter()
         self._profile(1, context)  # first-use costs (buffers, pages) stay out of the measurement
-        self.cost.observe(x, self._profile(rows, context))
+        seconds = self._profile(rows, context, num_seqs) if num_seqs < rows else self._profile(rows, context)
+        self.cost.observe(x, seconds)
         self.stats.profile_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------ feedback

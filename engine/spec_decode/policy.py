@@ -12,9 +12,10 @@ arXiv 2406.14066):
 
 with a_i the sequence's acceptance rate per drafted position (an exponential moving
 average of its verifications, starting from its proposer's average) and T the step-cost
-model. Drafted tokens are added one at a time, the one of highest expected gain first,
-while goodput rises; when a full batch already saturates the machine no draft pays and
-speculation turns itself off.
+model. Drafted tokens are ordered by expected gain, highest first; the plan is the prefix of
+that order of highest goodput (every prefix is scored, as the step cost is not convex);
+when a full batch already saturates the machine no draft pays and speculation turns
+itself off.
 
 T is measured: each step's (tokens, seconds) updates an exponential moving average per
 power-of-two bucket of tokens, interpolated between buckets; buckets of up to 16 tokens
@@ -42,12 +43,14 @@ class StepCostModel:
     def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> (tokens, seconds)
+        self._sorted: Optional[list[tuple[float, float]]] = None  # the points in token order (cached)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Fold one measured step into the model."""
         if num_tokens <= 0 or seconds <= 0:
             return
         b = int(round(math.log2(num_tokens)))
+        self._sorted = None
         old = self.points.get(b)
         if old is None:
             self.points[b] = (float(num_tokens), seconds)
@@ -63,7 +66,9 @@ class StepCostModel:
         """Estimated seconds of a step of num_tokens tokens (None before any measurement)."""
         if not self.points:
             return None
-        pts = sorted(self.points.values())
+        pts = self._sorted
+        if pts is None:
+            pts = self._sorted = sorted(self.points.values())
         n = float(num_tokens)
         if n <= pts[0][0]:  # in proportion below the smallest point too: never free tokens unmeasured
             return pts[0][1] * n / pts[0][0]
@@ -154,6 +159,35 @@ def choose_lengths(rates: list[float], caps: list[int], base_tokens: int, base_y
     t0 = cost(base_tokens)
     if t0 is None or t0 <= 0 or budget <= 0:
         return ks
+    # the draft tokens in order of expected gain (a sequence's j-th token gains a_i^j, so each
+    # sequence's tokens come in its own order): the best plan of n tokens is the first n of
+    # them, so scan every n and keep the best (the step cost is not convex: a plan can pay only
+    # past a bump in it, where stopping at the first token that lowers goodput would not draft)
+    heap = [(-r, i) for i, r in enumerate(rates) if caps[i] > 0 and r > 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    taken = [0] * len(rates)
+    best_n, best_goodput, total_yield = 0, base_yield / t0, base_yield
+    while heap and len(order) < budget:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        if gain < 1e-3:
+            break  # expected to add a thousandth of a token: nothing after it pays
+        order.append(i)
+        taken[i] += 1
+        total_yield += gain
+        t = cost(base_tokens + len(order))
+        if t is None:
+            break
+        if total_yield / t > best_goodput:
+            best_n, best_goodput = len(order), total_yield / t
+        if taken[i] < caps[i]:
+            heapq.heappush(heap, (-(gain * rates[i]), i))
+    if best_n == 0 or best_goodput <= (1 + margin) * base_yield / t0:
+        return ks
+    for i in order[:best_n]:
+        ks[i] += 1
+    return ks
     heap = [(-r, i) for i, r in enumerate(rates) if caps[i] > 0 and r > 0]
     heapq.heapify(heap)
     total_yield, extra = base_yield, 0
