@@ -9,6 +9,6 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
-from flows.batch_generate import batch_generate, generate_shard  # noqa: E402
+from flows.batch_generate import batch_generate, generate_window  # noqa: E402
 
-__all__ = ["batch_generate", "generate_shard"]
+__all__ = ["batch_generate", "generate_window"]

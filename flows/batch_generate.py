@@ -1,17 +1,43 @@
-"""The Prefect flow `batch_generate(spec)`: a task per shard, retries with backoff, artifacts.
+"""The Prefect flow `batch_generate(spec)`: a task per window of shards, retries with backoff, artifacts.
 
     from flows import batch_generate
     from pipeline import JobSpec
     batch_generate(JobSpec(input="s3://bucket/prompts/", output="s3://bucket/out/"),
                    storage_secret="tokenmill-s3")   # optional: a Prefect Secret block with storage options
+    batch_generate(JobSpec(..., cluster="tcp://scheduler:8786"))   # the windows on a Dask cluster
 
-With no Prefect server configured the flow runs against Prefect's temporary
-local API. Each shard task loads the engine through `pipeline.get_llm`, once
-per worker process, and reuses it for every later shard; thread workers in one
-process share the engine and take turns on it. Shards are submitted to the
-flow's task runner, so a distributed runner (prefect-dask's DaskTaskRunner,
-RayTaskRunner) spreads them over machines without changes here (process workers
-need a running Prefect server: each would otherwise start its own temporary API).
+The flow process plans the job (`pipeline.prepare_job`: lease, manifest),
+cuts the pending shards into windows (`pipeline.plan_windows`, as `run_job`
+does) and submits one `generate-window` task per window. A task runs its
+window with `pipeline.run_window`, the loop `run_job` uses: every shard of the
+window in flight in one engine, each committed (part file, then done marker)
+as it finishes. The flow collects the per-window results (counts, never rows)
+and books the cost report. So the flow and `tokenmill run` give the same part
+files and the same report.
+
+Where the windows run:
+- By default on one thread of this process (`ThreadPoolTaskRunner(max_workers=1)`):
+  one engine computes one window at a time anyway, and one thread keeps the
+  windows in plan order, so the prefix cache carries over from window to window
+  as in `run_job`. With no Prefect server configured the flow runs against
+  Prefect's temporary local API.
+- With `spec.cluster` (a Dask scheduler address, `tokenmill run --cluster`, or
+  `cluster:` in a deployment's spec file), on that cluster through
+  prefect-dask's `DaskTaskRunner`; or on any task runner given with
+  `batch_generate.with_options(task_runner=...)` (a `DaskTaskRunner` with a
+  cluster class, prefect-ray's `RayTaskRunner`). Each worker process loads the
+  engine once (`pipeline.get_llm`) and keeps it for every window it runs; it
+  reads its shards' rows from storage and writes its part files there itself
+  (credentials from its own environment, or the `storage_secret` block, loaded
+  by the task). With `device: cuda...` each task asks for the Dask resource
+  `GPU: 1` (start workers with `dask worker --nthreads 1 --resources GPU=1`).
+  Process workers report to the Prefect API, so a cluster job needs a Prefect
+  server (`PREFECT_API_URL`, set for the flow and for every worker); the flow
+  refuses to start without one.
+- A worker that dies mid-window has its task rerun on another worker by Dask;
+  commits are first-wins (see `pipeline.job`), so every row lands once. The
+  done marker of each shard names the worker that committed it, and the cost
+  report's `device_count` is the number of workers that committed shards.
 
 Secrets: flow parameters are stored in Prefect's database, so the flow refuses
 a spec whose `storage_options` hold credentials (`key`, `secret`, `token`, ...;
@@ -29,16 +55,24 @@ deployment runs the flow in a new process that loads this file by path and
 validates the parameters from JSON, and there string annotations ("JobSpec")
 could not be resolved.
 """
+import contextlib
 import json
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
 from prefect.futures import as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
-from pipeline import JobSpec, ShardResult, finish_job, format_report, get_llm, prepare_job, run_shards
-from pipeline.job import abort_job, engine_lock, job_device
+from pipeline import JobSpec, ShardResult, WindowRun, finish_job, format_report, get_llm, prepare_job
+from pipeline.job import (
+    abort_job, add_steps, default_worker, engine_lock, job_device, plan_windows, run_window,
+)
+from pipeline.lease import LeaseToken
+from pipeline.manifest import read_marker
 from pipeline.planner import Shard
 from pipeline.storage import secret_keys
 
@@ -87,84 +121,203 @@ def resolve_storage_secret(spec: JobSpec, storage_secret: Optional[str]) -> JobS
     return spec.model_copy(update={"storage_options": {**spec.storage_options, **value}})
 
 
-@task(name="generate-shard", task_run_name="shard-{shard.index:05d}", retries=3,
-      retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5)
-def generate_shard(spec: JobSpec, shard: Shard, run_id: str, storage_secret: Optional[str] = None,
-                   columns: Optional[dict] = None, structured: Optional[bool] = None) -> dict[str, Any]:
-    """Run one shard and commit its part file; returns the ShardResult as a dict.
+def worker_name() -> str:
+    """The name a done marker records for this process: the Dask worker's address inside a Dask worker,
+    else HOST:PID."""
+    try:
+        from distributed import get_worker
 
-    A retry recomputes the shard from its input rows; the commit is atomic, so
-    a failed attempt leaves nothing behind.
+        return str(get_worker().address)
+    except (ImportError, ValueError):
+        return default_worker()
+
+
+def _window_run_name() -> str:
+    """A window task run's name: shards-FIRST-LAST (shard indices)."""
+    from prefect.runtime import task_run
+
+    window = task_run.parameters.get("window") or []
+    return f"shards-{window[0].index:05d}-{window[-1].index:05d}" if window else "shards-none"
+
+
+@task(name="generate-window", task_run_name=_window_run_name, retries=3,
+      retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5, cache_policy=NO_CACHE)
+def generate_window(spec: JobSpec, window: list[Shard], run_id: str, lease: Optional[LeaseToken] = None,
+                    storage_secret: Optional[str] = None, columns: Optional[dict] = None,
+                    structured: Optional[bool] = None) -> dict[str, Any]:
+    """Run one window of consecutive shards through this process's engine, committing each shard as it
+    finishes (`pipeline.run_window`); returns the WindowRun as a dict (counts, no rows).
+
+    A retry recomputes the window's shards that are not done; a shard's commit is first-wins, so an
+    attempt that finds the shard committed by another adopts that commit.
 
     Args:
+        window: consecutive shards (`pipeline.plan_windows`), in flight together.
+        lease: the run's `LeaseToken`, checked before each commit.
         storage_secret: a Prefect Secret block with storage options, loaded here (by the worker).
         columns: the output types of the id / pass-through columns (`JobPlan.columns`).
         structured: the job writes the structured-output columns (`JobPlan.structured`).
+
+    Raises:
+        ValueError: an empty window.
+        LeaseLost: the run that submitted this task no longer holds the output.
+        Whatever `pipeline.run_window` raises.
     """
+    if not window:
+        raise ValueError("window: expected at least one shard")
     spec = resolve_storage_secret(spec, storage_secret)
+    # a rerun (retry, or Dask rerunning the task of a lost worker) skips the shards already committed
+    done = {s.index: r for s in window if (r := read_marker(spec.output, s.name, spec.storage_options)) is not None}
+    todo = [s for s in window if s.index not in done]
+    if not todo:
+        return WindowRun([done[s.index] for s in window], worker_name()).to_json()
     llm = get_llm(spec)
+    token = lease.bind(spec.storage_options) if lease is not None else None
     with engine_lock(llm):
-        results = list(run_shards(spec, [shard], llm, run_id=run_id, columns=columns, structured=structured))
-    return results[0].to_json()
+        run = run_window(spec, todo, llm, run_id=run_id, columns=columns, structured=structured, lease=token,
+                         worker=worker_name())
+    run.results = [done[s.index] for s in window if s.index in done] + run.results
+    return run.to_json()
 
 
-@flow(name="batch-generate", log_prints=True)
+def _require_api_for_cluster(spec: JobSpec) -> None:
+    """Refuse a cluster job without a Prefect server: each worker process would start its own temporary API.
+
+    Raises:
+        ValueError: `spec.cluster` is set and `PREFECT_API_URL` is not.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    if spec.cluster and not PREFECT_API_URL.value():
+        raise ValueError(f"cluster={spec.cluster!r} needs a Prefect server: the Dask workers report their task runs to "
+                         f"it. Start one (prefect server start) and set PREFECT_API_URL (e.g. "
+                         f"http://HOST:4200/api) here and in every worker's environment.")
+
+
+@contextlib.contextmanager
+def _cluster_runner(spec: JobSpec) -> Iterator[Any]:
+    """A started DaskTaskRunner connected to `spec.cluster`, or None (the flow's own task runner).
+
+    Raises:
+        ValueError: this process has a default Dask client of another scheduler (DaskTaskRunner
+            would submit to that one instead of `spec.cluster`).
+    """
+    if not spec.cluster:
+        yield None
+        return
+    import distributed
+    from distributed.comm import resolve_address
+    from prefect_dask import DaskTaskRunner
+
+    try:
+        current = distributed.Client.current()
+    except ValueError:
+        current = None
+    if current is not None and resolve_address(current.scheduler.address) != resolve_address(spec.cluster):
+        raise ValueError(f"cluster={spec.cluster!r}: this process's default Dask client is connected to "
+                         f"{current.scheduler.address}, and prefect-dask submits to a default client before an "
+                         f"address; close that client or create it with set_as_default=False")
+    with DaskTaskRunner(address=spec.cluster) as runner:
+        yield runner
+
+
+def _resources(spec: JobSpec, runner: Any) -> contextlib.AbstractContextManager:
+    """Dask resources the window tasks ask for: `GPU: 1` for a CUDA job on Dask (one engine per GPU)."""
+    if not str(spec.device).startswith("cuda"):
+        return contextlib.nullcontext()
+    on_dask = runner is not None or type(FlowRunContext.get().task_runner).__name__ == "DaskTaskRunner"
+    if not on_dask:
+        return contextlib.nullcontext()
+    import dask
+
+    return dask.annotate(resources={"GPU": 1})
+
+
+@flow(name="batch-generate", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
 def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float = 5.0,
                    storage_secret: Optional[str] = None) -> dict[str, Any]:
-    """Run the job `spec` with a task per pending shard; returns this run's cost report (a dict).
+    """Run the job `spec` with a task per window of pending shards; returns this run's cost report (a dict).
 
     However the run ends, its cost is booked (status "ok", "failed" or "interrupted")
     and its lease on the output given back.
 
     Args:
-        spec: the job (the same JobSpec as the CLI and `pipeline.run_job`), without credentials.
-        shard_retries: retries per shard task.
+        spec: the job (the same JobSpec as the CLI and `pipeline.run_job`), without credentials;
+            `spec.cluster` runs the windows on that Dask cluster.
+        shard_retries: retries per window task (a worker lost mid-task is rerun by Dask as well).
         retry_delay_s: first retry delay; later ones double (exponential backoff, with jitter).
         storage_secret: name of a Prefect Secret block holding storage options (credentials).
 
     Raises:
-        ValueError: credentials inside spec.storage_options, or a bad spec (see `pipeline.prepare_job`).
+        ValueError: credentials inside spec.storage_options, a cluster without a Prefect server, or a
+            bad spec (see `pipeline.prepare_job`).
         pipeline.JobSpecChanged: the output holds a job with another spec (set spec.overwrite).
         pipeline.JobLocked: another run holds the output's lease.
-        Any shard's error once its retries are spent; done shards stay done for a re-run.
+        Any window's error once its retries are spent; done shards stay done for a re-run.
     """
     logger = get_run_logger()
     refuse_inline_secrets(spec)
+    _require_api_for_cluster(spec)
+    if spec.cluster and any("://" not in str(u) or str(u).startswith("file://") for u in (spec.input, spec.output)):
+        logger.warning("cluster job with a local input or output path (%s -> %s): every worker must see it at the "
+                       "same path (a shared file system); object storage needs no sharing", spec.input, spec.output)
     job_spec = resolve_storage_secret(spec, storage_secret)
     plan = prepare_job(job_spec)
+    runs: list[WindowRun] = []
     results: list[ShardResult] = []
+
+    def device_count() -> Optional[int]:
+        workers = {r.worker for r in results}
+        return len(workers) if workers - {worker_name()} else None  # None: this process ran them (spec's count)
+
+    def quantization() -> Optional[str]:
+        return spec.quantization or next((r.quantization for r in runs if r.quantization), None)
+
     try:
         todo_rows = plan.rows_total - plan.rows_skipped
-        logger.info("job %s: %d shards, %d rows; %d shards (%d rows) already done", plan.job_id, len(plan.shards),
-                    plan.rows_total, len(plan.shards) - len(plan.pending), plan.rows_skipped)
+        windows = plan_windows(plan.pending, spec.shards_in_flight)
+        logger.info("job %s: %d shards, %d rows; %d shards (%d rows) already done; %d windows to run%s", plan.job_id,
+                    len(plan.shards), plan.rows_total, len(plan.shards) - len(plan.pending), plan.rows_skipped,
+                    len(windows), f" on the Dask cluster {spec.cluster}" if spec.cluster else "")
         progress_id = create_progress_artifact(
             progress=0.0 if todo_rows else 100.0, key=PROGRESS_KEY,
             description=f"rows done of {todo_rows} for {spec.output}")
 
-        shard_task = generate_shard.with_options(
+        window_task = generate_window.with_options(
             retries=shard_retries,
             retry_delay_seconds=exponential_backoff(backoff_factor=retry_delay_s) if retry_delay_s > 0 else 0,
         )
-        futures = [shard_task.submit(spec, shard, plan.run_id, storage_secret, plan.columns, plan.structured)
-                   for shard in plan.pending]
-        done_rows = 0
-        failure: Optional[BaseException] = None
-        for fut in as_completed(futures):
-            try:
-                result = ShardResult.from_json(fut.result())
-            except BaseException as exc:  # noqa: BLE001 - let the other shards finish, then fail
-                failure = failure or exc
-                continue
-            results.append(result)
-            done_rows += result.rows
-            update_progress_artifact(progress_id, 100.0 * done_rows / max(todo_rows, 1))
+        token = plan.lease.token() if plan.lease is not None else None
+        with _cluster_runner(spec) as runner:
+            futures = []
+            with _resources(spec, runner):
+                for window in windows:
+                    params = dict(spec=spec, window=window, run_id=plan.run_id, lease=token,
+                                  storage_secret=storage_secret, columns=plan.columns, structured=plan.structured)
+                    futures.append(runner.submit(window_task, parameters=params) if runner is not None
+                                   else window_task.submit(**params))
+            done_rows = 0
+            failure: Optional[BaseException] = None
+            for fut in as_completed(futures):
+                try:
+                    run = WindowRun.from_json(fut.result())
+                except BaseException as exc:  # noqa: BLE001 - let the other windows finish, then fail
+                    failure = failure or exc
+                    continue
+                runs.append(run)
+                results.extend(run.results)
+                done_rows += sum(r.rows for r in run.results)
+                update_progress_artifact(progress_id, 100.0 * done_rows / max(todo_rows, 1))
         if failure is not None:
             raise failure
-        report = finish_job(plan, results, model=spec.model, quantization=spec.quantization,
-                            device=job_device(plan, results))
+        steps = None
+        for run in runs:
+            steps = add_steps(steps, run.engine_steps)
+        report = finish_job(plan, results, model=spec.model, quantization=quantization(),
+                            device=job_device(plan, results), engine_steps=steps, device_count=device_count())
     except BaseException as exc:
-        abort_job(plan, results, exc, model=spec.model, quantization=spec.quantization,
-                  device=job_device(plan, results, look_up=False))
+        abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
+                  device=job_device(plan, results, look_up=False), device_count=device_count())
         raise
     plan.close()
     row = report.as_row()

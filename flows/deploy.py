@@ -12,9 +12,16 @@ over the file:
       output: s3://datasets/labels/
       max_tokens: 8
       price_per_hour: 3.5
+      cluster: tcp://scheduler.internal:8786   # optional: run the windows on this Dask cluster
     deployment:
       name: nightly-labels
       cron: "0 2 * * *"
+
+`cluster:` (a Dask scheduler address) may also sit under `deployment:`; either
+way it becomes the spec's `cluster`, so each scheduled run connects to that
+scheduler and runs its windows on the cluster's workers (one engine per
+worker; see flows/batch_generate.py). The workers need the code, the model and
+`PREFECT_API_URL` of the same Prefect server as the serving process.
 
 `flow.serve` registers the deployment with the Prefect API that is configured
 (`PREFECT_API_URL`, e.g. a `prefect server start`), then polls for scheduled
@@ -45,8 +52,8 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
     """The JobSpec and deployment settings (name, cron, ...) from a spec file plus overrides.
 
     Raises:
-        ValueError: no cron schedule given, invalid spec fields (named, with the file), or
-            credentials in the spec's storage_options.
+        ValueError: no cron schedule given, invalid spec fields (named, with the file), an unknown
+            top-level key, two different clusters, or credentials in the spec's storage_options.
     """
     from pydantic import ValidationError
 
@@ -54,12 +61,21 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
     from pipeline.job import spec_errors
 
     fields, rest = load_spec_file(path)
+    unknown = sorted(set(rest) - {"deployment"})
+    if unknown:
+        raise ValueError(f"{path}: unknown top-level key(s) {unknown}; expected 'spec' and 'deployment' (the cluster "
+                         f"goes under either, as cluster: tcp://HOST:8786)")
+    dep = dict(rest.get("deployment") or {})
+    if "cluster" in dep:  # where the runs go may sit with the schedule; it is the spec's field
+        if fields.get("cluster") not in (None, dep["cluster"]):
+            raise ValueError(f"{path}: spec.cluster {fields['cluster']!r} and deployment.cluster {dep['cluster']!r} "
+                             f"differ; give it once")
+        fields["cluster"] = dep.pop("cluster")
     try:
         spec = JobSpec(**fields)
     except ValidationError as exc:
         raise ValueError(f"{path}: invalid job spec:\n  " + "\n  ".join(spec_errors(exc))) from None
     refuse_inline_secrets(spec)
-    dep = dict(rest.get("deployment") or {})
     if name:
         dep["name"] = name
     if cron:

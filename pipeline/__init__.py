@@ -12,15 +12,18 @@ from pipeline.job import (
     JobSpec,
     JobSpecChanged,
     ShardResult,
+    WindowRun,
     abort_job,
     cache_llm,
     done_shards,
     finish_job,
     get_llm,
+    plan_windows,
     prepare_job,
     read_metrics,
     run_job,
     run_shards,
+    run_window,
     validate_spec,
 )
 from pipeline.lease import JobLocked, LeaseLost
@@ -28,6 +31,7 @@ from pipeline.storage import StorageError
 
 __all__ = [
     "CostReport", "JobInterrupted", "JobLocked", "JobPlan", "JobSpec", "JobSpecChanged", "LeaseLost", "ShardResult",
-    "StorageError", "TokenCounts", "abort_job", "cache_llm", "cost_report", "done_shards", "finish_job",
-    "format_report", "get_llm", "prepare_job", "read_metrics", "run_job", "run_shards", "validate_spec",
+    "StorageError", "TokenCounts", "WindowRun", "abort_job", "cache_llm", "cost_report", "done_shards", "finish_job",
+    "format_report", "get_llm", "plan_windows", "prepare_job", "read_metrics", "run_job", "run_shards", "run_window",
+    "validate_spec",
 ]

@@ -1,6 +1,7 @@
 """The `tokenmill` command.
 
     tokenmill run --input URL --output URL [--spec job.yaml] [JobSpec options]
+    tokenmill run ... --cluster tcp://HOST:8786   (the Prefect flow, windows on a Dask cluster)
     tokenmill demo [--job labelling|synthetic] [JobSpec options]
     tokenmill report URL [--all]
 
@@ -145,14 +146,38 @@ def _print_report(row: dict, out: Any = None) -> None:
 
 
 def _run(spec: JobSpec) -> int:
-    report = run_job(spec)
-    _print_report(report.as_row())
-    if report.rows_total == 0:
+    if spec.cluster:
+        row = _run_on_cluster(spec)
+    else:
+        row = run_job(spec).as_row()
+    _print_report(row)
+    if row["rows_total"] == 0:
         print(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
               f"metrics: tokenmill report {spec.output}")
     else:
         print(f"\noutputs: {spec.output}/part-*.parquet   metrics: tokenmill report {spec.output}")
     return 0
+
+
+def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
+    """Run the job through the Prefect flow on the Dask cluster `spec.cluster`; returns the cost report row.
+
+    The only place `pipeline` reaches up to `flows` (and so to Prefect), imported here, when asked for: a
+    cluster job is a flow run, with its tasks on the cluster's workers.
+
+    Raises:
+        ValueError: prefect-dask is not installed, no Prefect server is configured, or what the flow raises.
+    """
+    try:
+        import prefect_dask  # noqa: F401
+    except ImportError:
+        raise ValueError("--cluster needs prefect-dask and distributed (pip install prefect-dask distributed)") \
+            from None
+    from flows.batch_generate import batch_generate
+
+    print(f"tokenmill: running on the Dask cluster {spec.cluster} through the Prefect flow batch-generate",
+          file=sys.stderr)
+    return batch_generate(spec)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

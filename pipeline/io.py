@@ -8,7 +8,9 @@ them to the different keys polars' own object-store reader expects.
 
 Atomic write: a file is written under a temporary name and then moved to its
 final name; on S3 the final key appears whole (copy), on a local disk by
-rename. Readers never see half a file.
+rename. Readers never see half a file. `create_exclusive` is the first-wins
+form (a conditional PUT on S3, a hard link on a local disk): of two writers of
+one name, the first keeps its bytes and the second is told the file exists.
 
 Limits and errors (see `pipeline.storage`): every `s3://` filesystem gets
 bounded connect/read timeouts and retries (`config_kwargs`, overridable), a
@@ -255,11 +257,26 @@ def join(url: str, *parts: str) -> str:
 
 
 def _put(fs: fsspec.AbstractFileSystem, path: str, data: bytes, so: dict[str, Any], exclusive: bool = False) -> None:
-    """Write `data` at `path`: under the write deadline on object stores, creating folders only on a local disk."""
+    """Write `data` at `path`: under the write deadline on object stores, creating folders only on a local disk.
+
+    With `exclusive`, the file is created only if absent (else FileExistsError), and whole: on a
+    local disk it is written under a temp name and hard-linked to `path` (`link` fails if `path`
+    exists, and a reader never sees half a file); on S3 one conditional PUT (`If-None-Match: *`).
+    """
     if is_local(fs):
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(path, "xb" if exclusive else "wb") as f:
+        parent = path.rsplit("/", 1)[0]
+        fs.makedirs(parent, exist_ok=True)
+        if not exclusive:
+            with fs.open(path, "wb") as f:
+                f.write(data)
+            return
+        tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
+        with open(tmp, "xb") as f:
             f.write(data)
+        try:
+            os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
     elif isinstance(fs, AsyncFileSystem):
         fs.pipe_file(path, data, mode="create" if exclusive else "overwrite",
                      timeout=write_deadline_s(len(data), so))
@@ -287,8 +304,10 @@ def _atomic_put(url: str, data: bytes, storage_options: Optional[dict[str, Any]]
 
 
 def create_exclusive(url: str, data: bytes, storage_options: Optional[dict[str, Any]] = None) -> bool:
-    """Create the file at `url` holding `data` only if it does not exist (a conditional put on S3:
-    `If-None-Match: *`; `O_EXCL` on a local disk). Returns False when it already exists.
+    """Create the file at `url` holding `data`, whole, only if it does not exist: first writer wins (a
+    conditional put on S3: `If-None-Match: *`; a temp file hard-linked into place on a local disk).
+    Returns False when it already exists (also when an earlier try of this same put reached the store
+    but its answer was lost: read the file to tell).
 
     Raises:
         StorageError: the write failed for another reason.

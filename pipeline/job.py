@@ -2,12 +2,17 @@
 
 A run goes: `prepare_job` (validate every option and the input's columns
 before anything is written, take the output's lease, plan shards, check or
-write the manifest, find the shards already done) -> `run_shards` (read each
-shard, validate rows, stream them through `LLM.iter_outputs`, commit each
-shard's part file as soon as its last row finishes) -> `finish_job` (book the
-run's cost report), or `abort_job` when the run failed or was interrupted
-(book it with that status) -> `JobPlan.close()` (give the lease back). The
-Prefect flow calls the same steps with a task per shard.
+write the manifest, find the shards already done) -> `plan_windows` (cut the
+pending shards into windows of consecutive shards, `shards_in_flight` each,
+never splitting a prefix group that fits) -> `run_window` for each window
+(read its shards, validate rows, stream them all through one
+`LLM.iter_outputs` call, commit each shard's part file as soon as its last row
+finishes) -> `finish_job` (book the run's cost report), or `abort_job` when
+the run failed or was interrupted (book it with that status) ->
+`JobPlan.close()` (give the lease back). The Prefect flow calls the same
+steps, with a task per window: on one machine the windows run in plan order
+through one engine, exactly as here; on a Dask cluster each worker process
+runs its windows through its own engine.
 
 Output layout:
 
@@ -18,10 +23,18 @@ Output layout:
     OUTPUT/_job/lease/lease-NNNNNNNN.json  the running run's lease (see pipeline.lease)
 
 A shard is done when its marker exists; the marker is written after the part
-file, so a run killed between the two recomputes that shard and replaces the
-part with the same rows: every input row appears exactly once. A run commits
-only while it holds the output's lease, so two runs never compute one shard
-at the same time.
+file. Both are written first-wins (`io.create_exclusive`: a conditional PUT on
+S3, a hard link on a local disk), so of two attempts of one shard that both
+reach the commit (a worker declared dead that was still running, a retried
+PUT whose answer was lost) the first one's part file stays, whole, and the
+second adopts it: it checks that the file holds this shard's ids, counts the
+rows from the file, and writes the marker if there is none yet (the first
+marker stays too). A run killed between part file and marker leaves the part
+file; the re-run computes the shard again and adopts that file. Every input
+row appears exactly once, in one part file, and a marker's counts are those of
+the part file. A run commits only while it holds the output's lease (workers
+check it through a `LeaseToken`), so two runs never compute one shard at the
+same time.
 """
 from __future__ import annotations
 
@@ -30,13 +43,16 @@ import dataclasses
 from collections import Counter
 import hashlib
 import json
+import os
 import signal
+import socket
 import sys
 import threading
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
+from io import BytesIO
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Literal, Optional, Union
 
@@ -47,7 +63,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from pipeline import io, manifest
 from pipeline.cost import CostReport, TokenCounts, cost_report
-from pipeline.lease import Lease
+from pipeline.lease import Lease, LeaseToken
 from pipeline.manifest import ShardResult
 from pipeline.planner import PlanStats, Shard, TokenizedRows, plan_input_order, plan_prefix
 from pipeline.schema import (
@@ -62,6 +78,10 @@ FINGERPRINT_FIELDS = (
     "system_prompt", "chat_template", "n", "id_column", "shard_size", "limit", "plan", "decode_heavy_first",
     "truncate", "structured", "score_choices",
 )
+
+
+# Dask's comm schemes a scheduler address may use (JobSpec.cluster).
+CLUSTER_SCHEMES = ("tcp", "tls", "ucx", "ws", "wss", "inproc")
 
 
 class JobSpecChanged(RuntimeError):
@@ -150,7 +170,12 @@ class JobSpec(BaseModel):
                               "dataset's prefix tree) so the engine computes each shared prefix once; 'input' keeps input order")
     decode_heavy_first: bool = Field(
         False, description="with plan='prefix': run groups with the most output per prompt token first")
-    shards_in_flight: int = Field(2, ge=1, description="shards fed to the engine at once (memory vs. batch fill)")
+    shards_in_flight: int = Field(2, ge=1, description="shards fed to the engine at once (memory vs. batch fill); "
+                                                       "a window of this many consecutive shards is one engine "
+                                                       "call, and one flow task")
+    cluster: Optional[str] = Field(None, description="Dask scheduler address (tcp://HOST:8786): run the windows on "
+                                                     "that cluster through the Prefect flow, one engine per worker "
+                                                     "(needs a Prefect server, PREFECT_API_URL)")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, repr=False,
         description="fsspec/s3fs options (endpoint_url, key, secret, config_kwargs, ...); default: AWS environment "
@@ -216,6 +241,17 @@ class JobSpec(BaseModel):
         """True when the job has a default constraint or scores choices."""
         return self.score_choices is not None or self.json_object or any(
             getattr(self, k) is not None for k in ("json_schema", "regex", "choice", "grammar"))
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster_address(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        scheme, sep, rest = v.partition("://")
+        if not sep or scheme not in CLUSTER_SCHEMES or not rest or "/" in rest:
+            raise ValueError(f"expected a Dask scheduler address such as tcp://HOST:8786 (schemes: "
+                             f"{', '.join(CLUSTER_SCHEMES)})")
+        return v
 
     @field_validator("speculative", mode="before")
     @classmethod
@@ -354,6 +390,7 @@ def spec_errors(exc: ValidationError, sources: Optional[dict[str, str]] = None, 
 _ENGINES: dict[str, Any] = {}
 _ENGINE_LOCKS: dict[int, threading.Lock] = {}
 _ENGINES_LOCK = threading.Lock()
+_ENGINE_LOADS = 0  # engines get_llm built in this process
 
 
 def _engine_key(spec: JobSpec) -> str:
@@ -362,13 +399,27 @@ def _engine_key(spec: JobSpec) -> str:
 
 def get_llm(spec: JobSpec) -> Any:
     """The `engine.LLM` for this spec's model and engine options, loaded once per process and reused."""
+    global _ENGINE_LOADS
     key = _engine_key(spec)
     with _ENGINES_LOCK:
         if key not in _ENGINES:
             from engine import LLM
 
             _ENGINES[key] = LLM(spec.model, **spec.engine_kwargs())
+            _ENGINE_LOADS += 1
         return _ENGINES[key]
+
+
+def preload_engine(spec: JobSpec) -> str:
+    """Load the spec's engine into this process now (`get_llm`); returns its device name. Small enough to
+    come back from Dask's `client.run(preload_engine, spec)`, which loads every worker's engine before the
+    first window."""
+    return str(getattr(get_llm(spec), "device_name", "unknown"))
+
+
+def engine_loads() -> int:
+    """How many engines `get_llm` has loaded in this process (a Dask worker loads one per engine spec)."""
+    return _ENGINE_LOADS
 
 
 def cache_llm(spec: JobSpec, llm: Any) -> None:
@@ -519,7 +570,8 @@ def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> No
 
 def validate_spec(spec: JobSpec) -> None:
     """Check every option a job's spec sets, before anything is read or written: the sampling
-    defaults, the engine options (known names, allowed values, the device being there), the model.
+    defaults, the engine options (known names, allowed values, the device being there, unless the
+    job runs on a `cluster`, whose workers hold the devices), the model.
 
     Raises:
         ValueError: naming the option and what is allowed.
@@ -546,7 +598,8 @@ def validate_spec(spec: JobSpec) -> None:
     device = str(kw.get("device", "auto"))
     import torch
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if device.startswith("cuda") and not torch.cuda.is_available() and spec.cluster is None:
+        # on a cluster the workers hold the GPUs, not the process that plans
         raise ValueError(f"device {device!r} was asked for, but no CUDA device is available here; "
                          f"use --device cpu (or auto)")
     resolved = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -799,12 +852,74 @@ def _output_row(out: Any, n: int, params: Optional[SamplingParams] = None) -> di
     return row
 
 
-def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str, lease: Optional[Lease] = None) -> ShardResult:
-    """Write the shard's part file atomically, then its done marker (after checking the run still holds
-    the output's lease).
+def default_worker() -> str:
+    """HOST:PID of this process: the worker name recorded for shards run outside a cluster."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _counts(gen: pl.DataFrame, labels: list[str]) -> TokenCounts:
+    """The token counts of a part file's generation columns (`labels`: the valid choice labels)."""
+    err = gen.get_column("error").is_not_null()
+    counts = TokenCounts(
+        rows_ok=int((~err).sum()),
+        rows_error=int(err.sum()),
+        prompt_tokens=int(gen.get_column("prompt_tokens").sum()),
+        cached_tokens=int(gen.get_column("cached_tokens").sum()),
+        completion_tokens=int(gen.get_column("completion_tokens").sum()),
+        spec_draft_tokens=int(gen.get_column("spec_draft_tokens").sum()),
+        spec_accepted_tokens=int(gen.get_column("spec_accepted_tokens").sum()),
+    )
+    if "valid" in gen.columns:
+        valid = gen.get_column("valid")
+        counts.rows_valid = int(valid.eq(True).sum())
+        counts.rows_invalid = int(valid.eq(False).sum())
+        counts.labels = {k: int(v) for k, v in sorted(Counter(labels).items())}
+    return counts
+
+
+PART_WORKER_KEY = "tokenmill.worker"  # Parquet key-value metadata of a part file: the worker that wrote it
+
+
+def _adopt_part(spec: JobSpec, shard: Shard, url: str, ids: pl.Series,
+                structured: bool) -> tuple[pl.DataFrame, list[str], str]:
+    """The part file another attempt of this shard committed first: (its rows, its valid choice labels,
+    the worker that wrote it, from the file's metadata; "" if it has none).
+
+    Labels are counted for a job-wide `choice` constraint or `score_choices`; the labels of rows
+    constrained by their own `choice` column are not recovered from the file (only the marker's
+    label distribution misses them; the rows are whole).
 
     Raises:
-        LeaseLost: another run took the output over; nothing is written.
+        JobSpecChanged: the file holds other ids than this shard (something else wrote the output).
+        StorageError: it could not be read.
+    """
+    fs, path = io.filesystem(url, spec.storage_options)
+    with storage_call("read", url, io.resolve_storage_options(url, spec.storage_options)):
+        data = fs.cat_file(path)
+    existing = pl.read_parquet(BytesIO(data))
+    writer = pl.read_parquet_metadata(BytesIO(data)).get(PART_WORKER_KEY, "")
+    theirs = existing.get_column(ids.name).to_list() if ids.name in existing.columns else None
+    if theirs != ids.to_list():
+        raise JobSpecChanged(f"{url} already exists and does not hold shard {shard.index}'s rows (was the output "
+                             f"written by something else?); re-run with --overwrite to start over")
+    labels: list[str] = []
+    so = spec.structured_outputs()
+    if structured and "valid" in existing.columns and (spec.score_choices is not None or (so and so.kind == "choice")):
+        col = "label" if "label" in existing.columns else "generation"
+        labels = [v for v, ok in zip(existing.get_column(col).to_list(), existing.get_column("valid").to_list())
+                  if ok and v is not None]
+    return existing, labels, writer
+
+
+def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str,
+            lease: Optional[Union[Lease, LeaseToken]] = None, worker: str = "") -> ShardResult:
+    """Write the shard's part file, then its done marker (after checking the run still holds the output's
+    lease), each first-wins: a part file another attempt committed first is kept and adopted (see the
+    module docstring), and the returned result is the marker's.
+
+    Raises:
+        LeaseLost: another run took the output over, or the run ended; nothing is written.
+        JobSpecChanged: a part file at this shard's name holds other rows.
         StorageError: the part file or the marker could not be written; the shard is not done.
     """
     if lease is not None:
@@ -822,29 +937,23 @@ def _commit(spec: JobSpec, state: _ShardState, device: str, run_id: str, lease: 
                        schema={c: schema[c] for c in gen_cols})
     out = pl.concat([pl.DataFrame([ids.alias(layout.id_column)]), df.select(layout.passthrough), gen],
                     how="horizontal")
-    io.write_parquet_atomic(out, io.join(spec.output, shard.name), so)
-
-    err = gen.get_column("error").is_not_null()
-    counts = TokenCounts(
-        rows_ok=int((~err).sum()),
-        rows_error=int(err.sum()),
-        prompt_tokens=int(gen.get_column("prompt_tokens").sum()),
-        cached_tokens=int(gen.get_column("cached_tokens").sum()),
-        completion_tokens=int(gen.get_column("completion_tokens").sum()),
-        spec_draft_tokens=int(gen.get_column("spec_draft_tokens").sum()),
-        spec_accepted_tokens=int(gen.get_column("spec_accepted_tokens").sum()),
-    )
-    if "valid" in gen.columns:
-        valid = gen.get_column("valid")
-        counts.rows_valid = int(valid.eq(True).sum())
-        counts.rows_invalid = int(valid.eq(False).sum())
+    url = io.join(spec.output, shard.name)
+    worker = worker or default_worker()
+    buf = BytesIO()
+    out.write_parquet(buf, compression="zstd", metadata={PART_WORKER_KEY: worker})
+    adopted = not io.create_exclusive(url, buf.getvalue(), so)
+    writer = worker
+    if adopted:  # an earlier attempt's part file (a worker lost mid-commit, a killed run): keep it
+        out, labels, writer = _adopt_part(spec, shard, url, ids.alias(layout.id_column), state.structured)
+        writer = writer or worker
+        gen = out.select([c for c in gen_cols if c in out.columns])
+    else:
         labels = [r.get("_label") for r in state.results if r is not None and r.get("_label") is not None]
-        counts.labels = {k: int(v) for k, v in sorted(Counter(labels).items())}
-    result = ShardResult(index=shard.index, rows=shard.length, counts=counts, device=device,
-                         seconds=time.perf_counter() - state.started)
-    manifest.mark_done(spec.output, shard.name, result,
-                       {"run_id": run_id, "finished_at": datetime.now(timezone.utc).isoformat()}, so)
-    return result
+    result = ShardResult(index=shard.index, rows=shard.length, counts=_counts(gen, labels), device=device,
+                         seconds=time.perf_counter() - state.started, worker=writer)
+    return manifest.mark_done(spec.output, shard.name, result,
+                              {"run_id": run_id, "finished_at": datetime.now(timezone.utc).isoformat(),
+                               "adopted_part": adopted, "committed_by": worker}, so)
 
 
 def read_shard(shard: Shard, storage_options: Optional[dict[str, Any]] = None,
@@ -872,8 +981,9 @@ def run_shards(
     run_id: str = "",
     on_rows: Optional[Callable[[int, int], None]] = None,
     columns: Optional[dict[str, pl.DataType]] = None,
-    lease: Optional[Lease] = None,
+    lease: Optional[Union[Lease, LeaseToken]] = None,
     structured: Optional[bool] = None,
+    worker: str = "",
 ) -> Iterator[ShardResult]:
     """Run `shards` through the engine together; yield each ShardResult as soon as it is committed.
 
@@ -891,9 +1001,10 @@ def run_shards(
     Args:
         on_rows: called with (rows finished, output tokens) as rows finish (progress bars).
         columns: output types of the id / pass-through columns (`JobPlan.columns`).
-        lease: the run's lease, checked before each commit (`Lease.check`).
+        lease: the run's lease (or a worker's `LeaseToken` of it), checked before each commit.
         structured: write the `valid` / `parsed` columns (`JobPlan.structured`; None: when the
             spec constrains outputs or these shards' files have a constraint column).
+        worker: the name recorded in each done marker (default `default_worker()`, HOST:PID).
 
     Raises:
         LeaseLost: another run took the output over.
@@ -943,7 +1054,7 @@ def run_shards(
         if errors and on_rows:
             on_rows(errors, 0)
         if state.remaining == 0:
-            yield _commit(spec, state, device, run_id, lease)
+            yield _commit(spec, state, device, run_id, lease, worker)
     if not prompts:
         return
     outputs = llm.iter_outputs(prompts, params, use_tqdm=False)
@@ -957,7 +1068,7 @@ def run_shards(
             if on_rows:
                 on_rows(1, row["completion_tokens"])
             if state.remaining == 0:
-                yield _commit(spec, state, device, run_id, lease)
+                yield _commit(spec, state, device, run_id, lease, worker)
                 states[si] = None  # type: ignore[call-overload]  # free the shard's rows
     finally:
         close = getattr(outputs, "close", None)
@@ -988,7 +1099,7 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
                device: str, status: str = "ok", error: Optional[str] = None,
                discarded_completion_tokens: int = 0,
                storage_options: Optional[dict[str, Any]] = None,
-               engine_steps: Optional[dict] = None) -> CostReport:
+               engine_steps: Optional[dict] = None, device_count: Optional[int] = None) -> CostReport:
     """Build this run's cost report and book it: one Parquet row under `_job/runs/` (one put, so a
     failing or interrupted run can book its cost too).
 
@@ -999,6 +1110,8 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         discarded_completion_tokens: output tokens generated for shards that were not committed.
         storage_options: options for the write (default: the spec's).
         engine_steps: the engine's step counters over the run (see `cost.cost_report`).
+        device_count: devices the run held (default `spec.devices()`; the flow on a cluster
+            passes the number of workers that ran its shards).
 
     Raises:
         StorageError: the row could not be written.
@@ -1009,7 +1122,8 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         counts = counts + r.counts
     report = cost_report(
         job_id=plan.job_id, run_id=plan.run_id, model=model, quantization=quantization, device=device,
-        device_count=spec.devices(), started_at=plan.started_at, finished_at=datetime.now(timezone.utc),
+        device_count=device_count or spec.devices(), started_at=plan.started_at,
+        finished_at=datetime.now(timezone.utc),
         price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
         rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
         ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order, status=status, error=error,
@@ -1023,7 +1137,8 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
 
 
 def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, model: str,
-              quantization: Optional[str], device: str, discarded_completion_tokens: int = 0) -> Optional[CostReport]:
+              quantization: Optional[str], device: str, discarded_completion_tokens: int = 0,
+              device_count: Optional[int] = None) -> Optional[CostReport]:
     """Book the cost of a run that ended with `exc` (status "interrupted" for KeyboardInterrupt and its
     subclasses, else "failed") and give the lease back. After a storage failure both use short
     timeouts. Never raises: a row that cannot be booked is reported as a warning.
@@ -1039,7 +1154,7 @@ def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, 
     try:
         report = finish_job(plan, results, model=model, quantization=quantization, device=device, status=status,
                             error=error, discarded_completion_tokens=discarded_completion_tokens,
-                            storage_options=quick_options(so) if quick else so)
+                            storage_options=quick_options(so) if quick else so, device_count=device_count)
     except StorageError as book_exc:
         warnings.warn(f"this run's cost was not booked ({book_exc.cause}); it ran "
                       f"{(datetime.now(timezone.utc) - plan.started_at).total_seconds():.1f} s", stacklevel=2)
@@ -1071,17 +1186,108 @@ def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) 
     return df.sort("started_at", maintain_order=True)
 
 
-def _windows(shards: list[Shard], k: int) -> Iterator[list[Shard]]:
-    """Consecutive runs of `k` shards for one engine call each; a window grows (up to 2k shards) while
-    the next shard continues the last one's prefix group, so a group stays within one engine call."""
-    i = 0
+def plan_windows(shards: list[Shard], shards_in_flight: int) -> list[list[Shard]]:
+    """The windows of a run: consecutive runs of `shards_in_flight` shards, each one engine call (and one
+    flow task); a window grows (up to twice that) while the next shard continues the last one's prefix
+    group, so a group that fits stays within one engine call. `run_job` and the flow cut them alike.
+
+    Raises:
+        ValueError: `shards_in_flight` below 1.
+    """
+    if shards_in_flight < 1:
+        raise ValueError(f"shards_in_flight must be at least 1, got {shards_in_flight!r}")
+    k, out, i = shards_in_flight, [], 0
     while i < len(shards):
         j = min(i + k, len(shards))
         while j < len(shards) and j < i + 2 * k and shards[j].continues_group \
                 and shards[j].index == shards[j - 1].index + 1:
             j += 1
-        yield shards[i:j]
+        out.append(shards[i:j])
         i = j
+    return out
+
+
+@dataclass
+class WindowRun:
+    """What running one window produced (`run_window`): a flow task's return value, as JSON.
+
+    Attributes:
+        results: the shards committed, in commit order.
+        worker: who ran the window (see `ShardResult.worker`).
+        quantization: the engine's weight quantization (None: full precision).
+        engine_steps: the engine's step counters over this window (see `cost.cost_report`), or None.
+        seconds: wall seconds of the window, reading to last commit.
+    """
+
+    results: list[ShardResult]
+    worker: str
+    quantization: Optional[str] = None
+    engine_steps: Optional[dict] = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"results": [r.to_json() for r in self.results], "worker": self.worker,
+                "quantization": self.quantization, "engine_steps": self.engine_steps, "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "WindowRun":
+        return cls(results=[ShardResult.from_json(r) for r in d["results"]], worker=d.get("worker", ""),
+                   quantization=d.get("quantization"), engine_steps=d.get("engine_steps"),
+                   seconds=d.get("seconds", 0.0))
+
+
+def engine_quantization(spec: JobSpec, llm: Any) -> Optional[str]:
+    """The quantization a report names: the spec's, else the engine's own (e.g. a GGUF's default)."""
+    return spec.quantization or getattr(getattr(llm, "config", None), "quantization", None)
+
+
+def add_steps(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
+    """Two windows' engine step counters added (None when neither has any)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
+
+
+def run_window(
+    spec: JobSpec,
+    window: list[Shard],
+    llm: Any,
+    *,
+    run_id: str,
+    columns: Optional[dict[str, pl.DataType]] = None,
+    structured: Optional[bool] = None,
+    lease: Optional[Union[Lease, LeaseToken]] = None,
+    worker: str = "",
+    on_rows: Optional[Callable[[int, int], None]] = None,
+    on_shard_done: Optional[Callable[[ShardResult], None]] = None,
+) -> WindowRun:
+    """Run one window (`plan_windows`) through `llm`, all its shards in flight at once (`run_shards`),
+    committing each shard as it finishes; the one run loop of `run_job` and of the flow's tasks.
+
+    The caller holds the engine for the window (`engine_lock` where threads share one).
+
+    Args:
+        run_id, columns, structured, lease, worker, on_rows: as for `run_shards`.
+        on_shard_done: called with each ShardResult right after its commit.
+
+    Returns:
+        The WindowRun: the results, the worker, the engine's quantization and step counters.
+
+    Raises:
+        Whatever `run_shards` raises; the shards committed before stay committed.
+    """
+    worker = worker or default_worker()
+    t0 = time.perf_counter()
+    stats0 = _engine_steps(llm)
+    results: list[ShardResult] = []
+    with contextlib.closing(run_shards(spec, window, llm, run_id=run_id, on_rows=on_rows, columns=columns,
+                                       lease=lease, structured=structured, worker=worker)) as committed:
+        for result in committed:
+            results.append(result)
+            if on_shard_done is not None:
+                on_shard_done(result)
+    return WindowRun(results, worker, engine_quantization(spec, llm), _engine_steps(llm, stats0),
+                     time.perf_counter() - t0)
 
 
 class JobInterrupted(KeyboardInterrupt):
@@ -1126,8 +1332,12 @@ def run_job(
 
     Raises:
         JobInterrupted: a KeyboardInterrupt (or a subclass carrying `signum`) stopped the run.
+        ValueError: `spec.cluster` is set (a cluster job runs through the flow).
         Everything `prepare_job` raises, and whatever failed the run (e.g. StorageError, LeaseLost).
     """
+    if spec.cluster is not None:
+        raise ValueError(f"cluster={spec.cluster!r}: run_job runs in this process; a cluster job runs through the "
+                         f"Prefect flow (flows.batch_generate(spec), or `tokenmill run --cluster ...`)")
     plan = prepare_job(spec, tokenizer=llm.tokenizer if llm is not None else None,
                        max_model_len=getattr(llm, "max_model_len", None) if llm is not None else None)
     results: list[ShardResult] = []
@@ -1143,9 +1353,14 @@ def run_job(
             bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} out tok/s", refresh=False)
 
     def quantization() -> Optional[str]:
-        return spec.quantization or getattr(getattr(llm, "config", None), "quantization", None)
+        return engine_quantization(spec, llm)
 
-    stats0 = None
+    def committed(result: ShardResult) -> None:
+        results.append(result)
+        if on_shard_done is not None:
+            on_shard_done(result)
+
+    steps: Optional[dict] = None
     try:
         todo = plan.rows_total - plan.rows_skipped
         if plan.rows_total == 0:
@@ -1161,25 +1376,20 @@ def run_job(
             llm = get_llm(spec)
             if loading:
                 _say(spec, f"model loaded in {time.perf_counter() - t_load:.1f} s")
-        stats0 = _engine_steps(llm)
         if spec.progress and plan.pending:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=todo, unit="row", desc="tokenmill", dynamic_ncols=True, smoothing=0.05)
         t0 = time.perf_counter()
-        for window in _windows(plan.pending, spec.shards_in_flight):
-            with contextlib.closing(run_shards(spec, window, llm, run_id=plan.run_id, on_rows=on_rows,
-                                               columns=plan.columns, lease=plan.lease,
-                                               structured=plan.structured)) as committed:
-                for result in committed:
-                    results.append(result)
-                    if on_shard_done is not None:
-                        on_shard_done(result)
+        for window in plan_windows(plan.pending, spec.shards_in_flight):
+            run = run_window(spec, window, llm, run_id=plan.run_id, columns=plan.columns, structured=plan.structured,
+                             lease=plan.lease, on_rows=on_rows, on_shard_done=committed)
+            steps = add_steps(steps, run.engine_steps)
         if bar is not None:
             bar.close()
             bar = None
         report = finish_job(plan, results, model=spec.model, quantization=quantization(),
-                            device=job_device(plan, results, llm), engine_steps=_engine_steps(llm, stats0))
+                            device=job_device(plan, results, llm), engine_steps=steps)
     except BaseException as exc:
         if bar is not None:
             bar.close()

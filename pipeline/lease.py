@@ -30,6 +30,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Optional
 
@@ -86,6 +87,46 @@ def describe_holder(doc: dict[str, Any], now: Optional[float] = None) -> str:
             f"expires in {max(left, 0):.0f} s)")
 
 
+@dataclass(frozen=True)
+class LeaseToken:
+    """A picklable reference to a run's lease, for the processes that commit shards for it (Dask
+    workers): `check` reads the lease file, so a worker of a run that ended or lost the output
+    commits nothing. It never renews the lease; the run that holds it does.
+
+    Attributes:
+        output: the job's output URL.
+        run_id: the holding run.
+        generation: the lease file's generation.
+        storage_options: options to read the lease file with; left empty when the token travels
+            (they may hold credentials) and bound on the worker with `bind`.
+    """
+
+    output: str
+    run_id: str
+    generation: int
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def bind(self, storage_options: dict[str, Any]) -> "LeaseToken":
+        """This token with the worker's storage options."""
+        return replace(self, storage_options=dict(storage_options))
+
+    def check(self) -> None:
+        """Raise unless the run still holds the lease (its file is there, names it and has not expired).
+
+        Raises:
+            LeaseLost: the lease was given back, taken over or expired.
+            StorageError: the lease file could not be read.
+        """
+        doc = io.read_json(_url(self.output, self.generation), self.storage_options)
+        if doc is None or doc.get("run_id") != self.run_id:
+            why = "the run that handed out this work has ended or lost the output"
+        elif float(doc.get("expires_at", 0)) < time.time():
+            why = "the lease of the run that handed out this work expired (that run stopped renewing it)"
+        else:
+            return
+        raise LeaseLost(f"{self.output}: {why} (run {self.run_id}); this worker commits nothing more.")
+
+
 class Lease:
     """This run's hold on an output; see the module docstring.
 
@@ -103,6 +144,10 @@ class Lease:
     @property
     def url(self) -> str:
         return _url(self.output, self.generation)
+
+    def token(self) -> LeaseToken:
+        """A picklable `LeaseToken` for workers that commit shards for this run."""
+        return LeaseToken(self.output, self.run_id, self.generation)
 
     @classmethod
     def acquire(cls, output: str, storage_options: Optional[dict[str, Any]] = None, *, run_id: str,

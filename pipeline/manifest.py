@@ -2,7 +2,8 @@
 
     OUTPUT/_job/manifest.json         {"fingerprint", "inputs", "spec", "plan", "shards", ...}
                                       (shards: rows as [offset, length] runs; plan: PlanStats)
-    OUTPUT/_job/done/part-00000.json  one marker per committed shard, with its counts
+    OUTPUT/_job/done/part-00000.json  one marker per committed shard, with its counts and the worker
+                                      that committed it
 
 The fingerprint is a SHA-256 of the input files (URL, size, ETag or mtime, rows,
 columns) and the spec fields that shape the outputs (model, sampling,
@@ -33,6 +34,10 @@ class ShardResult:
         counts: ok/error rows and token counts of the shard.
         device: the engine's device name.
         seconds: wall seconds from reading the shard to its commit.
+        worker: who ran it, i.e. wrote its part file: a Dask worker's address (tcp://HOST:PORT) on
+            a cluster, else HOST:PID of the process ("" in markers written before workers were
+            recorded). The marker's `committed_by` names who wrote the marker, another worker when
+            it adopted a part file whose writer died before marking it (`adopted_part`).
     """
 
     index: int
@@ -40,6 +45,7 @@ class ShardResult:
     counts: TokenCounts
     device: str
     seconds: float
+    worker: str = ""
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -49,7 +55,7 @@ class ShardResult:
     @classmethod
     def from_json(cls, d: dict) -> "ShardResult":
         return cls(index=d["index"], rows=d["rows"], counts=TokenCounts(**d["counts"]),
-                   device=d.get("device", ""), seconds=d.get("seconds", 0.0))
+                   device=d.get("device", ""), seconds=d.get("seconds", 0.0), worker=d.get("worker", ""))
 
 
 def job_url(output: str, *parts: str) -> str:
@@ -113,9 +119,34 @@ def marker_url(output: str, shard_name: str) -> str:
     return job_url(output, "done", shard_name.replace(".parquet", ".json"))
 
 
-def mark_done(output: str, shard_name: str, result: ShardResult, extra: dict, storage_options: dict[str, Any]) -> None:
-    """Write a shard's done marker (after its part file is committed)."""
-    io.write_json_atomic({**result.to_json(), **extra}, marker_url(output, shard_name), storage_options)
+def mark_done(output: str, shard_name: str, result: ShardResult, extra: dict,
+              storage_options: dict[str, Any]) -> ShardResult:
+    """Write a shard's done marker (after its part file is committed), first writer wins.
+
+    Returns:
+        `result` when this call created the marker; else the result in the marker already there
+        (another attempt of the same shard committed first).
+
+    Raises:
+        StorageError: the marker could not be written or read back.
+    """
+    url = marker_url(output, shard_name)
+    data = json.dumps({**result.to_json(), **extra}, indent=2, sort_keys=True, default=str).encode()
+    if io.create_exclusive(url, data, storage_options):
+        return result
+    existing = io.read_json(url, storage_options)
+    return ShardResult.from_json(existing) if existing is not None else result
+
+
+def read_marker(output: str, shard_name: str, storage_options: dict[str, Any]) -> ShardResult | None:
+    """The shard's done marker, or None when the shard is not done."""
+    d = io.read_json(marker_url(output, shard_name), storage_options)
+    return ShardResult.from_json(d) if d is not None else None
+
+
+def shard_workers(output: str, storage_options: dict[str, Any]) -> dict[int, str]:
+    """Which worker committed each done shard, by index (from the done markers)."""
+    return {i: r.worker for i, r in done_shards(output, storage_options).items()}
 
 
 def done_shards(output: str, storage_options: dict[str, Any]) -> dict[int, ShardResult]:
