@@ -405,16 +405,11 @@ class LLM:
             ValueError: N does not divide the heads (naming both), too few CUDA devices, or an
                 option that does not run with tensor parallelism (w8a8, a draft model).
         """
-        from .parallel import WorkerGroup, WorkerSpec
+        from .parallel import WorkerGroup, WorkerSpec, check_tp_options
 
         cfg, tp = self.config, self.config.tensor_parallel_size
         check_tp_size(model_config(source), tp)
-        if quant == "w8a8":
-            raise ValueError("quantization='w8a8' calibrates on the whole model in one process: it does not run "
-                             "with tensor_parallel_size > 1 (int8, int4 and gguf do)")
-        if spec_cfg is not None and spec_cfg.method == "draft_model":
-            raise ValueError("speculative method 'draft_model' runs its draft in the driver only: it does not run "
-                             "with tensor_parallel_size > 1 (auto, ngram and suffix do)")
+        check_tp_options(tp, quant, spec_cfg.method if spec_cfg is not None else None)
         device = str(self.device)
         if self.device.type == "cuda":
             base = self.device.index or 0

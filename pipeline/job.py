@@ -624,11 +624,14 @@ def validate_spec(spec: JobSpec) -> None:
                              f"layers ({spec.model!r} has {layers})")
     tp = kw.get("tensor_parallel_size") or 1
     if tp > 1:  # the heads must split evenly: told now, before any worker starts or anything is written
-        from engine.parallel import check_tp_size
+        from engine.parallel import check_tp_options, check_tp_size
         from engine.weights import model_config
 
+        sc = kw.get("speculative_config")
+        method = sc.get("method") if isinstance(sc, dict) and sc.get("method") else kw.get("speculative")
         try:
             check_tp_size(model_config(source), int(tp))
+            check_tp_options(int(tp), kw.get("quantization"), method)
         except (ValueError, OSError, KeyError) as exc:
             raise ValueError(f"invalid engine option: {exc}") from None
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
@@ -643,8 +646,9 @@ def check_inputs(spec: JobSpec, files: list[io.InputFile]) -> dict[str, pl.DataT
         The output type of each id / pass-through column (`schema.unify_input_columns`).
 
     Raises:
-        ValueError: a file without a prompt column, or files that disagree on an output column
-            (the message names the file and the column).
+        ValueError: a file without a prompt column, a named `id_column` (other than the default
+            "id") that a file lacks, or files that disagree on an output column (the message
+            names the file and the column).
     """
     for f in files:
         try:
@@ -652,6 +656,9 @@ def check_inputs(spec: JobSpec, files: list[io.InputFile]) -> dict[str, pl.DataT
         except ValueError as exc:
             raise ValueError(f"{f.path}: {exc}") from None
         if not layout.id_in_input:
+            if spec.id_column != "id":  # a column the user named: a typo must not turn into row indexes
+                raise ValueError(f"id_column: {f.path} has no {spec.id_column!r} column (columns: "
+                                 f"{', '.join(f.columns)})")
             warnings.warn(f"{f.path} has no {spec.id_column!r} column; using the row index as the id",
                           stacklevel=3)
     unified = unify_input_columns(files, spec.id_column)

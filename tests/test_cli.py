@@ -87,6 +87,11 @@ def test_warnings_are_one_line_without_our_source(tmp_path, capsys):
                  "--engine-option", "seed=7"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err == [f"tokenmill: warning: file://{inp} has no 'id' column; using the row index as the id"]
+    # a named id column that is missing is a typo, not a fallback: refused before anything is written
+    assert main(["run", "--input", str(inp), "--output", str(tmp_path / "out2"), "--no-progress",
+                 "--engine-option", "seed=7", "--id-column", "nope"]) != 0
+    err = capsys.readouterr().err
+    assert "id_column" in err and "'nope'" in err and "prompt" in err and not (tmp_path / "out2").exists()
 
 
 def test_spec_file_errors_name_the_file_line_and_field(tmp_path, capsys):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -532,6 +533,17 @@ def test_job_refuses_a_tp_size_the_model_cannot_split(tmp_path):
         validate_spec(spec)
     assert spec.devices() == 2 and JobSpec(input="a", output="b").devices() == 1
     assert JobSpec(input="a", output="b", tensor_parallel_size=4, device_count=8).devices() == 8
+    # the options that do not run under TP are refused at the same point, before a manifest exists
+    for extra, message in (({"quantization": "w8a8"}, "quantization='w8a8' calibrates on the whole model"),
+                           ({"speculative": "draft_model"}, "speculative method 'draft_model' runs its draft"),
+                           ({"engine_options": {"speculative_config": {"method": "draft_model",
+                                                                       "draft_model": "self:4"}}},
+                            "speculative method 'draft_model' runs its draft")):
+        spec = JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), tensor_parallel_size=3,
+                       **extra)
+        with pytest.raises(ValueError, match=re.escape(f"invalid engine option: {message}")):
+            validate_spec(spec)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_driver_side_start_failure_stops_the_workers():

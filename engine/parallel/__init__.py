@@ -10,7 +10,7 @@ model runner hands each step to the workers and runs its own shard of the same f
 """
 from .executor import WorkerError, WorkerGroup
 from .group import TPGroup
-from .sharding import TPShard, check_tp_size
+from .sharding import TPShard, check_tp_options, check_tp_size
 from .worker import WorkerSpec
 
-__all__ = ["TPGroup", "TPShard", "WorkerError", "WorkerGroup", "WorkerSpec", "check_tp_size"]
+__all__ = ["TPGroup", "TPShard", "WorkerError", "WorkerGroup", "WorkerSpec", "check_tp_options", "check_tp_size"]

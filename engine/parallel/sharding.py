@@ -169,3 +169,24 @@ def shard_fused(parts: list[tuple[str, int]], t: torch.Tensor, cfg: ModelConfig,
         out.append(shard_tensor(name, t[row:row + rows], cfg, shard))
         row += rows
     return torch.cat(out, 0).contiguous()
+
+
+def check_tp_options(tensor_parallel_size: int, quantization: Optional[str] = None,
+                     speculative_method: Optional[str] = None) -> None:
+    """Refuse the engine options that do not run with tensor parallelism (checked by the engine
+    and, before anything is written, by a job).
+
+    Raises:
+        ValueError: W8A8 weights (SmoothQuant calibrates on the whole model in one process) or
+            the draft_model speculative method (its draft runs in the driver only) with
+            tensor_parallel_size > 1.
+    """
+    if tensor_parallel_size <= 1:
+        return
+    if quantization == "w8a8":
+        raise ValueError("quantization='w8a8' calibrates on the whole model in one process: it does not run "
+                         "with tensor_parallel_size > 1 (int8, int4 and gguf do)")
+    if speculative_method == "draft_model":
+        raise ValueError("speculative method 'draft_model' runs its draft in the driver only: it does not run "
+                         "with tensor_parallel_size > 1 (auto, ngram and suffix do)")
+
