@@ -161,8 +161,8 @@ class JobSpec(BaseModel):
     truncate: bool = Field(False, description="a row whose prompt + max_tokens exceeds the context stops at the end "
                                               "of the context (default: such a row is an error row)")
 
-    id_column: str = Field("id", description="the input column holding each row's id (default id; without one, "
-                                             "the row index)")
+    id_column: str = Field("id", description="the input column holding each row's id (default id; without an id "
+                                             "column, the row index; a named column must exist)")
     shard_size: int = Field(256, ge=1, description="rows per output part file")
     limit: Optional[int] = Field(None, ge=1, description="process only the first N rows")
     plan: Literal["prefix", "input"] = Field(
