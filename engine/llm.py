@@ -348,7 +348,8 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, tp=tp_group, workers=self.workers)
         if not cfg.enable_chunked_prefill:
             self.max_model_len = min(self.max_model_len, cfg.max_num_batched_tokens)
-        self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids,
+                               cpu_kernels=_cpu_kernels_serve(cfg.cpu_kernels, str(self.device), self.dtype))
         self.spec = None
         if spec_cfg is not None:
             def draft_factory():

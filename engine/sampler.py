@@ -60,11 +60,31 @@ class Sampler:
     """Args:
         tokenizer_vocab_size: ids at or above it are never sampled (padded LM heads).
         eos_token_ids: ids that end a completion unless suppressed.
+        cpu_kernels: take greedy argmaxes over fp32 CPU logits with the CPU kernel library
+            (`engine.kernels.cpu.argmax_rows`: every row in place, on the library's threads, no
+            copy of the rows) where it builds; else `torch.argmax` on the greedy rows.
     """
 
-    def __init__(self, tokenizer_vocab_size: int, eos_token_ids: Seq[int]) -> None:
+    def __init__(self, tokenizer_vocab_size: int, eos_token_ids: Seq[int], cpu_kernels: bool = False) -> None:
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self._argmax_rows = None
+        if cpu_kernels:
+            from .kernels import cpu
+
+            if cpu.available():
+                self._argmax_rows = cpu.argmax_rows
+
+    def greedy_argmax(self, logits: torch.Tensor, idx: list[int]) -> torch.Tensor:
+        """The argmax token of logits rows `idx` (all rows when idx covers them): [len(idx)] int64."""
+        if (self._argmax_rows is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and logits.dim() == 2 and logits.stride(1) == 1):
+            # every row (a row that is not greedy costs a few microseconds) beats copying the rows out
+            am = self._argmax_rows(logits)
+            return am if len(idx) == logits.shape[0] else am[torch.tensor(idx)]
+        if len(idx) == logits.shape[0]:
+            return logits.argmax(dim=-1)
+        return logits[torch.tensor(idx, device=logits.device)].argmax(dim=-1)
 
     # ------------------------------------------------------------ plain sampling
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: Optional[torch.Tensor] = None
@@ -145,8 +165,11 @@ class Sampler:
         rand = [i for i, r in enumerate(rows) if not r.seq.request.params.greedy]
         tokens = torch.empty(R, dtype=torch.long, device=dev)
         if greedy:
-            gi = torch.tensor(greedy, device=dev)
-            tokens[gi] = logits[gi].argmax(dim=-1)
+            am = self.greedy_argmax(logits, greedy)
+            if len(greedy) == R:
+                tokens = am.to(dev)
+            else:
+                tokens[torch.tensor(greedy, device=dev)] = am.to(dev)
         if rand:
             ri = torch.tensor(rand, device=dev)
             probs = self.probs(logits[ri], [rows[i] for i in rand])
@@ -200,8 +223,7 @@ class Sampler:
         greedy_idx = [i for i, r in enumerate(rows) if r.seq.request.params.greedy]
         argmax = {}
         if greedy_idx:
-            gi = torch.tensor(greedy_idx, device=logits.device)
-            argmax = dict(zip(greedy_idx, logits[gi].argmax(dim=-1).tolist()))
+            argmax = dict(zip(greedy_idx, self.greedy_argmax(logits, greedy_idx).tolist()))
         rand_idx = [i for i, r in enumerate(rows) if not r.seq.request.params.greedy]
         probs = {}
         if rand_idx:

@@ -13,6 +13,11 @@ from test_attention import BS, LENS, _decode_batch, _dense
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"no C kernel: {cpu_kernel.why_unavailable()}")
 
+# int8 rows are computed in integer arithmetic where AVX-512 is present: a query and the softmax
+# weights are rounded to int16 codes (a step of 1/32767 of the largest), far finer than the
+# cache's own int8 codes (1/127); fp32 caches stay within 1e-5 of float64 attention
+INT8_TOL = 2e-4
+
 
 def _paged(lens, hkv, gqa, d, block_size, seed, scattered=True):
     """Random K/V for each sequence, written into a pool at scattered (or consecutive) blocks."""
@@ -40,7 +45,8 @@ def generic():
 
 
 @pytest.mark.parametrize("hkv,gqa,d", [(3, 3, 64), (1, 1, 64), (2, 4, 128), (1, 8, 32), (2, 16, 64), (1, 2, 20)])
-@pytest.mark.parametrize("block_size", [16, 32])
+# 8 and 20: a group of a vector's width of keys spans two blocks (each block is read where it lies)
+@pytest.mark.parametrize("block_size", [8, 16, 20, 32])
 @pytest.mark.parametrize("build", ["default", "generic"])
 def test_kernel_matches_dense(hkv, gqa, d, block_size, build, generic):
     # "default" is the AVX2 path on a CPU that has it (head_dim 20 takes the plain-C path there)
@@ -111,15 +117,18 @@ def test_kernel_reads_int8_rows_like_their_decoded_values(gqa, d, build, generic
         blocks = tables[b, :-(-n // 16)].long()
         slots = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)[:n]
         dense = _dense(q[b], kd[:, slots].transpose(0, 1), vd[:, slots].transpose(0, 1), d ** -0.5)
-        assert (out[b].double() - dense).abs().max().item() < 1e-5
-    assert (out - ref).abs().max().item() < 1e-5
+        assert (out[b].double() - dense).abs().max().item() < INT8_TOL
+    assert (out - ref).abs().max().item() < INT8_TOL
+    # the kernel's own rounding is a small part of what the int8 cache itself costs
+    exact = cpu_kernel.paged_decode_attention(q, kc, vc, tables, seq_lens, 16, d ** -0.5, lib=lib)
+    assert (out - ref).abs().max().item() < 0.05 * (ref - exact).abs().max().item()
 
 
 def test_int8_kv_backend_decodes_through_kernel():
     backend = TorchQuantKVAttentionBackend("int8")
     out, ref, meta = _decode_batch(backend, LENS[5], shared_blocks=2, consecutive=False, seed=11)
     assert meta.cache["decode_kernel"] is not None
-    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert (out.double() - ref).abs().max().item() < INT8_TOL
     assert TorchQuantKVAttentionBackend("fp8_e4m3").use_cpu_kernel is False
 
 
@@ -161,7 +170,8 @@ def test_engine_greedy_tokens_equal_with_and_without_kernel(monkeypatch):
 @pytest.mark.parametrize("variant", ["native", "avx2", "generic"])
 @pytest.mark.parametrize("hkv,gqa,d", [(3, 3, 64), (2, 4, 128), (1, 2, 20), (2, 16, 32)])
 @pytest.mark.parametrize("kv", ["float32", "int8"])
-def test_prefill_rows_attend_causally_over_their_cached_prefix(variant, hkv, gqa, d, kv):
+@pytest.mark.parametrize("bs", [16, 20])
+def test_prefill_rows_attend_causally_over_their_cached_prefix(variant, hkv, gqa, d, kv, bs):
     """A step of decode rows and prefill chunks (one from position 0, one after a 37-token cached
     prefix, one of a single token), tiles of up to `attention_tile_rows` rows in any order: each
     row equals dense causal attention over its own sequence up to its position."""
@@ -171,7 +181,6 @@ def test_prefill_rows_attend_causally_over_their_cached_prefix(variant, hkv, gqa
     if variant == "avx2" and not {"avx2", "fma"} <= build.cpu_flags():
         pytest.skip("no AVX2/FMA")
     lib = cpu.library(variant)
-    bs = 16
     # (cached prefix, new tokens) per sequence: decodes (n = 1) first, then prefill chunks
     specs = [(40, 1), (5, 1), (0, 23), (37, 19), (64, 1), (3, 2)]
     lens = [p + n for p, n in specs]
@@ -203,7 +212,8 @@ def test_prefill_rows_attend_causally_over_their_cached_prefix(variant, hkv, gqa
     for r in range(t):
         s, L = row_seq[r], kv_len[r]
         want = _dense(q[r], keys[s][:L], vals[s][:L], d ** -0.5)
-        assert (out[r].double() - want).abs().max().item() < 2e-5, (r, s, L)
+        tol = INT8_TOL if kv == "int8" else 2e-5
+        assert (out[r].double() - want).abs().max().item() < tol, (r, s, L)
 
 
 def test_attention_refuses_tiles_beyond_its_limit():

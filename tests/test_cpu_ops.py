@@ -90,6 +90,32 @@ def test_kv_write_matches_the_reference_codec(lib, dtype):
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # bit for bit, scales included
 
 
+@pytest.mark.parametrize("m,n", [(1, 1), (3, 15), (17, 16), (5, 17), (64, 49152 + 5)])
+def test_argmax_rows_matches_torch(lib, m, n):
+    g = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, n, generator=g)
+    assert torch.equal(cpu.argmax_rows(x, lib=lib), x.argmax(dim=-1))
+    # strided rows; ties go to the first index (as torch); -inf everywhere gives 0
+    xs = torch.randn(m, n + 7, generator=g)[:, 3:3 + n]
+    if n > 2:
+        xs[:, n // 3] = xs[:, -1] = 1e9
+    xs[0, :] = float("-inf")
+    got = cpu.argmax_rows(xs, lib=lib)
+    assert torch.equal(got, xs.argmax(dim=-1))
+    assert got[0].item() == 0 and (n <= 2 or (got[1:] == n // 3).all())
+
+
+def test_sampler_greedy_rows_take_the_c_argmax():
+    from engine.sampler import Sampler
+
+    x = torch.randn(9, 1000)
+    on, off = Sampler(1000, [], cpu_kernels=True), Sampler(1000, [])
+    assert on._argmax_rows is not None and off._argmax_rows is None
+    for idx in (list(range(9)), [0, 4, 8]):
+        assert torch.equal(on.greedy_argmax(x, idx), off.greedy_argmax(x, idx))
+        assert torch.equal(on.greedy_argmax(x, idx), x[idx].argmax(dim=-1))
+
+
 def test_select_ops():
     assert select_ops(torch.device("cpu"), torch.float32).name == "cpu"
     assert select_ops(torch.device("cpu"), torch.bfloat16).name == "torch"

@@ -54,6 +54,7 @@ _SIGNATURES = {
     "tm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
     "tm_silu_mul": (None, [_P, _I64, _P, _I64, _I64, _I64]),
     "tm_kv_write": (None, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I]),
+    "tm_argmax_rows": (None, [_P, _I64, _I64, _I64, _P]),
     "tm_attention_tile_rows": (_I, [_I64]),
     "tm_paged_attention": (_I, [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I64] * 5 + [_F]),
     "tm_decoder_layer_words": (_I, []),
@@ -318,6 +319,28 @@ def silu_mul(gu: torch.Tensor, out: Optional[torch.Tensor] = None, lib: Optional
     y = _out(out, m, n2 // 2)
     lib.tm_silu_mul(gu.data_ptr(), gu.stride(0), y.data_ptr(), y.stride(0), m, n2 // 2)
     return y
+
+
+def argmax_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Index of the largest value of each row of x [m, n] float32 (contiguous last dim): [m] int64,
+    the first index on ties as `torch.argmax`; NaN is never chosen (torch would choose it), and a
+    row with nothing above -inf gives 0. Rows are shared out over the thread pool.
+
+    Raises:
+        ValueError: x is not a 2-D float32 CPU tensor with a contiguous last dim, or n == 0.
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, n = x.shape
+    if n == 0:
+        raise ValueError("argmax_rows needs at least one column")
+    if out is None:
+        out = torch.empty(m, dtype=torch.int64)
+    elif out.dtype != torch.int64 or not out.is_contiguous() or out.numel() != m:
+        raise ValueError(f"out must be a contiguous int64 tensor of {m} elements")
+    lib.tm_argmax_rows(x.data_ptr(), x.stride(0), m, n, out.data_ptr())
+    return out
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

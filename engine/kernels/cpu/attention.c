@@ -53,6 +53,7 @@ typedef struct {
     const int32_t *row_seq;
     const int64_t *kv_len;
     const int64_t *tiles;
+    int64_t num_tiles;
     float *out;
     int64_t ldo;
     int64_t hq, hkv, d, s, block_size;
@@ -244,7 +245,7 @@ TM_INLINE vf reduce_vl(const vf part[VL]) {
 /* acc[x] += sum_u p[x][u0 + u] V[u] over `seg` keys, for QG queries (compile-time), D/VL vectors
  * each, all held in registers: each V row is loaded once for every query. */
 TM_INLINE void pv_regs(const int QG, const int D, const int is_int8, float (*acc)[TM_MAX_D],
-                       const float (*p)[TM_CHUNK], int64_t u0, const char *vb, int64_t rb, int64_t seg) {
+                       const float (*p)[TM_CHUNK + VL], int64_t u0, const char *vb, int64_t rb, int64_t seg) {
     vf a[6][TM_MAX_D / VL];
 #pragma GCC unroll 6
     for (int x = 0; x < QG; ++x)
@@ -271,7 +272,7 @@ TM_INLINE void pv_regs(const int QG, const int D, const int is_int8, float (*acc
 /* The same, one query at a time (any count and head_dim), skipping queries that see none of
  * these keys; probabilities past a row's position are 0. */
 static inline void pv_loop(int64_t qg, int64_t d, const int is_int8, float (*acc)[TM_MAX_D],
-                           const float (*p)[TM_CHUNK], int64_t u0, const char *vb, int64_t rb, int64_t seg,
+                           const float (*p)[TM_CHUNK + VL], int64_t u0, const char *vb, int64_t rb, int64_t seg,
                            const int64_t *lim, int64_t pos0) {
     for (int64_t x = 0; x < qg; ++x) {
         if (lim[x] <= pos0 + u0) continue;
@@ -283,6 +284,159 @@ static inline void pv_loop(int64_t qg, int64_t d, const int is_int8, float (*acc
             V_STORE(acc[x] + i, a0);
         }
     }
+}
+
+#if defined(TM_AVX512)
+/* int8 caches in integer arithmetic (AVX-512 BW, VNNI where present). A query is rounded to
+ * int16 codes with one scale (its largest magnitude / 32767: a relative step of 3e-5, far below
+ * the cache's own int8 step of 1/254), a K row's codes are widened to int16, and vpdpwssd sums
+ * pairs of products into int32, exactly; the probabilities times V's row scale are rounded to
+ * int16 the same way, per query and chunk, and pairs of V rows are interleaved so that one
+ * vpdpwssd adds two keys' contributions. Sums stay below 2^31: D <= 256 products (or 64 keys) of
+ * |code| <= 127 by |q| <= 32767. The fp32 path converts every code and spends an FMA per
+ * product; this one does half the instructions per key or less. */
+TM_INLINE __m512i dp16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* 16 int32 vectors -> one whose lane u is the sum of p[u]'s lanes (exact). */
+TM_INLINE __m512i reduce16_i32(const __m512i p[16]) {
+    __m512i a[8], b[4];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) /* per 128-bit block: p0 lanes 0+2, p1 0+2, p0 1+3, p1 1+3 */
+        a[u] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * u], p[2 * u + 1]),
+                                _mm512_unpackhi_epi32(p[2 * u], p[2 * u + 1]));
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) /* per 128-bit block: the block's sums of p[4u .. 4u + 3] */
+        b[u] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * u], a[2 * u + 1]),
+                                _mm512_unpackhi_epi64(a[2 * u], a[2 * u + 1]));
+    /* add the four 128-bit blocks: output block i = the sums of b[i]'s blocks */
+    const __m512i d01 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i d23 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(d01, d23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(d01, d23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* int32 dot products of one int16 query (D codes) with cnt <= 16 consecutive int8 K rows. */
+TM_INLINE __m512i scores_i8(const int D, const int16_t *q16, const char *kb, int64_t rb, int64_t cnt) {
+    __m512i qv[TM_MAX_D / 32], part[16];
+#pragma GCC unroll 8
+    for (int c = 0; c < D / 32; ++c) qv[c] = _mm512_loadu_si512((const void *)(q16 + c * 32));
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) {
+        __m512i a = _mm512_setzero_si512();
+        if (u < cnt) {
+            const char *kr = kb + u * rb;
+#pragma GCC unroll 8
+            for (int c = 0; c < D / 32; ++c)
+                a = dp16(a, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + c * 32))), qv[c]);
+        }
+        part[u] = a;
+    }
+    return reduce16_i32(part);
+}
+
+/* Two V rows (D codes each; v1 NULL: zeros) as D / 16 vectors of (row 0, row 1) int16 pairs.
+ * Pair vector 2c (2c + 1) holds, in its 128-bit block L, dims 32c + 8L + 0..3 (+ 4..7). */
+TM_INLINE void v_pairs(const int D, const char *v0, const char *v1, __m512i *pr) {
+#pragma GCC unroll 8
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v0 + c * 32)));
+        const __m512i b = v1 ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v1 + c * 32)))
+                             : _mm512_setzero_si512();
+        pr[2 * c] = _mm512_unpacklo_epi16(a, b);
+        pr[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+}
+
+/* acc[x] += sw[x] * sum_u w16[x][u] V[u] for NQ queries over one block segment of seg keys
+ * starting at chunk key u0 (w16 rows hold the chunk's int16 weights, an even count); acc is
+ * kept in v_pairs' dim order. */
+TM_INLINE void pv_i8(const int NQ, const int D, float (*acc)[TM_MAX_D], const int16_t (*w16)[TM_CHUNK + 2],
+                     const float *sw, int64_t u0, const char *vb, int64_t rb, int64_t seg) {
+    __m512i ai[4][TM_MAX_D / 16];
+#pragma GCC unroll 4
+    for (int x = 0; x < NQ; ++x)
+#pragma GCC unroll 16
+        for (int c = 0; c < D / 16; ++c) ai[x][c] = _mm512_setzero_si512();
+    for (int64_t u = 0; u < seg; u += 2) {
+        __m512i pr[TM_MAX_D / 16];
+        const int both = u + 1 < seg;
+        v_pairs(D, vb + u * rb, both ? vb + (u + 1) * rb : NULL, pr);
+#pragma GCC unroll 4
+        for (int x = 0; x < NQ; ++x) {
+            int32_t wp;
+            memcpy(&wp, &w16[x][u0 + u], sizeof wp);
+            if (!both) wp &= 0xFFFF;
+            const __m512i w = _mm512_set1_epi32(wp);
+#pragma GCC unroll 16
+            for (int c = 0; c < D / 16; ++c) ai[x][c] = dp16(ai[x][c], pr[c], w);
+        }
+    }
+#pragma GCC unroll 4
+    for (int x = 0; x < NQ; ++x) {
+        const __m512 s = _mm512_set1_ps(sw[x]);
+#pragma GCC unroll 16
+        for (int c = 0; c < D / 16; ++c)
+            _mm512_storeu_ps(acc[x] + c * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[x][c]), s,
+                                                              _mm512_loadu_ps(acc[x] + c * 16)));
+    }
+}
+
+/* chunk-relative weights of query x (n values, >= 0) -> int16 codes and their scale */
+TM_INLINE float quantize_w16(const float *p, int64_t n, int16_t *w16) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t u = 0; u < n; u += 16) mx = _mm512_max_ps(mx, keep_first(_mm512_loadu_ps(p + u), n - u, 0.0f));
+    const float wmax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(wmax > 0.0f ? 32767.0f / wmax : 0.0f);
+    for (int64_t u = 0; u < n; u += 16) {
+        const __m512 v = keep_first(_mm512_loadu_ps(p + u), n - u, 0.0f);
+        _mm256_storeu_si256((__m256i *)(w16 + u), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
+    }
+    w16[(n + 15) / 16 * 16] = 0; /* the partner of an odd last key */
+    return wmax / 32767.0f;
+}
+
+/* storage position of dim i in v_pairs' order (D a multiple of 32) */
+static inline int64_t pair_pos(int64_t i) {
+    const int64_t c = i / 32, r = i % 32, blk = r / 8, hi = (r % 8) / 4, j = r % 4;
+    return (2 * c + hi) * 16 + blk * 4 + j;
+}
+#endif
+
+/* Start fetching every line of the K and V rows of keys [from, from + count) of one KV head
+ * (kh, vh), block by block: a block's rows are contiguous, but the blocks lie anywhere. */
+static inline void prefetch_keys(const char *kh, const char *vh, const int32_t *table, int64_t bs, int64_t rb,
+                                 int64_t from, int64_t count) {
+    for (int64_t p = from; p < from + count;) {
+        const int64_t off = p % bs, cnt = bs - off < from + count - p ? bs - off : from + count - p;
+        const int64_t at = ((int64_t)table[p / bs] * bs + off) * rb, bytes = cnt * rb;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(kh + at + b, 0, 3);
+            __builtin_prefetch(vh + at + b, 0, 3);
+        }
+        p += cnt;
+    }
+}
+
+#ifndef TM_PF_TILE
+#define TM_PF_TILE 1
+#endif
+/* The first chunk of KV head 0 of tile t (if any): fetched at the end of an earlier tile, so a
+ * thread's next task does not start on cold blocks (tiles are handed out in order). */
+static inline void prefetch_next_tile(const tm_attn *j, int64_t t, int64_t chunk) {
+    if (t >= j->num_tiles) return;
+    const int64_t r0 = j->tiles[2 * t], nr = j->tiles[2 * t + 1];
+    const int64_t seq = j->row_seq ? j->row_seq[r0] : r0, len = j->kv_len[r0 + nr - 1];
+    const int64_t rb = j->is_int8 ? j->d + 4 : j->d * 4;
+    prefetch_keys((const char *)j->k_cache, (const char *)j->v_cache, j->block_tables + seq * j->max_blocks,
+                  j->block_size, rb, 0, len < chunk ? len : chunk);
 }
 
 /* One (tile, KV head) task; D is 0 for a runtime head_dim (j->d), or a compile-time 64 / 128.
@@ -299,12 +453,20 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
     const int32_t *table = j->block_tables + seq * j->max_blocks;
     float qs[TM_MAX_QG][TM_MAX_D] __attribute__((aligned(64)));
     float acc[TM_MAX_QG][TM_MAX_D] __attribute__((aligned(64)));
-    float sb[TM_MAX_QG][TM_CHUNK] __attribute__((aligned(64))); /* scores, then probabilities */
-    float ks[TM_CHUNK], vs[TM_CHUNK];
+    /* scores, then probabilities; a group of keys stores VL lanes, so VL more of room */
+    float sb[TM_MAX_QG][TM_CHUNK + VL] __attribute__((aligned(64)));
+    float ks[TM_CHUNK + VL], vs[TM_CHUNK + VL];
     float m[TM_MAX_QG], l[TM_MAX_QG];
     int64_t lim[TM_MAX_QG];
     int64_t maxlen = 0, minlen = INT64_MAX;
     const vf scale8 = V_SET1(j->scale);
+#if defined(TM_AVX512)
+    /* int8 rows of a compile-time head_dim in integer arithmetic (whole VL-key groups per block) */
+    const int use_i = is_int8 && D;
+    int16_t q16[TM_MAX_QG][TM_MAX_D] __attribute__((aligned(64)));
+    int16_t w16[TM_MAX_QG][TM_CHUNK + 2] __attribute__((aligned(64)));
+    float sq[TM_MAX_QG], sw[TM_MAX_QG];
+#endif
     for (int64_t x = 0; x < qg; ++x) {
         const int64_t r = r0 + x / g_n, g = x % g_n;
         const float *src = j->q + r * j->ldq + (h * g_n + g) * d;
@@ -317,33 +479,61 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
         lim[x] = j->kv_len[r];
         maxlen = lim[x] > maxlen ? lim[x] : maxlen;
         minlen = lim[x] < minlen ? lim[x] : minlen;
+#if defined(TM_AVX512)
+        if (use_i) { /* the scaled query as int16 codes: qs = sq * q16 */
+            vf mx = V_ZERO();
+            for (int64_t i = 0; i < d; i += VL) mx = _mm512_max_ps(mx, _mm512_abs_ps(V_LOAD(qs[x] + i)));
+            const float amax = _mm512_reduce_max_ps(mx);
+            sq[x] = amax / 32767.0f;
+            const vf inv = V_SET1(amax > 0.0f ? 32767.0f / amax : 0.0f);
+            for (int64_t i = 0; i < d; i += VL)
+                _mm256_storeu_si256((__m256i *)(q16[x] + i),
+                                    _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(V_MUL(V_LOAD(qs[x] + i), inv))));
+        }
+#endif
     }
     const int64_t chunk = bs >= TM_CHUNK ? bs : TM_CHUNK - TM_CHUNK % bs; /* whole blocks */
     for (int64_t pos0 = 0; pos0 < maxlen; pos0 += chunk) {
         const int64_t n = maxlen - pos0 < chunk ? maxlen - pos0 : chunk; /* keys some row may see */
-        /* the next chunk's first block lies elsewhere: start fetching its first lines */
+        /* the next chunk's blocks lie elsewhere: fetch them whole while this one is computed
+         * (after a head's last chunk, the next head's first) */
         if (pos0 + chunk < maxlen) {
-            const int64_t next = (int64_t)table[(pos0 + chunk) / bs] * bs * rb;
-            for (int64_t off = 0; off < 8 * 64; off += 64) {
-                __builtin_prefetch(kh + next + off, 0, 3);
-                __builtin_prefetch(vh + next + off, 0, 3);
-            }
+            const int64_t nn = maxlen - pos0 - chunk < chunk ? maxlen - pos0 - chunk : chunk;
+            prefetch_keys(kh, vh, table, bs, rb, pos0 + chunk, nn);
+        } else if (h + 1 < j->hkv) {
+            prefetch_keys(kh + j->s * rb, vh + j->s * rb, table, bs, rb, 0, maxlen < chunk ? maxlen : chunk);
+        } else {
+            prefetch_next_tile(j, tile + TM_PF_TILE, chunk);
         }
         if (is_int8)
-            for (int64_t u = 0; u < n; ++u) {
-                const int64_t p = pos0 + u, slot = (int64_t)table[p / bs] * bs + p % bs;
-                ks[u] = row_scale(kh + slot * rb, d);
-                vs[u] = row_scale(vh + slot * rb, d);
+            for (int64_t u = 0; u < n;) { /* the rows' scales, block by block */
+                const int64_t p = pos0 + u, off = p % bs, cnt = bs - off < n - u ? bs - off : n - u;
+                const char *kr = kh + ((int64_t)table[p / bs] * bs + off) * rb;
+                const char *vr = vh + ((int64_t)table[p / bs] * bs + off) * rb;
+                for (int64_t e = 0; e < cnt; ++e) {
+                    ks[u + e] = row_scale(kr + e * rb, d);
+                    vs[u + e] = row_scale(vr + e * rb, d);
+                }
+                u += cnt;
             }
         /* scores: sb[x][0..n) */
         for (int64_t x = 0; x < qg; ++x) {
             if (lim[x] <= pos0) continue; /* this row sees none of these keys */
             const int64_t vis = lim[x] - pos0 < n ? lim[x] - pos0 : n;
-            for (int64_t u0 = 0; u0 < vis; u0 += VL) {
-                const int64_t p0 = pos0 + u0;
-                const char *kb = kh + ((int64_t)table[p0 / bs] * bs + p0 % bs) * rb; /* VL keys in one block */
-                const int64_t cnt = vis - u0 < VL ? vis - u0 : VL;
+            for (int64_t u0 = 0, cnt = 0; u0 < vis; u0 += cnt) {
+                /* up to VL keys of one block (a block size that VL does not divide splits a group) */
+                const int64_t p0 = pos0 + u0, off = p0 % bs;
+                const char *kb = kh + ((int64_t)table[p0 / bs] * bs + off) * rb;
+                cnt = vis - u0 < VL ? vis - u0 : VL;
+                if (bs - off < cnt) cnt = bs - off;
                 vf part[VL];
+#if defined(TM_AVX512)
+                if (use_i) {
+                    const vf sc = V_MUL(_mm512_cvtepi32_ps(scores_i8(D, q16[x], kb, rb, cnt)), V_SET1(sq[x]));
+                    V_STORE(sb[x] + u0, keep_first(V_MUL(sc, V_LOAD(ks + u0)), cnt, -INFINITY));
+                    continue;
+                }
+#endif
                 if (D) { /* the query's D / VL vectors stay in registers across the keys */
                     vf qv[TM_MAX_D / VL];
 #pragma GCC unroll 16
@@ -399,6 +589,35 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                 for (int64_t i = 0; i < d; i += VL) V_STORE(acc[x] + i, V_MUL(V_LOAD(acc[x] + i), c8));
             }
         }
+#if defined(TM_AVX512)
+        if (use_i) { /* acc += p V in int16 pairs, a block segment at a time, queries in groups */
+            for (int64_t x = 0; x < qg; ++x) {
+                if (lim[x] > pos0) {
+                    sw[x] = quantize_w16(sb[x], n, w16[x]);
+                } else {
+                    sw[x] = 0.0f;
+                    memset(w16[x], 0, sizeof w16[x]);
+                }
+            }
+            const int64_t grp = D == 64 ? 4 : 2;
+            for (int64_t u0 = 0; u0 < n;) {
+                const int64_t p0 = pos0 + u0, off = p0 % bs;
+                const int64_t seg = (bs - off < n - u0) ? bs - off : n - u0;
+                const char *vb = vh + ((int64_t)table[p0 / bs] * bs + off) * rb;
+                for (int64_t x0 = 0; x0 < qg; x0 += grp) {
+                    const int64_t nq = qg - x0 < grp ? qg - x0 : grp;
+                    switch (nq) {
+                        case 1: pv_i8(1, D, acc + x0, w16 + x0, sw + x0, u0, vb, rb, seg); break;
+                        case 2: pv_i8(2, D, acc + x0, w16 + x0, sw + x0, u0, vb, rb, seg); break;
+                        case 3: pv_i8(3, D, acc + x0, w16 + x0, sw + x0, u0, vb, rb, seg); break;
+                        default: pv_i8(4, D, acc + x0, w16 + x0, sw + x0, u0, vb, rb, seg); break;
+                    }
+                }
+                u0 += seg;
+            }
+            continue;
+        }
+#endif
         /* acc += p V, one block segment at a time: all queries in registers where they fit */
         const int all = minlen > pos0; /* every query has a row of probabilities here */
         for (int64_t u0 = 0; u0 < n;) {
@@ -424,6 +643,13 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
     for (int64_t x = 0; x < qg; ++x) {
         const int64_t r = r0 + x / g_n, g = x % g_n;
         float *o = j->out + r * j->ldo + (h * g_n + g) * d;
+#if defined(TM_AVX512)
+        if (use_i) { /* acc is in v_pairs' dim order */
+            const float inv1 = l[x] > 0.0f ? 1.0f / l[x] : 0.0f;
+            for (int64_t i = 0; i < d; ++i) o[i] = acc[x][pair_pos(i)] * inv1;
+            continue;
+        }
+#endif
         const vf inv = V_SET1(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
         for (int64_t i = 0; i < d; i += VL) V_STORE(o + i, V_MUL(V_LOAD(acc[x] + i), inv));
     }
@@ -493,7 +719,7 @@ int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const v
         if (tiles[2 * t + 1] < 1 || tiles[2 * t + 1] > rows_max) return -1;
     tm_attn j = {.q = q, .ldq = ldq, .k_cache = k_cache, .v_cache = v_cache, .is_int8 = is_int8,
                  .block_tables = block_tables, .max_blocks = max_blocks, .row_seq = row_seq, .kv_len = kv_len,
-                 .tiles = tiles, .out = out, .ldo = ldo, .hq = hq, .hkv = hkv, .d = d, .s = s,
+                 .tiles = tiles, .num_tiles = num_tiles, .out = out, .ldo = ldo, .hq = hq, .hkv = hkv, .d = d, .s = s,
                  .block_size = block_size, .scale = scale};
     tm_parallel_for(num_tiles, attn_chunk, &j);
     return 0;

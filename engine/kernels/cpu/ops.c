@@ -6,6 +6,7 @@
  *   tm_silu_mul   out = silu(g) * u for a fused [g | u] row  (SwiGLU, Shazeer 2020, arXiv 2002.05202)
  *   tm_kv_write   new K/V rows into the paged cache at their slots, fp32 or int8 rows
  *                 (D codes + the fp32 scale max|x| / 127, as engine/attention/torch_quant_kv.py)
+ *   tm_argmax_rows  the index of each row's largest value (greedy sampling), the first on ties
  * Rows are shared out over the thread pool in chunks when there are many of them.
  */
 #include "tm_cpu.h"
@@ -144,7 +145,10 @@ static void write_row(const float *src, void *cache, int64_t h, int64_t slot, in
     }
     int8_t *row = (int8_t *)cache + (h * s + slot) * (d + 4);
     float amax = 0.0f;
-    for (int64_t i = 0; i < d; ++i) amax = fmaxf(amax, fabsf(src[i]));
+    for (int64_t i = 0; i < d; ++i) { /* as fmaxf (a NaN is skipped), but vectorizable */
+        const float a = fabsf(src[i]);
+        amax = a > amax ? a : amax;
+    }
     float scale = amax / 127.0f;
     if (scale < 1e-12f) scale = 1e-12f;
     for (int64_t i = 0; i < d; ++i) {
@@ -175,4 +179,49 @@ void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64
                  .rpc = rows_per_chunk(4 * hkv * d), .slots = slots, .kc = k_cache, .vc = v_cache,
                  .is_int8 = is_int8};
     tm_parallel_for(cdiv(t, c.rpc), kvw_chunk, &c);
+}
+
+/* ---------------------------------------------------------------- argmax */
+
+typedef struct {
+    const float *x;
+    int64_t ldx, n;
+    int64_t *out;
+} argmax_ctx;
+
+static void argmax_chunk(void *vctx, int64_t r) {
+    const argmax_ctx *c = (const argmax_ctx *)vctx;
+    const float *x = c->x + r * c->ldx;
+    const int64_t n = c->n;
+    float best = -INFINITY;
+    int64_t best_i = 0, i = 0;
+#if defined(TM_AVX512)
+    if (n >= 16) { /* per lane the first maximum, then the lowest index among the lanes that hold it */
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; i + 16 <= n; i += 16, cur = _mm512_add_epi32(cur, step)) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+            vmax = _mm512_mask_mov_ps(vmax, gt, v);
+            vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+        }
+        best = _mm512_reduce_max_ps(vmax);
+        const __mmask16 eq = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        best_i = _mm512_mask_reduce_min_epi32(eq, vidx);
+    }
+#endif
+    for (; i < n; ++i)
+        if (x[i] > best) {
+            best = x[i];
+            best_i = i;
+        }
+    c->out[r] = best_i;
+}
+
+/* out[r] = the index of the largest value of row r of x [m, n] (row stride ldx), the first one on
+ * ties, as torch.argmax; a NaN is never chosen, and a row with nothing above -inf gives 0. */
+void tm_argmax_rows(const float *x, int64_t ldx, int64_t m, int64_t n, int64_t *out) {
+    argmax_ctx c = {.x = x, .ldx = ldx, .n = n, .out = out};
+    tm_parallel_for(m, argmax_chunk, &c);
 }
