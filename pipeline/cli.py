@@ -19,7 +19,9 @@ the run's cost and prints one line; a second one exits at once.
 
 Exit codes: 0 done, 1 bad input or failure (storage errors included), 2 the
 output holds a job with another spec (pass --overwrite), 3 another run holds
-the output's lease, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM.
+the output's lease, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, 141
+(128 + SIGPIPE, as a shell gives a tool its pipe killed) when stdout was closed
+(`tokenmill report OUT | head -1`), quietly.
 """
 from __future__ import annotations
 
@@ -139,10 +141,26 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
             from None
 
 
-def _print_report(row: dict, out: Any = None) -> None:
-    out = out or sys.stdout
-    print("\ncost report", file=out)
-    print(format_report(row), file=out)
+class StdoutClosed(Exception):
+    """The reader of stdout went away (`tokenmill report OUT | head -1`): the command ends quietly."""
+
+
+def _echo(*parts: Any) -> None:
+    """print() to stdout, flushed, so that a closed pipe is told here, as StdoutClosed, and never mistaken
+    for another BrokenPipeError (a tensor-parallel worker's pipe, a socket).
+
+    Raises:
+        StdoutClosed: stdout is a pipe whose reader has closed it.
+    """
+    try:
+        print(*parts, flush=True)
+    except BrokenPipeError:
+        raise StdoutClosed() from None
+
+
+def _print_report(row: dict) -> None:
+    _echo("\ncost report")
+    _echo(format_report(row))
 
 
 def _run(spec: JobSpec) -> int:
@@ -152,10 +170,10 @@ def _run(spec: JobSpec) -> int:
         row = run_job(spec).as_row()
     _print_report(row)
     if row["rows_total"] == 0:
-        print(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
+        _echo(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
               f"metrics: tokenmill report {spec.output}")
     else:
-        print(f"\noutputs: {spec.output}/part-*.parquet   metrics: tokenmill report {spec.output}")
+        _echo(f"\noutputs: {spec.output}/part-*.parquet   metrics: tokenmill report {spec.output}")
     return 0
 
 
@@ -192,7 +210,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not Path(spec.input).exists():
         print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
         return 1
-    print(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}")
+    _echo(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}")
     rc = _run(spec)
     if rc == 0 and args.job == "labelling":
         _print_label_accuracy(spec.output)
@@ -209,13 +227,13 @@ def _print_label_accuracy(output: str) -> None:
     df = pl.concat([pl.read_parquet(p) for p in parts], how="diagonal_relaxed")
     if "reference_label" not in df.columns:
         return
-    print("\nsample rows (title, label, reference_label):")
+    _echo("\nsample rows (title, label, reference_label):")
     for row in df.head(5).iter_rows(named=True):
-        print(f"  {row.get('title')!s:40.40}  {row['generation']!s:12}  {row['reference_label']}")
+        _echo(f"  {row.get('title')!s:40.40}  {row['generation']!s:12}  {row['reference_label']}")
     n = df.height
     right = int((df["generation"] == df["reference_label"]).sum())
     valid = int(df["valid"].sum()) if "valid" in df.columns else 0
-    print(f"\nvalid labels: {valid} of {n}; accuracy against reference_label: {right} of {n} ({right / n:.1%})")
+    _echo(f"\nvalid labels: {valid} of {n}; accuracy against reference_label: {right} of {n} ({right / n:.1%})")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -224,14 +242,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     rows = metrics.to_dicts()
     if args.all:
         for i, row in enumerate(rows):
-            print(f"\nrun {i + 1} of {len(rows)}")
-            print(format_report(row))
+            _echo(f"\nrun {i + 1} of {len(rows)}")
+            _echo(format_report(row))
     else:
         statuses = [r.get("status") or "ok" for r in rows]
         extra = "".join(f", {statuses.count(k)} {k}" for k in ("failed", "interrupted") if k in statuses)
         total = sum(r.get("cost_usd") or 0.0 for r in rows)
-        print(f"job at {args.url}: {len(rows)} run(s){extra}; cost of all runs {total:.6f} USD; the latest:")
-        print(format_report(rows[-1]))
+        _echo(f"job at {args.url}: {len(rows)} run(s){extra}; cost of all runs {total:.6f} USD; the latest:")
+        _echo(format_report(rows[-1]))
     return 0
 
 
@@ -306,6 +324,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.showwarning = _show_warning
     try:
         return args.func(args)
+    except StdoutClosed:
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
     except JobInterrupted as exc:
         print(f"tokenmill: interrupted after {exc.shards_done} of {exc.shards_total} shards; re-run the same "
               f"command to resume", file=sys.stderr)
@@ -326,6 +347,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warnings.showwarning = old_show
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's last flush of what is still
+    buffered does not fail again ("Exception ignored ... BrokenPipeError") after the command has ended."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # not a real file (a test's capture): nothing to flush to a pipe
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def threading_is_main() -> bool:

@@ -157,3 +157,35 @@ def test_progress_says_what_the_job_is_doing_while_the_model_loads(tmp_path, cap
     assert lines[1] == "tokenmill: loading model smollm2-135m-instruct ..."
     assert lines[2].startswith("tokenmill: model loaded in ")
     assert err.index("model loaded") < err.index("3/3")  # the progress bar starts after the model is loaded
+
+
+def _fake_job(tmp_path, name: str = "out", seed: int = 13) -> str:
+    """A finished 2-row job at tmp_path/name, run on the FakeLLM (its metrics are what `report` reads)."""
+    from pipeline import JobSpec, run_job
+    from pipeline.testing import FakeLLM
+
+    inp = tmp_path / "prompts.parquet"
+    if not inp.exists():
+        pl.DataFrame({"id": [1, 2], "prompt": ["Say yes.", "Say no."]}).write_parquet(inp)
+    out = str(tmp_path / name)
+    run_job(JobSpec(input=str(inp), output=out, max_tokens=2, progress=False, engine_options={"seed": seed}),
+            FakeLLM())
+    return out
+
+
+def test_report_into_a_closed_pipe_exits_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    out = _fake_job(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head -1` already gone: the first write meets a closed pipe
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "report", out], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
+    assert proc.returncode == 141  # 128 + SIGPIPE, as a shell reports a tool whose pipe closed
+
