@@ -1176,7 +1176,14 @@ def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) 
 
     Raises:
         FileNotFoundError: when the job has no metrics yet.
+        ValueError: `output` is a file, not a job's output folder (the message names it).
+        StorageError: the storage cannot be reached or denies access.
     """
+    fs, path = io.filesystem(output, storage_options)
+    with storage_call("check", output, io.resolve_storage_options(output, storage_options)):
+        if fs.isfile(path):
+            raise ValueError(f"{output} is a file, not a job output folder: give the --output folder of a "
+                             f"tokenmill run (it holds part-*.parquet and _job/)")
     frames = []
     legacy = manifest.job_url(output, LEGACY_METRICS)
     if io.exists(legacy, storage_options):

@@ -189,3 +189,12 @@ def test_report_into_a_closed_pipe_exits_quietly(tmp_path):
     assert proc.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
     assert proc.returncode == 141  # 128 + SIGPIPE, as a shell reports a tool whose pipe closed
 
+
+def test_report_on_a_file_says_it_wants_a_job_output_folder(tmp_path, capsys):
+    out = _fake_job(tmp_path)
+    part = os.path.join(out, "part-00000.parquet")
+    assert main(["report", part]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: {part} is a file, not a job output folder: give the --output folder of a tokenmill run "
+        f"(it holds part-*.parquet and _job/)"]
+    assert main(["report", out]) == 0 and "rows_ok" in capsys.readouterr().out
