@@ -715,10 +715,12 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
                 f"({manifest.describe_change(previous, doc)}). Re-run with --overwrite (overwrite=True) to "
                 f"discard its outputs and start over, or choose another output."
             )
-        elif previous is None and manifest.part_files(spec.output, so):
+        elif previous is None and (stray := manifest.part_files(spec.output, so)):
+            shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
             raise JobSpecChanged(
-                f"{spec.output} has part files but no job manifest; re-run with --overwrite to replace them, "
-                f"or choose another output."
+                f"{spec.output} holds {len(stray)} file(s) named like a job's part files ({shown}) but no job "
+                f"manifest (_job/manifest.json), so they are not outputs this run can resume; re-run with "
+                f"--overwrite to delete them, or choose another output."
             )
         if spec.overwrite or previous is None:
             for message in check_ids(files, spec.id_column, spec.limit, so):

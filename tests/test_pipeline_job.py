@@ -136,7 +136,16 @@ def test_stray_parts_refused(local_input, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "part-00000.parquet").write_bytes(b"junk")
-    with pytest.raises(JobSpecChanged, match="no job manifest"):
+    with pytest.raises(JobSpecChanged) as exc:
+        run_job(spec_for(local_input, out), FakeLLM())
+    # what was found, by name: files named like part files, and no manifest
+    assert str(exc.value) == (f"{out} holds 1 file(s) named like a job's part files (part-00000.parquet) but no job "
+                              f"manifest (_job/manifest.json), so they are not outputs this run can resume; re-run "
+                              f"with --overwrite to delete them, or choose another output.")
+    for i in range(1, 5):
+        (out / f"part-{i:05d}.parquet").write_bytes(b"junk")
+    with pytest.raises(JobSpecChanged, match=r"holds 5 file\(s\) named like a job's part files \(part-00000.parquet, "
+                                             r"part-00001.parquet, part-00002.parquet and 2 more\) but no job manifest"):
         run_job(spec_for(local_input, out), FakeLLM())
 
 

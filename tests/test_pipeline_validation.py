@@ -66,8 +66,10 @@ def test_mixed_id_types_are_refused_naming_the_file_and_column(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ValueError) as exc:
         run_job(JobSpec(input=str(d), output=str(out), progress=False), FakeLLM())
-    assert str(exc.value).startswith(f"file://{d}/b.parquet: column 'id' is String here but Int64 in "
-                                     f"file://{d}/a.parquet; these types cannot be unified")
+    # the two input files are named as input files; "part files" are the output's, which would not read together
+    assert str(exc.value) == (f"file://{d}/b.parquet: column 'id' is String here but Int64 in file://{d}/a.parquet; "
+                              f"these types cannot be unified, so the output's part files would not read together "
+                              f"as one table. Cast the column to one type in every input file.")
     assert not out.exists()
 
 
@@ -78,7 +80,10 @@ def test_missing_passthrough_column_is_refused_naming_the_file_and_column(tmp_pa
     write_input(d / "b.parquet")
     with pytest.raises(ValueError) as exc:
         run_job(JobSpec(input=str(d), output=str(tmp_path / "out"), progress=False), FakeLLM())
-    assert str(exc.value).startswith(f"file://{d}/b.parquet lacks column 'topic', which file://{d}/a.parquet has")
+    assert str(exc.value) == (f"file://{d}/b.parquet lacks column 'topic', which file://{d}/a.parquet has: every "
+                              f"input file must have the same id and pass-through columns, or the output's part files "
+                              f"would not read together as one table. Add or drop the column, or run the files as "
+                              f"separate jobs.")
     assert not (tmp_path / "out").exists()
 
 
