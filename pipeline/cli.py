@@ -184,15 +184,17 @@ def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
     cluster job is a flow run, with its tasks on the cluster's workers.
 
     Raises:
-        ValueError: prefect-dask is not installed, no Prefect server is configured, or what the flow raises.
+        ValueError: prefect-dask is not installed, no Prefect server is configured or the one at
+            PREFECT_API_URL does not answer (`flows.batch_generate.check_prefect_api`), or what the flow raises.
     """
     try:
         import prefect_dask  # noqa: F401
     except ImportError:
         raise ValueError("--cluster needs prefect-dask and distributed (pip install prefect-dask distributed)") \
             from None
-    from flows.batch_generate import batch_generate
+    from flows.batch_generate import batch_generate, check_prefect_api
 
+    check_prefect_api(spec)
     print(f"tokenmill: running on the Dask cluster {spec.cluster} through the Prefect flow batch-generate",
           file=sys.stderr)
     return batch_generate(spec)
