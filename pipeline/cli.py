@@ -40,9 +40,11 @@ from typing import Any, Literal, Optional, Sequence
 from pydantic import ValidationError
 
 from pipeline.cost import format_report
-from pipeline.job import JobInterrupted, JobSpec, JobSpecChanged, read_metrics, run_job, spec_errors
+from pipeline.job import (
+    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, read_metrics, run_job, spec_errors,
+)
 from pipeline.lease import JobLocked, LeaseLost
-from pipeline.storage import StorageError
+from pipeline.storage import StorageError, mask_secrets
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DEMO_JOBS: dict[str, dict[str, Any]] = {
@@ -114,31 +116,103 @@ class SpecError(ValueError):
 def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None) -> JobSpec:
     """JobSpec from (defaults) <- `base` <- --spec file <- the options given on the command line.
 
+    A dict option (`--sampling-option` ...) merges key by key: a command-line key replaces the
+    file's. A key given twice on the command line with two values, a `--sampling-option` that a
+    flag of its own sets (`top_k=5` beside `--top-k`, or its default), and an `--engine-option`
+    that repeats an engine flag given too (`max_num_seqs=4` and `--max-num-seqs 3`) are refused.
+
     Raises:
-        SpecError: invalid fields (each line names the file or option it came from).
+        SpecError: invalid fields or colliding options (each line names the file or option it came
+            from; a collision names both and the parameter).
         ValueError, FileNotFoundError: an unreadable --spec file (named).
     """
     fields: dict[str, Any] = dict(base or {})
     sources: dict[str, str] = {}
+    key_sources: dict[str, dict[str, str]] = {}  # dict field -> key -> where it was set
+    problems: list[str] = []
     if getattr(args, "spec", None):
         from pipeline.job import load_spec_file
 
         from_file = load_spec_file(args.spec)[0]
         fields.update(from_file)
         sources.update({k: str(args.spec) for k in from_file})
+        for name in _DICT_FLAGS:
+            if isinstance(from_file.get(name), dict):
+                key_sources[name] = {k: str(args.spec) for k in from_file[name]}
     for name in JobSpec.model_fields:
         value = getattr(args, name, None)
         if value is None:
             continue
         if name in _DICT_FLAGS:
-            value = {**fields.get(name, {}), **dict(value)}
+            given: dict[str, Any] = {}
+            for key, v in value:
+                if key in given and given[key] != v:
+                    problems.append(f"--{_DICT_FLAGS[name]}: {key} is given twice ({_key_value(name, key, given[key])} "
+                                    f"and {_key_value(name, key, v)}); give it once")
+                given[key] = v
+            value = {**fields.get(name, {}), **given}
+            key_sources.setdefault(name, {}).update({k: "command line" for k in given})
         fields[name] = value
         sources[name] = "command line"
     try:
-        return JobSpec(**fields)
+        spec = JobSpec(**fields)
     except ValidationError as exc:
-        raise SpecError("invalid job options:\n  " + "\n  ".join(spec_errors(exc, sources, flag_style=True))) \
-            from None
+        problems = spec_errors(exc, sources, flag_style=True) + problems
+    else:
+        problems += _collisions(spec, sources, key_sources)
+    if problems:
+        raise SpecError("invalid job options:\n  " + "\n  ".join(problems))
+    return spec
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _key_value(field: str, key: str, value: Any) -> str:
+    """`key=value` as typed (a storage option's secret masked)."""
+    if field == "storage_options":
+        value = mask_secrets({key: value})[key]
+    return f"{key}={_text(value)}"
+
+
+def _where_key(field: str, key: str, value: Any, key_sources: dict[str, dict[str, str]]) -> str:
+    """A dict option's key as its source spelt it: `--sampling-option top_k=5`, or
+    `sampling_options.top_k: 5 in job.yaml`."""
+    source = key_sources.get(field, {}).get(key)
+    if source == "command line":
+        return f"--{_DICT_FLAGS[field]} {_key_value(field, key, value)}"
+    return f"{field}.{key}: {_text(value)}" + (f" in {source}" if source else "")
+
+
+def _where_field(name: str, value: Any, sources: dict[str, str]) -> str:
+    """A field as its source spelt it: `--top-k 3`, `top_k: 3 in job.yaml`."""
+    source = sources.get(name)
+    flag = "--" + name.replace("_", "-")
+    if source == "command line":
+        if isinstance(value, bool):
+            return flag if value else "--no-" + name.replace("_", "-")
+        return f"{flag} {','.join(value) if isinstance(value, list) else _text(value)}"
+    return f"{name}: {_text(value)}" + (f" in {source}" if source else "")
+
+
+def _collisions(spec: JobSpec, sources: dict[str, str], key_sources: dict[str, dict[str, str]]) -> list[str]:
+    """One line per dict option key that a field of its own sets too, naming both and the parameter."""
+    lines = []
+    for key, field in spec.sampling_option_clashes():
+        mine = _where_key("sampling_options", key, spec.sampling_options[key], key_sources)
+        value = getattr(spec, field)
+        if field in sources:
+            lines.append(f"{mine}: {key} is also set by {_where_field(field, value, sources)}; give it once")
+        else:  # the field's default (or the demo job's value)
+            flag = "--" + field.replace("_", "-")
+            lines.append(f"{mine}: {key} has an option of its own, {flag} (here {_text(value)}); use "
+                         f"{flag} {_text(spec.sampling_options[key])}")
+    for key, value in spec.engine_options.items():
+        if key in ENGINE_FIELDS and key in sources and getattr(spec, key) != value:
+            lines.append(f"{_where_key('engine_options', key, value, key_sources)}: {key} is also set by "
+                         f"{_where_field(key, getattr(spec, key), sources)}; give it once")
+    return lines
 
 
 class StdoutClosed(Exception):

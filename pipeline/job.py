@@ -80,6 +80,16 @@ FINGERPRINT_FIELDS = (
 )
 
 
+# JobSpec fields passed to the engine under their own names (`engine_options` may set the others).
+ENGINE_FIELDS = ("dtype", "device", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads", "speculative",
+                 "tensor_parallel_size")
+# JobSpec fields always passed to SamplingParams under their own names: a `sampling_options` key may not
+# set one again (their defaults count); nor `structured_outputs` when the job has a default constraint (one
+# of CONSTRAINT_FIELDS), nor `score_choices` when it scores.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop")
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
+
 # Dask's comm schemes a scheduler address may use (JobSpec.cluster).
 CLUSTER_SCHEMES = ("tcp", "tls", "ucx", "ws", "wss", "inproc")
 
@@ -274,17 +284,42 @@ class JobSpec(BaseModel):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `engine.LLM` (unset options are left to the engine)."""
         kw: dict[str, Any] = {}
-        for name in ("dtype", "device", "quantization", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads",
-                     "speculative", "tensor_parallel_size"):
+        for name in ENGINE_FIELDS:
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
         kw.update(self.engine_options)
         return kw
 
+    def sampling_option_clashes(self) -> list[tuple[str, str]]:
+        """(key, field) for each `sampling_options` key that a field of the job sets already (see
+        SAMPLING_FIELDS): `field` is that JobSpec field (for `structured_outputs`, the constraint field set)."""
+        clashes = []
+        for key in self.sampling_options:
+            if key in SAMPLING_FIELDS:
+                clashes.append((key, key))
+            elif key == "structured_outputs":
+                owner = next((k for k in CONSTRAINT_FIELDS if getattr(self, k) not in (None, False)), None)
+                if owner is not None:
+                    clashes.append((key, owner))
+            elif key == "score_choices" and self.score_choices is not None:
+                clashes.append((key, "score_choices"))
+        return clashes
+
     def sampling_params(self) -> SamplingParams:
-        """The job's default SamplingParams."""
+        """The job's default SamplingParams.
+
+        Raises:
+            ValueError: a `sampling_options` key that a field of the job sets too (the message names
+                the key, both values and the field), or a default constraint that cannot be read
+                (`structured_outputs`).
+            TypeError: a `sampling_options` key that SamplingParams does not have.
+        """
+        clashes = self.sampling_option_clashes()
+        if clashes:
+            raise ValueError("; ".join(f"sampling_options sets {key} ({self.sampling_options[key]!r}), which the "
+                                       f"job's {field} field sets too ({getattr(self, field)!r})"
+                                       for key, field in clashes) + ": set each once, in its own field")
         extra: dict[str, Any] = {}
         so = self.structured_outputs()
         if so is not None:

@@ -223,3 +223,52 @@ def test_cluster_run_with_an_unreachable_prefect_server_is_one_line_naming_prefe
     assert "refused" in err[0] and err[0].endswith("start it (prefect server start) or set PREFECT_API_URL to the "
                                                    "server the Dask workers report to")
     assert not out.exists()
+
+
+def test_colliding_sampling_and_engine_options_name_both_sources_and_the_parameter(tmp_path, capsys):
+    from pipeline import JobSpec, run_job
+    from pipeline.testing import FakeLLM
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress"]
+
+    def refused(*options: str) -> list[str]:
+        assert main(run + list(options)) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == "tokenmill: invalid job options:" and not out.exists()
+        return err[1:]
+
+    assert refused("--sampling-option", "top_k=5", "--top-k", "3") == [
+        "  --sampling-option top_k=5: top_k is also set by --top-k 3; give it once"]
+    assert refused("--sampling-option", "top_k=5") == [
+        "  --sampling-option top_k=5: top_k has an option of its own, --top-k (here -1); use --top-k 5"]
+    assert refused("--sampling-option", "min_tokens=2", "--sampling-option", "min_tokens=3") == [
+        "  --sampling-option: min_tokens is given twice (min_tokens=2 and min_tokens=3); give it once"]
+    assert refused("--sampling-option", "structured_outputs={\"regex\": \"a+\"}", "--choice", "a,b") == [
+        "  --sampling-option structured_outputs={\"regex\": \"a+\"}: structured_outputs is also set by --choice a,b; "
+        "give it once"]
+    assert refused("--engine-option", "max_num_seqs=4", "--max-num-seqs", "3") == [
+        "  --engine-option max_num_seqs=4: max_num_seqs is also set by --max-num-seqs 3; give it once"]
+    assert refused("--storage-option", "secret=a", "--storage-option", "secret=b") == [
+        "  --storage-option: secret is given twice (secret=********** and secret=**********); give it once"]
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("sampling_options:\n  top_p: 0.5\n")
+    assert refused("--spec", str(spec_file), "--top-p", "0.9") == [
+        f"  sampling_options.top_p: 0.5 in {spec_file}: top_p is also set by --top-p 0.9; give it once"]
+
+    # a command-line key still replaces the same key of the spec file; one key twice with one value is fine
+    spec_file.write_text("sampling_options:\n  min_tokens: 1\n")
+    args = build_parser().parse_args(["run", "--spec", str(spec_file), "--input", "i", "--output", "o",
+                                      "--sampling-option", "min_tokens=2", "--sampling-option", "min_tokens=2"])
+    assert spec_from_args(args).sampling_options == {"min_tokens": 2}
+    # from Python: both values and the field, instead of "got multiple values for keyword argument"
+    spec = JobSpec(input=str(inp), output=str(out), top_k=3, sampling_options={"top_k": 5}, progress=False)
+    try:
+        run_job(spec, FakeLLM())
+        raise AssertionError("not refused")
+    except ValueError as exc:
+        assert str(exc) == ("sampling_options sets top_k (5), which the job's top_k field sets too (3): set each "
+                            "once, in its own field")
+    assert not out.exists()
