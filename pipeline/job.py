@@ -246,6 +246,30 @@ class JobSpec(BaseModel):
                 value = text
         return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value})
 
+    def constraint_text(self, width: int = 100) -> Optional[str]:
+        """The job's default output constraint as its user wrote it: `regex 'a+'`, `choice ['x', 'y']`,
+        `json_schema label.json {"type":"object",...}` (a file's name, then its content), `json_object`;
+        the content cut to `width` characters. None without one (or with one that is not valid).
+
+        The fingerprint holds the constraint's content hash (`structured`); the manifest keeps this
+        text beside it, so that a changed-spec refusal can say what changed.
+
+        Raises:
+            ValueError: as `structured_outputs` (a file that cannot be read).
+        """
+        so = self.structured_outputs()
+        if so is None or so.validate() is not None:
+            return None
+        kind = next(k for k in CONSTRAINT_FIELDS if getattr(self, k) not in (None, False))
+        if kind == "json_object":
+            return kind
+        value, content = getattr(self, kind), so.spec()
+        text = json.dumps(content, sort_keys=True, separators=(",", ":")) if kind == "json_schema" else repr(content)
+        if len(text) > width:
+            text = text[:width - 3] + "..."
+        source = f"{value} " if kind in ("json_schema", "grammar") and isinstance(value, str) else ""
+        return f"{kind} {source}{text}"
+
     @property
     def constrained(self) -> bool:
         """True when the job has a default constraint or scores choices."""
@@ -738,6 +762,7 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
     files = io.list_input_files(spec.input, so)
     columns = check_inputs(spec, files)
     digest, doc = manifest.fingerprint(files, spec.fingerprint_fields())
+    readable = {"constraint": text} if (text := spec.constraint_text()) is not None else {}  # not hashed
     run_id = uuid.uuid4().hex[:12]
     lease = Lease.acquire(spec.output, so, run_id=run_id, ttl_s=spec.lease_ttl_s)
     try:
@@ -747,8 +772,8 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         elif previous is not None and previous.get("fingerprint") != digest:
             raise JobSpecChanged(
                 f"{spec.output} already holds a job with a different spec or input "
-                f"({manifest.describe_change(previous, doc)}). Re-run with --overwrite (overwrite=True) to "
-                f"discard its outputs and start over, or choose another output."
+                f"({manifest.describe_change(previous, {**doc, **readable})}). Re-run with --overwrite "
+                f"(overwrite=True) to discard its outputs and start over, or choose another output."
             )
         elif previous is None and (stray := manifest.part_files(spec.output, so)):
             shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
@@ -761,7 +786,7 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             for message in check_ids(files, spec.id_column, spec.limit, so):
                 warnings.warn(f"{spec.input}: {message}", stacklevel=2)
             shards, stats = plan_job(spec, files, tokenizer, max_model_len)
-            manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, "plan": stats.to_json(),
+            manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, **readable, "plan": stats.to_json(),
                                                   "shards": [s.to_json() for s in shards],
                                                   "created_at": started_at.isoformat()}, so)
         else:

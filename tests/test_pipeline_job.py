@@ -124,12 +124,57 @@ def test_changed_spec_refused(local_input, tmp_path):
     run_job(spec_for(local_input, out, price_per_hour=9.0), FakeLLM())
     # changed input is refused too
     dataset(6, 7).write_parquet(local_input / "b.parquet")
-    with pytest.raises(JobSpecChanged, match="input changed"):
+    with pytest.raises(JobSpecChanged, match=rf"input changed: file://{local_input}/b.parquet \(.*num_rows 5 -> 6"):
         run_job(spec_for(local_input, out), FakeLLM())
     report = run_job(spec_for(local_input, out, overwrite=True), FakeLLM())
     assert report.rows_total == 13 and report.rows_skipped == 0
     assert read_output(out).height == 13
     assert read_metrics(str(out)).height == 1  # overwrite starts the job's history over
+
+
+def test_a_changed_constraint_is_refused_naming_old_and_new_not_only_a_hash(local_input, tmp_path):
+    import json
+
+    out = tmp_path / "out"
+    run_job(spec_for(local_input, out, regex="a+"), FakeLLM())
+
+    def key(**constraint) -> str:
+        from engine.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams(**constraint).key()[:12]
+
+    with pytest.raises(JobSpecChanged) as exc:
+        run_job(spec_for(local_input, out, regex="b+"), FakeLLM())
+    assert f"(output constraint: regex 'a+' [sha256 {key(regex='a+')}] -> regex 'b+' [sha256 {key(regex='b+')}])" \
+        in str(exc.value)
+    with pytest.raises(JobSpecChanged) as exc:
+        run_job(spec_for(local_input, out, choice=["x", "y"]), FakeLLM())
+    assert f"output constraint: regex 'a+' [sha256 {key(regex='a+')}] -> choice ['x', 'y'] [sha256 " \
+           f"{key(choice=['x', 'y'])}]" in str(exc.value)
+    with pytest.raises(JobSpecChanged, match=r"output constraint: regex 'a\+' \[sha256 \w{12}\] -> none\)"):
+        run_job(spec_for(local_input, out), FakeLLM())
+
+    schema = tmp_path / "label.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"topic": {"type": "string"}}}))
+    out2 = tmp_path / "out2"
+    run_job(spec_for(local_input, out2, json_schema=str(schema)), FakeLLM())
+    schema.write_text(json.dumps({"type": "object", "properties": {"topic": {"enum": ["a", "b"]}}}))
+    with pytest.raises(JobSpecChanged) as exc:
+        run_job(spec_for(local_input, out2, json_schema=str(schema)), FakeLLM())
+    assert (f'output constraint: json_schema {schema} {{"properties":{{"topic":{{"type":"string"}}}},"type":"object"}} '
+            f'[sha256 ') in str(exc.value)
+    assert f'-> json_schema {schema} {{"properties":{{"topic":{{"enum":["a","b"]}}}},"type":"object"}}' \
+        in str(exc.value)
+
+    # a manifest written before the text was kept: the hash, said to be all there is
+    doc = json.loads((out / "_job" / "manifest.json").read_text())
+    del doc["constraint"]
+    (out / "_job" / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(JobSpecChanged, match=r"output constraint: \(not recorded by this older manifest\) "
+                                             r"\[sha256 \w{12}\] -> regex 'b\+'"):
+        run_job(spec_for(local_input, out, regex="b+"), FakeLLM())
+    # the text is not hashed: the same job still resumes, with or without it in the manifest
+    assert run_job(spec_for(local_input, out, regex="a+"), FakeLLM()).rows_skipped == 12
 
 
 def test_stray_parts_refused(local_input, tmp_path):
