@@ -627,6 +627,27 @@ def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> No
                          f"there would be read as input by the next run (a resume); choose an output outside it")
 
 
+def _refuse_inputs_the_job_would_replace(spec: JobSpec, files: list[io.InputFile], out_fs, out_path: str) -> None:
+    """Refuse, before anything is written, an input file that lies in the output folder under a name
+    the job owns (`part-*.parquet` beside the manifest, or anything under `_job/`): the job would write
+    its own part file there, and `--overwrite` deletes such files, the input with them. (A single
+    input file with another name may sit in the output folder: `--input prompts.parquet --output .`.)
+
+    Raises:
+        ValueError: naming the input file and the output.
+    """
+    out = out_path.rstrip("/")
+    for f in files:
+        fs, path = io.filesystem(f.path, spec.storage_options)
+        if fs.protocol != out_fs.protocol or not path.startswith(out + "/"):
+            continue
+        rel = path[len(out) + 1:]
+        if rel.startswith("_job/") or ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet")):
+            raise ValueError(f"input file {f.path} lies in the output folder {spec.output} under a name the job "
+                             f"writes its own files by ({rel}): a run would take it for one of its part files, and "
+                             f"--overwrite would delete it; move the input, or choose another output")
+
+
 def validate_spec(spec: JobSpec) -> None:
     """Check every option a job's spec sets, before anything is read or written: the sampling
     defaults, the engine options (known names, allowed values, the device being there, unless the
@@ -730,7 +751,8 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
     """Validate, take the output's lease, check the manifest (refuse a changed job unless `overwrite`), plan.
 
     Nothing is written before every option, the output location and the input's columns
-    are checked (`validate_spec`, `io.check_bucket`, `check_inputs`). Then the run takes
+    are checked (`validate_spec`, `io.check_bucket`, an output that overlaps the input,
+    `check_inputs`). Then the run takes
     the output's lease (`pipeline.lease`): a second run on the same output refuses. A new
     job (or `overwrite`) is planned (`plan_job`) and its plan written to the manifest; a
     resumed job reads its plan from the manifest, so the shards are exactly those of the
@@ -760,6 +782,7 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             raise ValueError(f"output {spec.output} is a file; give a folder (or prefix) URL")
         _refuse_output_overlapping_input(spec, out_fs, out_path)
     files = io.list_input_files(spec.input, so)
+    _refuse_inputs_the_job_would_replace(spec, files, out_fs, out_path)
     columns = check_inputs(spec, files)
     digest, doc = manifest.fingerprint(files, spec.fingerprint_fields())
     readable = {"constraint": text} if (text := spec.constraint_text()) is not None else {}  # not hashed

@@ -271,6 +271,49 @@ def test_job_level_mistakes_are_refused_before_anything_is_written(tmp_path):
     assert (folder / "out" / "_job" / "manifest.json").exists()
 
 
+def test_an_input_file_named_like_a_part_file_in_the_output_is_refused_never_deleted(tmp_path, monkeypatch):
+    """`--output .` beside the input: a part-*.parquet input would be taken for a stray part file, and the
+    advice (--overwrite) would delete it; refused instead, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    dataset(3).write_parquet(tmp_path / "part-00000.parquet")  # e.g. a Spark part file used as the input
+    before = (tmp_path / "part-00000.parquet").read_bytes()
+    for overwrite in (False, True):
+        with pytest.raises(ValueError) as exc:
+            run_job(spec_for("part-00000.parquet", ".", overwrite=overwrite), FakeLLM())
+        assert str(exc.value) == (
+            f"input file file://{tmp_path}/part-00000.parquet lies in the output folder . under a name the job "
+            f"writes its own files by (part-00000.parquet): a run would take it for one of its part files, and "
+            f"--overwrite would delete it; move the input, or choose another output")
+    assert (tmp_path / "part-00000.parquet").read_bytes() == before and not (tmp_path / "_job").exists()
+    # the same file inside a folder that holds the output's files, named with its full path
+    (tmp_path / "out").mkdir()
+    dataset(3).write_parquet(tmp_path / "out" / "part-00003.parquet")
+    with pytest.raises(ValueError, match=rf"input file file://{tmp_path}/out/part-00003.parquet lies in the output "
+                                         rf"folder {tmp_path}/out/ under a name"):
+        run_job(spec_for(tmp_path / "out" / "part-00003.parquet", f"{tmp_path}/out/"), FakeLLM())
+
+
+def test_output_dot_beside_a_single_input_file_works_and_keeps_it(tmp_path, monkeypatch):
+    """`--output .` with the input file in the same folder: allowed; the job writes part files and `_job/`
+    beside it, a resume keeps it, --overwrite deletes only the job's own files. With the input folder
+    inside `.` (or `.` itself) the job is refused: its part files would be read as input."""
+    monkeypatch.chdir(tmp_path)
+    dataset(4).write_parquet(tmp_path / "prompts.parquet")
+    before = (tmp_path / "prompts.parquet").read_bytes()
+    assert run_job(spec_for("prompts.parquet", "."), FakeLLM()).rows_ok == 4
+    assert run_job(spec_for("prompts.parquet", "."), FakeLLM()).rows_skipped == 4
+    assert run_job(spec_for("prompts.parquet", ".", overwrite=True), FakeLLM()).rows_ok == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_job", "part-00000.parquet", "part-00001.parquet",
+                                                          "prompts.parquet"]
+    assert (tmp_path / "prompts.parquet").read_bytes() == before
+    (tmp_path / "data").mkdir()
+    dataset(2).write_parquet(tmp_path / "data" / "x.parquet")
+    for inp in ("data", "."):
+        with pytest.raises(ValueError, match=rf"output \. overlaps the input folder {inp}: "):
+            run_job(spec_for(inp, ".", overwrite=True), FakeLLM())
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["x.parquet"]
+
+
 def test_null_and_repeated_ids_warn_and_null_ids_become_error_rows(tmp_path):
     """Rows are numbered across the files in order: a.parquet holds rows 0-2, b.parquet rows 3-7."""
     from pipeline.job import check_ids

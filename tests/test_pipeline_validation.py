@@ -172,3 +172,17 @@ def test_truncate_joins_the_fingerprint_only_when_set(tmp_path):
     run_job(spec.model_copy(update={"truncate": True}), FakeLLM())
     with pytest.raises(JobSpecChanged, match="truncate: True -> None"):
         run_job(spec, FakeLLM())
+
+
+def test_an_empty_prompt_is_an_error_row_saying_so(tmp_path):
+    """As the README's Error rows say: "" and "   " give finish_reason error, no generation, no tokens."""
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3], "prompt": ["", "Hi.", "   "]}).write_parquet(inp)
+    out = tmp_path / "out"
+    report = run_job(JobSpec(input=str(inp), output=str(out), progress=False, max_tokens=2), FakeLLM())
+    df = pl.read_parquet(f"{out}/part-*.parquet").sort("id")
+    assert df["error"].to_list() == ["prompt is empty", None, "prompt is empty"]
+    assert df["finish_reason"].to_list() == ["error", "length", "error"]
+    assert df["generation"].to_list()[0] is None and df["generation"].to_list()[2] is None
+    assert df["prompt_tokens"].to_list()[::2] == [0, 0] and df["completion_tokens"].to_list()[::2] == [0, 0]
+    assert (report.rows_ok, report.rows_error) == (1, 2)
