@@ -194,6 +194,37 @@ def _require_api_for_cluster(spec: JobSpec) -> None:
                          f"http://HOST:4200/api) here and in every worker's environment.")
 
 
+def check_prefect_api(spec: JobSpec, timeout_s: float = 5.0) -> None:
+    """Refuse a cluster job whose Prefect server is not configured or does not answer (`GET
+    PREFECT_API_URL/health`, within `timeout_s` seconds), before the flow is called: Prefect
+    would fail entering the flow, with a long traceback of its own. The CLI calls it.
+
+    Raises:
+        ValueError: `spec.cluster` is set and PREFECT_API_URL is not, or the server at it does not
+            answer (the message names PREFECT_API_URL, its value and the cause).
+    """
+    _require_api_for_cluster(spec)
+    if not spec.cluster:
+        return
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    with get_client(httpx_settings={"timeout": timeout_s}, sync_client=True) as client:
+        problem = client.api_healthcheck()
+    if problem is None:
+        return
+    if isinstance(problem, httpx.HTTPStatusError):
+        cause = f"HTTP {problem.response.status_code} from {problem.request.url}: not a Prefect server's API?"
+    elif isinstance(problem, httpx.TimeoutException):
+        cause = f"no answer within {timeout_s:g} s"
+    else:
+        cause = f"{type(problem).__name__}: {problem}"
+    raise ValueError(f"cannot reach the Prefect server at PREFECT_API_URL={url} ({cause}); start it (prefect "
+                     f"server start) or set PREFECT_API_URL to the server the Dask workers report to")
+
+
 @contextlib.contextmanager
 def _cluster_runner(spec: JobSpec) -> Iterator[Any]:
     """A started DaskTaskRunner connected to `spec.cluster`, or None (the flow's own task runner).

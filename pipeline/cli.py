@@ -19,7 +19,9 @@ the run's cost and prints one line; a second one exits at once.
 
 Exit codes: 0 done, 1 bad input or failure (storage errors included), 2 the
 output holds a job with another spec (pass --overwrite), 3 another run holds
-the output's lease, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM.
+the output's lease, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, 141
+(128 + SIGPIPE, as a shell gives a tool its pipe killed) when stdout was closed
+(`tokenmill report OUT | head -1`), quietly.
 """
 from __future__ import annotations
 
@@ -38,9 +40,11 @@ from typing import Any, Literal, Optional, Sequence
 from pydantic import ValidationError
 
 from pipeline.cost import format_report
-from pipeline.job import JobInterrupted, JobSpec, JobSpecChanged, read_metrics, run_job, spec_errors
+from pipeline.job import (
+    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, read_metrics, run_job, spec_errors,
+)
 from pipeline.lease import JobLocked, LeaseLost
-from pipeline.storage import StorageError
+from pipeline.storage import StorageError, mask_secrets
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DEMO_JOBS: dict[str, dict[str, Any]] = {
@@ -112,37 +116,125 @@ class SpecError(ValueError):
 def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None) -> JobSpec:
     """JobSpec from (defaults) <- `base` <- --spec file <- the options given on the command line.
 
+    A dict option (`--sampling-option` ...) merges key by key: a command-line key replaces the
+    file's. A key given twice on the command line with two values, a `--sampling-option` that a
+    flag of its own sets (`top_k=5` beside `--top-k`, or its default), and an `--engine-option`
+    that repeats an engine flag given too (`max_num_seqs=4` and `--max-num-seqs 3`) are refused.
+
     Raises:
-        SpecError: invalid fields (each line names the file or option it came from).
+        SpecError: invalid fields or colliding options (each line names the file or option it came
+            from; a collision names both and the parameter).
         ValueError, FileNotFoundError: an unreadable --spec file (named).
     """
     fields: dict[str, Any] = dict(base or {})
     sources: dict[str, str] = {}
+    key_sources: dict[str, dict[str, str]] = {}  # dict field -> key -> where it was set
+    problems: list[str] = []
     if getattr(args, "spec", None):
         from pipeline.job import load_spec_file
 
         from_file = load_spec_file(args.spec)[0]
         fields.update(from_file)
         sources.update({k: str(args.spec) for k in from_file})
+        for name in _DICT_FLAGS:
+            if isinstance(from_file.get(name), dict):
+                key_sources[name] = {k: str(args.spec) for k in from_file[name]}
     for name in JobSpec.model_fields:
         value = getattr(args, name, None)
         if value is None:
             continue
         if name in _DICT_FLAGS:
-            value = {**fields.get(name, {}), **dict(value)}
+            given: dict[str, Any] = {}
+            for key, v in value:
+                if key in given and given[key] != v:
+                    problems.append(f"--{_DICT_FLAGS[name]}: {key} is given twice ({_key_value(name, key, given[key])} "
+                                    f"and {_key_value(name, key, v)}); give it once")
+                given[key] = v
+            value = {**fields.get(name, {}), **given}
+            key_sources.setdefault(name, {}).update({k: "command line" for k in given})
         fields[name] = value
         sources[name] = "command line"
     try:
-        return JobSpec(**fields)
+        spec = JobSpec(**fields)
     except ValidationError as exc:
-        raise SpecError("invalid job options:\n  " + "\n  ".join(spec_errors(exc, sources, flag_style=True))) \
-            from None
+        problems = spec_errors(exc, sources, flag_style=True) + problems
+    else:
+        problems += _collisions(spec, sources, key_sources)
+    if problems:
+        raise SpecError("invalid job options:\n  " + "\n  ".join(problems))
+    return spec
 
 
-def _print_report(row: dict, out: Any = None) -> None:
-    out = out or sys.stdout
-    print("\ncost report", file=out)
-    print(format_report(row), file=out)
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _key_value(field: str, key: str, value: Any) -> str:
+    """`key=value` as typed (a storage option's secret masked)."""
+    if field == "storage_options":
+        value = mask_secrets({key: value})[key]
+    return f"{key}={_text(value)}"
+
+
+def _where_key(field: str, key: str, value: Any, key_sources: dict[str, dict[str, str]]) -> str:
+    """A dict option's key as its source spelt it: `--sampling-option top_k=5`, or
+    `sampling_options.top_k: 5 in job.yaml`."""
+    source = key_sources.get(field, {}).get(key)
+    if source == "command line":
+        return f"--{_DICT_FLAGS[field]} {_key_value(field, key, value)}"
+    return f"{field}.{key}: {_text(value)}" + (f" in {source}" if source else "")
+
+
+def _where_field(name: str, value: Any, sources: dict[str, str]) -> str:
+    """A field as its source spelt it: `--top-k 3`, `top_k: 3 in job.yaml`."""
+    source = sources.get(name)
+    flag = "--" + name.replace("_", "-")
+    if source == "command line":
+        if isinstance(value, bool):
+            return flag if value else "--no-" + name.replace("_", "-")
+        return f"{flag} {','.join(value) if isinstance(value, list) else _text(value)}"
+    return f"{name}: {_text(value)}" + (f" in {source}" if source else "")
+
+
+def _collisions(spec: JobSpec, sources: dict[str, str], key_sources: dict[str, dict[str, str]]) -> list[str]:
+    """One line per dict option key that a field of its own sets too, naming both and the parameter."""
+    lines = []
+    for key, field in spec.sampling_option_clashes():
+        mine = _where_key("sampling_options", key, spec.sampling_options[key], key_sources)
+        value = getattr(spec, field)
+        if field in sources:
+            lines.append(f"{mine}: {key} is also set by {_where_field(field, value, sources)}; give it once")
+        else:  # the field's default (or the demo job's value)
+            flag = "--" + field.replace("_", "-")
+            lines.append(f"{mine}: {key} has an option of its own, {flag} (here {_text(value)}); use "
+                         f"{flag} {_text(spec.sampling_options[key])}")
+    for key, value in spec.engine_options.items():
+        if key in ENGINE_FIELDS and key in sources and getattr(spec, key) != value:
+            lines.append(f"{_where_key('engine_options', key, value, key_sources)}: {key} is also set by "
+                         f"{_where_field(key, getattr(spec, key), sources)}; give it once")
+    return lines
+
+
+class StdoutClosed(Exception):
+    """The reader of stdout went away (`tokenmill report OUT | head -1`): the command ends quietly."""
+
+
+def _echo(*parts: Any) -> None:
+    """print() to stdout, flushed, so that a closed pipe is told here, as StdoutClosed, and never mistaken
+    for another BrokenPipeError (a tensor-parallel worker's pipe, a socket).
+
+    Raises:
+        StdoutClosed: stdout is a pipe whose reader has closed it.
+    """
+    try:
+        print(*parts, flush=True)
+    except BrokenPipeError:
+        raise StdoutClosed() from None
+
+
+def _print_report(row: dict) -> None:
+    _echo("\ncost report")
+    _echo(format_report(row))
 
 
 def _run(spec: JobSpec) -> int:
@@ -152,10 +244,10 @@ def _run(spec: JobSpec) -> int:
         row = run_job(spec).as_row()
     _print_report(row)
     if row["rows_total"] == 0:
-        print(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
+        _echo(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
               f"metrics: tokenmill report {spec.output}")
     else:
-        print(f"\noutputs: {spec.output}/part-*.parquet   metrics: tokenmill report {spec.output}")
+        _echo(f"\noutputs: {spec.output}/part-*.parquet   metrics: tokenmill report {spec.output}")
     return 0
 
 
@@ -166,15 +258,17 @@ def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
     cluster job is a flow run, with its tasks on the cluster's workers.
 
     Raises:
-        ValueError: prefect-dask is not installed, no Prefect server is configured, or what the flow raises.
+        ValueError: prefect-dask is not installed, no Prefect server is configured or the one at
+            PREFECT_API_URL does not answer (`flows.batch_generate.check_prefect_api`), or what the flow raises.
     """
     try:
         import prefect_dask  # noqa: F401
     except ImportError:
         raise ValueError("--cluster needs prefect-dask and distributed (pip install prefect-dask distributed)") \
             from None
-    from flows.batch_generate import batch_generate
+    from flows.batch_generate import batch_generate, check_prefect_api
 
+    check_prefect_api(spec)
     print(f"tokenmill: running on the Dask cluster {spec.cluster} through the Prefect flow batch-generate",
           file=sys.stderr)
     return batch_generate(spec)
@@ -192,7 +286,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not Path(spec.input).exists():
         print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
         return 1
-    print(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}")
+    _echo(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}")
     rc = _run(spec)
     if rc == 0 and args.job == "labelling":
         _print_label_accuracy(spec.output)
@@ -209,13 +303,13 @@ def _print_label_accuracy(output: str) -> None:
     df = pl.concat([pl.read_parquet(p) for p in parts], how="diagonal_relaxed")
     if "reference_label" not in df.columns:
         return
-    print("\nsample rows (title, label, reference_label):")
+    _echo("\nsample rows (title, label, reference_label):")
     for row in df.head(5).iter_rows(named=True):
-        print(f"  {row.get('title')!s:40.40}  {row['generation']!s:12}  {row['reference_label']}")
+        _echo(f"  {row.get('title')!s:40.40}  {row['generation']!s:12}  {row['reference_label']}")
     n = df.height
     right = int((df["generation"] == df["reference_label"]).sum())
     valid = int(df["valid"].sum()) if "valid" in df.columns else 0
-    print(f"\nvalid labels: {valid} of {n}; accuracy against reference_label: {right} of {n} ({right / n:.1%})")
+    _echo(f"\nvalid labels: {valid} of {n}; accuracy against reference_label: {right} of {n} ({right / n:.1%})")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -224,14 +318,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     rows = metrics.to_dicts()
     if args.all:
         for i, row in enumerate(rows):
-            print(f"\nrun {i + 1} of {len(rows)}")
-            print(format_report(row))
+            _echo(f"\nrun {i + 1} of {len(rows)}")
+            _echo(format_report(row))
     else:
         statuses = [r.get("status") or "ok" for r in rows]
         extra = "".join(f", {statuses.count(k)} {k}" for k in ("failed", "interrupted") if k in statuses)
         total = sum(r.get("cost_usd") or 0.0 for r in rows)
-        print(f"job at {args.url}: {len(rows)} run(s){extra}; cost of all runs {total:.6f} USD; the latest:")
-        print(format_report(rows[-1]))
+        _echo(f"job at {args.url}: {len(rows)} run(s){extra}; cost of all runs {total:.6f} USD; the latest:")
+        _echo(format_report(rows[-1]))
     return 0
 
 
@@ -306,6 +400,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.showwarning = _show_warning
     try:
         return args.func(args)
+    except StdoutClosed:
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
     except JobInterrupted as exc:
         print(f"tokenmill: interrupted after {exc.shards_done} of {exc.shards_total} shards; re-run the same "
               f"command to resume", file=sys.stderr)
@@ -326,6 +423,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warnings.showwarning = old_show
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's last flush of what is still
+    buffered does not fail again ("Exception ignored ... BrokenPipeError") after the command has ended."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # not a real file (a test's capture): nothing to flush to a pipe
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def threading_is_main() -> bool:

@@ -80,6 +80,16 @@ FINGERPRINT_FIELDS = (
 )
 
 
+# JobSpec fields passed to the engine under their own names (`engine_options` may set the others).
+ENGINE_FIELDS = ("dtype", "device", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads", "speculative",
+                 "tensor_parallel_size")
+# JobSpec fields always passed to SamplingParams under their own names: a `sampling_options` key may not
+# set one again (their defaults count); nor `structured_outputs` when the job has a default constraint (one
+# of CONSTRAINT_FIELDS), nor `score_choices` when it scores.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop")
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
+
 # Dask's comm schemes a scheduler address may use (JobSpec.cluster).
 CLUSTER_SCHEMES = ("tcp", "tls", "ucx", "ws", "wss", "inproc")
 
@@ -236,6 +246,30 @@ class JobSpec(BaseModel):
                 value = text
         return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value})
 
+    def constraint_text(self, width: int = 100) -> Optional[str]:
+        """The job's default output constraint as its user wrote it: `regex 'a+'`, `choice ['x', 'y']`,
+        `json_schema label.json {"type":"object",...}` (a file's name, then its content), `json_object`;
+        the content cut to `width` characters. None without one (or with one that is not valid).
+
+        The fingerprint holds the constraint's content hash (`structured`); the manifest keeps this
+        text beside it, so that a changed-spec refusal can say what changed.
+
+        Raises:
+            ValueError: as `structured_outputs` (a file that cannot be read).
+        """
+        so = self.structured_outputs()
+        if so is None or so.validate() is not None:
+            return None
+        kind = next(k for k in CONSTRAINT_FIELDS if getattr(self, k) not in (None, False))
+        if kind == "json_object":
+            return kind
+        value, content = getattr(self, kind), so.spec()
+        text = json.dumps(content, sort_keys=True, separators=(",", ":")) if kind == "json_schema" else repr(content)
+        if len(text) > width:
+            text = text[:width - 3] + "..."
+        source = f"{value} " if kind in ("json_schema", "grammar") and isinstance(value, str) else ""
+        return f"{kind} {source}{text}"
+
     @property
     def constrained(self) -> bool:
         """True when the job has a default constraint or scores choices."""
@@ -274,17 +308,42 @@ class JobSpec(BaseModel):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `engine.LLM` (unset options are left to the engine)."""
         kw: dict[str, Any] = {}
-        for name in ("dtype", "device", "quantization", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads",
-                     "speculative", "tensor_parallel_size"):
+        for name in ENGINE_FIELDS:
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
         kw.update(self.engine_options)
         return kw
 
+    def sampling_option_clashes(self) -> list[tuple[str, str]]:
+        """(key, field) for each `sampling_options` key that a field of the job sets already (see
+        SAMPLING_FIELDS): `field` is that JobSpec field (for `structured_outputs`, the constraint field set)."""
+        clashes = []
+        for key in self.sampling_options:
+            if key in SAMPLING_FIELDS:
+                clashes.append((key, key))
+            elif key == "structured_outputs":
+                owner = next((k for k in CONSTRAINT_FIELDS if getattr(self, k) not in (None, False)), None)
+                if owner is not None:
+                    clashes.append((key, owner))
+            elif key == "score_choices" and self.score_choices is not None:
+                clashes.append((key, "score_choices"))
+        return clashes
+
     def sampling_params(self) -> SamplingParams:
-        """The job's default SamplingParams."""
+        """The job's default SamplingParams.
+
+        Raises:
+            ValueError: a `sampling_options` key that a field of the job sets too (the message names
+                the key, both values and the field), or a default constraint that cannot be read
+                (`structured_outputs`).
+            TypeError: a `sampling_options` key that SamplingParams does not have.
+        """
+        clashes = self.sampling_option_clashes()
+        if clashes:
+            raise ValueError("; ".join(f"sampling_options sets {key} ({self.sampling_options[key]!r}), which the "
+                                       f"job's {field} field sets too ({getattr(self, field)!r})"
+                                       for key, field in clashes) + ": set each once, in its own field")
         extra: dict[str, Any] = {}
         so = self.structured_outputs()
         if so is not None:
@@ -568,6 +627,27 @@ def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> No
                          f"there would be read as input by the next run (a resume); choose an output outside it")
 
 
+def _refuse_inputs_the_job_would_replace(spec: JobSpec, files: list[io.InputFile], out_fs, out_path: str) -> None:
+    """Refuse, before anything is written, an input file that lies in the output folder under a name
+    the job owns (`part-*.parquet` beside the manifest, or anything under `_job/`): the job would write
+    its own part file there, and `--overwrite` deletes such files, the input with them. (A single
+    input file with another name may sit in the output folder: `--input prompts.parquet --output .`.)
+
+    Raises:
+        ValueError: naming the input file and the output.
+    """
+    out = out_path.rstrip("/")
+    for f in files:
+        fs, path = io.filesystem(f.path, spec.storage_options)
+        if fs.protocol != out_fs.protocol or not path.startswith(out + "/"):
+            continue
+        rel = path[len(out) + 1:]
+        if rel.startswith("_job/") or ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet")):
+            raise ValueError(f"input file {f.path} lies in the output folder {spec.output} under a name the job "
+                             f"writes its own files by ({rel}): a run would take it for one of its part files, and "
+                             f"--overwrite would delete it; move the input, or choose another output")
+
+
 def validate_spec(spec: JobSpec) -> None:
     """Check every option a job's spec sets, before anything is read or written: the sampling
     defaults, the engine options (known names, allowed values, the device being there, unless the
@@ -671,7 +751,8 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
     """Validate, take the output's lease, check the manifest (refuse a changed job unless `overwrite`), plan.
 
     Nothing is written before every option, the output location and the input's columns
-    are checked (`validate_spec`, `io.check_bucket`, `check_inputs`). Then the run takes
+    are checked (`validate_spec`, `io.check_bucket`, an output that overlaps the input,
+    `check_inputs`). Then the run takes
     the output's lease (`pipeline.lease`): a second run on the same output refuses. A new
     job (or `overwrite`) is planned (`plan_job`) and its plan written to the manifest; a
     resumed job reads its plan from the manifest, so the shards are exactly those of the
@@ -701,8 +782,10 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             raise ValueError(f"output {spec.output} is a file; give a folder (or prefix) URL")
         _refuse_output_overlapping_input(spec, out_fs, out_path)
     files = io.list_input_files(spec.input, so)
+    _refuse_inputs_the_job_would_replace(spec, files, out_fs, out_path)
     columns = check_inputs(spec, files)
     digest, doc = manifest.fingerprint(files, spec.fingerprint_fields())
+    readable = {"constraint": text} if (text := spec.constraint_text()) is not None else {}  # not hashed
     run_id = uuid.uuid4().hex[:12]
     lease = Lease.acquire(spec.output, so, run_id=run_id, ttl_s=spec.lease_ttl_s)
     try:
@@ -712,19 +795,21 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         elif previous is not None and previous.get("fingerprint") != digest:
             raise JobSpecChanged(
                 f"{spec.output} already holds a job with a different spec or input "
-                f"({manifest.describe_change(previous, doc)}). Re-run with --overwrite (overwrite=True) to "
-                f"discard its outputs and start over, or choose another output."
+                f"({manifest.describe_change(previous, {**doc, **readable})}). Re-run with --overwrite "
+                f"(overwrite=True) to discard its outputs and start over, or choose another output."
             )
-        elif previous is None and manifest.part_files(spec.output, so):
+        elif previous is None and (stray := manifest.part_files(spec.output, so)):
+            shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
             raise JobSpecChanged(
-                f"{spec.output} has part files but no job manifest; re-run with --overwrite to replace them, "
-                f"or choose another output."
+                f"{spec.output} holds {len(stray)} file(s) named like a job's part files ({shown}) but no job "
+                f"manifest (_job/manifest.json), so they are not outputs this run can resume; re-run with "
+                f"--overwrite to delete them, or choose another output."
             )
         if spec.overwrite or previous is None:
             for message in check_ids(files, spec.id_column, spec.limit, so):
                 warnings.warn(f"{spec.input}: {message}", stacklevel=2)
             shards, stats = plan_job(spec, files, tokenizer, max_model_len)
-            manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, "plan": stats.to_json(),
+            manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, **readable, "plan": stats.to_json(),
                                                   "shards": [s.to_json() for s in shards],
                                                   "created_at": started_at.isoformat()}, so)
         else:
@@ -1176,7 +1261,14 @@ def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) 
 
     Raises:
         FileNotFoundError: when the job has no metrics yet.
+        ValueError: `output` is a file, not a job's output folder (the message names it).
+        StorageError: the storage cannot be reached or denies access.
     """
+    fs, path = io.filesystem(output, storage_options)
+    with storage_call("check", output, io.resolve_storage_options(output, storage_options)):
+        if fs.isfile(path):
+            raise ValueError(f"{output} is a file, not a job output folder: give the --output folder of a "
+                             f"tokenmill run (it holds part-*.parquet and _job/)")
     frames = []
     legacy = manifest.job_url(output, LEGACY_METRICS)
     if io.exists(legacy, storage_options):

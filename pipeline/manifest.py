@@ -1,7 +1,9 @@
 """The job's record under `OUTPUT/_job/`: manifest (fingerprint + shard plan) and per-shard done markers.
 
     OUTPUT/_job/manifest.json         {"fingerprint", "inputs", "spec", "plan", "shards", ...}
-                                      (shards: rows as [offset, length] runs; plan: PlanStats)
+                                      (shards: rows as [offset, length] runs; plan: PlanStats;
+                                      "constraint": the default output constraint as text, not
+                                      hashed, for describe_change; absent without one)
     OUTPUT/_job/done/part-00000.json  one marker per committed shard, with its counts and the worker
                                       that committed it
 
@@ -72,11 +74,17 @@ def fingerprint(files: list[io.InputFile], spec_fields: dict[str, Any]) -> tuple
 
 
 def describe_change(old: dict, new: dict) -> str:
-    """Human-readable differences between a stored manifest and a new fingerprint document."""
+    """Human-readable differences between a stored manifest and a new fingerprint document: each changed
+    spec field with its old and new value (the output constraint as text, its hash as a detail), each
+    input file added, removed or changed (with what changed: size, ETag or mtime, rows, columns)."""
     changes = []
     old_spec, new_spec = old.get("spec", {}), new.get("spec", {})
     for k in sorted(set(old_spec) | set(new_spec)):
-        if old_spec.get(k) != new_spec.get(k):
+        if old_spec.get(k) == new_spec.get(k):
+            continue
+        if k == "structured":
+            changes.append(f"output constraint: {_constraint(old)} -> {_constraint(new)}")
+        else:
             changes.append(f"{k}: {old_spec.get(k)!r} -> {new_spec.get(k)!r}")
     old_inputs = {f["path"]: f for f in old.get("inputs", [])}
     new_inputs = {f["path"]: f for f in new.get("inputs", [])}
@@ -86,8 +94,20 @@ def describe_change(old: dict, new: dict) -> str:
         elif p not in old_inputs:
             changes.append(f"input added: {p}")
         elif old_inputs[p] != new_inputs[p]:
-            changes.append(f"input changed: {p}")
+            a, b = old_inputs[p], new_inputs[p]
+            what = ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                             if a.get(k) != b.get(k))
+            changes.append(f"input changed: {p} ({what})")
     return "; ".join(changes) or "fingerprint differs"
+
+
+def _constraint(doc: dict) -> str:
+    """A manifest's (or fingerprint document's) output constraint: its text, then its hash; "none"."""
+    key = doc.get("spec", {}).get("structured")
+    if key is None:
+        return "none"
+    text = doc.get("constraint") or "(not recorded by this older manifest)"
+    return f"{text} [sha256 {str(key)[:12]}]"
 
 
 def read_manifest(output: str, storage_options: dict[str, Any]) -> dict | None:

@@ -401,8 +401,9 @@ def unify_input_columns(files: Sequence[Any], id_column: str = "id") -> UnifiedC
             what = (f"has column {extra[0]!r}, which {first.path} lacks" if extra
                     else f"lacks column {missing[0]!r}, which {first.path} has")
             raise ValueError(
-                f"{f.path} {what}: every input file must have the same id and pass-through columns, or the part "
-                f"files cannot be read together. Add or drop the column, or run the files as separate jobs.")
+                f"{f.path} {what}: every input file must have the same id and pass-through columns, or the "
+                f"output's part files would not read together as one table. Add or drop the column, or run the "
+                f"files as separate jobs.")
         for c in cols:
             fld = f.schema.field(c)
             if c not in fields:
@@ -416,8 +417,8 @@ def unify_input_columns(files: Sequence[Any], id_column: str = "id") -> UnifiedC
             except (pa.ArrowTypeError, pa.ArrowInvalid):
                 raise ValueError(
                     f"{f.path}: column {c!r} is {_type_name(fld.type)} here but {_type_name(have.type)} in {origin}; "
-                    f"these types cannot be unified, so the part files could not be read together. Cast the column "
-                    f"to one type in every file.") from None
+                    f"these types cannot be unified, so the output's part files would not read together as one "
+                    f"table. Cast the column to one type in every input file.") from None
             widened.setdefault(c, [f"{_type_name(have.type)} in {origin}"])
             widened[c].append(f"{_type_name(fld.type)} in {f.path}")
             fields[c] = (merged, origin)

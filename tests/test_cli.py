@@ -157,3 +157,118 @@ def test_progress_says_what_the_job_is_doing_while_the_model_loads(tmp_path, cap
     assert lines[1] == "tokenmill: loading model smollm2-135m-instruct ..."
     assert lines[2].startswith("tokenmill: model loaded in ")
     assert err.index("model loaded") < err.index("3/3")  # the progress bar starts after the model is loaded
+
+
+def _fake_job(tmp_path, name: str = "out", seed: int = 13) -> str:
+    """A finished 2-row job at tmp_path/name, run on the FakeLLM (its metrics are what `report` reads)."""
+    from pipeline import JobSpec, run_job
+    from pipeline.testing import FakeLLM
+
+    inp = tmp_path / "prompts.parquet"
+    if not inp.exists():
+        pl.DataFrame({"id": [1, 2], "prompt": ["Say yes.", "Say no."]}).write_parquet(inp)
+    out = str(tmp_path / name)
+    run_job(JobSpec(input=str(inp), output=out, max_tokens=2, progress=False, engine_options={"seed": seed}),
+            FakeLLM())
+    return out
+
+
+def test_report_into_a_closed_pipe_exits_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    out = _fake_job(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head -1` already gone: the first write meets a closed pipe
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "report", out], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
+    assert proc.returncode == 141  # 128 + SIGPIPE, as a shell reports a tool whose pipe closed
+
+
+def test_report_on_a_file_says_it_wants_a_job_output_folder(tmp_path, capsys):
+    out = _fake_job(tmp_path)
+    part = os.path.join(out, "part-00000.parquet")
+    assert main(["report", part]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: {part} is a file, not a job output folder: give the --output folder of a tokenmill run "
+        f"(it holds part-*.parquet and _job/)"]
+    assert main(["report", out]) == 0 and "rows_ok" in capsys.readouterr().out
+
+
+def test_cluster_run_with_an_unreachable_prefect_server_is_one_line_naming_prefect_api_url(tmp_path, capsys):
+    import time
+
+    import pytest
+
+    pytest.importorskip("prefect_dask")
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    api = "http://127.0.0.1:9/api"  # the discard port: nothing listens there, a connection is refused at once
+    started = time.monotonic()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        rc = main(["run", "--input", str(inp), "--output", str(out), "--cluster", "tcp://127.0.0.1:1",
+                   "--no-progress"])
+    assert rc == 1 and time.monotonic() - started < 30
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err  # no Prefect traceback
+    assert err[0].startswith(f"tokenmill: cannot reach the Prefect server at PREFECT_API_URL={api} (ConnectError: ")
+    assert "refused" in err[0] and err[0].endswith("start it (prefect server start) or set PREFECT_API_URL to the "
+                                                   "server the Dask workers report to")
+    assert not out.exists()
+
+
+def test_colliding_sampling_and_engine_options_name_both_sources_and_the_parameter(tmp_path, capsys):
+    from pipeline import JobSpec, run_job
+    from pipeline.testing import FakeLLM
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress"]
+
+    def refused(*options: str) -> list[str]:
+        assert main(run + list(options)) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == "tokenmill: invalid job options:" and not out.exists()
+        return err[1:]
+
+    assert refused("--sampling-option", "top_k=5", "--top-k", "3") == [
+        "  --sampling-option top_k=5: top_k is also set by --top-k 3; give it once"]
+    assert refused("--sampling-option", "top_k=5") == [
+        "  --sampling-option top_k=5: top_k has an option of its own, --top-k (here -1); use --top-k 5"]
+    assert refused("--sampling-option", "min_tokens=2", "--sampling-option", "min_tokens=3") == [
+        "  --sampling-option: min_tokens is given twice (min_tokens=2 and min_tokens=3); give it once"]
+    assert refused("--sampling-option", "structured_outputs={\"regex\": \"a+\"}", "--choice", "a,b") == [
+        "  --sampling-option structured_outputs={\"regex\": \"a+\"}: structured_outputs is also set by --choice a,b; "
+        "give it once"]
+    assert refused("--engine-option", "max_num_seqs=4", "--max-num-seqs", "3") == [
+        "  --engine-option max_num_seqs=4: max_num_seqs is also set by --max-num-seqs 3; give it once"]
+    assert refused("--storage-option", "secret=a", "--storage-option", "secret=b") == [
+        "  --storage-option: secret is given twice (secret=********** and secret=**********); give it once"]
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("sampling_options:\n  top_p: 0.5\n")
+    assert refused("--spec", str(spec_file), "--top-p", "0.9") == [
+        f"  sampling_options.top_p: 0.5 in {spec_file}: top_p is also set by --top-p 0.9; give it once"]
+
+    # a command-line key still replaces the same key of the spec file; one key twice with one value is fine
+    spec_file.write_text("sampling_options:\n  min_tokens: 1\n")
+    args = build_parser().parse_args(["run", "--spec", str(spec_file), "--input", "i", "--output", "o",
+                                      "--sampling-option", "min_tokens=2", "--sampling-option", "min_tokens=2"])
+    assert spec_from_args(args).sampling_options == {"min_tokens": 2}
+    # from Python: both values and the field, instead of "got multiple values for keyword argument"
+    spec = JobSpec(input=str(inp), output=str(out), top_k=3, sampling_options={"top_k": 5}, progress=False)
+    try:
+        run_job(spec, FakeLLM())
+        raise AssertionError("not refused")
+    except ValueError as exc:
+        assert str(exc) == ("sampling_options sets top_k (5), which the job's top_k field sets too (3): set each "
+                            "once, in its own field")
+    assert not out.exists()

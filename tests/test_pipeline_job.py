@@ -124,7 +124,7 @@ def test_changed_spec_refused(local_input, tmp_path):
     run_job(spec_for(local_input, out, price_per_hour=9.0), FakeLLM())
     # changed input is refused too
     dataset(6, 7).write_parquet(local_input / "b.parquet")
-    with pytest.raises(JobSpecChanged, match="input changed"):
+    with pytest.raises(JobSpecChanged, match=rf"input changed: file://{local_input}/b.parquet \(.*num_rows 5 -> 6"):
         run_job(spec_for(local_input, out), FakeLLM())
     report = run_job(spec_for(local_input, out, overwrite=True), FakeLLM())
     assert report.rows_total == 13 and report.rows_skipped == 0
@@ -132,11 +132,65 @@ def test_changed_spec_refused(local_input, tmp_path):
     assert read_metrics(str(out)).height == 1  # overwrite starts the job's history over
 
 
+def test_a_changed_constraint_is_refused_naming_old_and_new_not_only_a_hash(local_input, tmp_path):
+    import json
+
+    out = tmp_path / "out"
+    run_job(spec_for(local_input, out, regex="a+"), FakeLLM())
+
+    def key(**constraint) -> str:
+        from engine.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams(**constraint).key()[:12]
+
+    with pytest.raises(JobSpecChanged) as exc:
+        run_job(spec_for(local_input, out, regex="b+"), FakeLLM())
+    assert f"(output constraint: regex 'a+' [sha256 {key(regex='a+')}] -> regex 'b+' [sha256 {key(regex='b+')}])" \
+        in str(exc.value)
+    with pytest.raises(JobSpecChanged) as exc:
+        run_job(spec_for(local_input, out, choice=["x", "y"]), FakeLLM())
+    assert f"output constraint: regex 'a+' [sha256 {key(regex='a+')}] -> choice ['x', 'y'] [sha256 " \
+           f"{key(choice=['x', 'y'])}]" in str(exc.value)
+    with pytest.raises(JobSpecChanged, match=r"output constraint: regex 'a\+' \[sha256 \w{12}\] -> none\)"):
+        run_job(spec_for(local_input, out), FakeLLM())
+
+    schema = tmp_path / "label.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"topic": {"type": "string"}}}))
+    out2 = tmp_path / "out2"
+    run_job(spec_for(local_input, out2, json_schema=str(schema)), FakeLLM())
+    schema.write_text(json.dumps({"type": "object", "properties": {"topic": {"enum": ["a", "b"]}}}))
+    with pytest.raises(JobSpecChanged) as exc:
+        run_job(spec_for(local_input, out2, json_schema=str(schema)), FakeLLM())
+    assert (f'output constraint: json_schema {schema} {{"properties":{{"topic":{{"type":"string"}}}},"type":"object"}} '
+            f'[sha256 ') in str(exc.value)
+    assert f'-> json_schema {schema} {{"properties":{{"topic":{{"enum":["a","b"]}}}},"type":"object"}}' \
+        in str(exc.value)
+
+    # a manifest written before the text was kept: the hash, said to be all there is
+    doc = json.loads((out / "_job" / "manifest.json").read_text())
+    del doc["constraint"]
+    (out / "_job" / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(JobSpecChanged, match=r"output constraint: \(not recorded by this older manifest\) "
+                                             r"\[sha256 \w{12}\] -> regex 'b\+'"):
+        run_job(spec_for(local_input, out, regex="b+"), FakeLLM())
+    # the text is not hashed: the same job still resumes, with or without it in the manifest
+    assert run_job(spec_for(local_input, out, regex="a+"), FakeLLM()).rows_skipped == 12
+
+
 def test_stray_parts_refused(local_input, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "part-00000.parquet").write_bytes(b"junk")
-    with pytest.raises(JobSpecChanged, match="no job manifest"):
+    with pytest.raises(JobSpecChanged) as exc:
+        run_job(spec_for(local_input, out), FakeLLM())
+    # what was found, by name: files named like part files, and no manifest
+    assert str(exc.value) == (f"{out} holds 1 file(s) named like a job's part files (part-00000.parquet) but no job "
+                              f"manifest (_job/manifest.json), so they are not outputs this run can resume; re-run "
+                              f"with --overwrite to delete them, or choose another output.")
+    for i in range(1, 5):
+        (out / f"part-{i:05d}.parquet").write_bytes(b"junk")
+    with pytest.raises(JobSpecChanged, match=r"holds 5 file\(s\) named like a job's part files \(part-00000.parquet, "
+                                             r"part-00001.parquet, part-00002.parquet and 2 more\) but no job manifest"):
         run_job(spec_for(local_input, out), FakeLLM())
 
 
@@ -215,6 +269,49 @@ def test_job_level_mistakes_are_refused_before_anything_is_written(tmp_path):
     # a single input file may sit beside (or above) the output
     prepare_job(JobSpec(input=str(folder / "x.parquet"), output=str(folder / "out")))
     assert (folder / "out" / "_job" / "manifest.json").exists()
+
+
+def test_an_input_file_named_like_a_part_file_in_the_output_is_refused_never_deleted(tmp_path, monkeypatch):
+    """`--output .` beside the input: a part-*.parquet input would be taken for a stray part file, and the
+    advice (--overwrite) would delete it; refused instead, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    dataset(3).write_parquet(tmp_path / "part-00000.parquet")  # e.g. a Spark part file used as the input
+    before = (tmp_path / "part-00000.parquet").read_bytes()
+    for overwrite in (False, True):
+        with pytest.raises(ValueError) as exc:
+            run_job(spec_for("part-00000.parquet", ".", overwrite=overwrite), FakeLLM())
+        assert str(exc.value) == (
+            f"input file file://{tmp_path}/part-00000.parquet lies in the output folder . under a name the job "
+            f"writes its own files by (part-00000.parquet): a run would take it for one of its part files, and "
+            f"--overwrite would delete it; move the input, or choose another output")
+    assert (tmp_path / "part-00000.parquet").read_bytes() == before and not (tmp_path / "_job").exists()
+    # the same file inside a folder that holds the output's files, named with its full path
+    (tmp_path / "out").mkdir()
+    dataset(3).write_parquet(tmp_path / "out" / "part-00003.parquet")
+    with pytest.raises(ValueError, match=rf"input file file://{tmp_path}/out/part-00003.parquet lies in the output "
+                                         rf"folder {tmp_path}/out/ under a name"):
+        run_job(spec_for(tmp_path / "out" / "part-00003.parquet", f"{tmp_path}/out/"), FakeLLM())
+
+
+def test_output_dot_beside_a_single_input_file_works_and_keeps_it(tmp_path, monkeypatch):
+    """`--output .` with the input file in the same folder: allowed; the job writes part files and `_job/`
+    beside it, a resume keeps it, --overwrite deletes only the job's own files. With the input folder
+    inside `.` (or `.` itself) the job is refused: its part files would be read as input."""
+    monkeypatch.chdir(tmp_path)
+    dataset(4).write_parquet(tmp_path / "prompts.parquet")
+    before = (tmp_path / "prompts.parquet").read_bytes()
+    assert run_job(spec_for("prompts.parquet", "."), FakeLLM()).rows_ok == 4
+    assert run_job(spec_for("prompts.parquet", "."), FakeLLM()).rows_skipped == 4
+    assert run_job(spec_for("prompts.parquet", ".", overwrite=True), FakeLLM()).rows_ok == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_job", "part-00000.parquet", "part-00001.parquet",
+                                                          "prompts.parquet"]
+    assert (tmp_path / "prompts.parquet").read_bytes() == before
+    (tmp_path / "data").mkdir()
+    dataset(2).write_parquet(tmp_path / "data" / "x.parquet")
+    for inp in ("data", "."):
+        with pytest.raises(ValueError, match=rf"output \. overlaps the input folder {inp}: "):
+            run_job(spec_for(inp, ".", overwrite=True), FakeLLM())
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["x.parquet"]
 
 
 def test_null_and_repeated_ids_warn_and_null_ids_become_error_rows(tmp_path):

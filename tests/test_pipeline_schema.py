@@ -40,6 +40,7 @@ def test_good_prompt_row():
 @pytest.mark.parametrize("row, message", [
     ({"prompt": None}, "prompt is null"),
     ({"prompt": 42}, "prompt must be a string, got int"),
+    ({"prompt": ""}, "prompt is empty"),
     ({"prompt": "   "}, "prompt is empty"),
     ({"prompt": "x" * 500}, "too long"),
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens must be an integer >= 1"),

@@ -66,8 +66,10 @@ def test_mixed_id_types_are_refused_naming_the_file_and_column(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ValueError) as exc:
         run_job(JobSpec(input=str(d), output=str(out), progress=False), FakeLLM())
-    assert str(exc.value).startswith(f"file://{d}/b.parquet: column 'id' is String here but Int64 in "
-                                     f"file://{d}/a.parquet; these types cannot be unified")
+    # the two input files are named as input files; "part files" are the output's, which would not read together
+    assert str(exc.value) == (f"file://{d}/b.parquet: column 'id' is String here but Int64 in file://{d}/a.parquet; "
+                              f"these types cannot be unified, so the output's part files would not read together "
+                              f"as one table. Cast the column to one type in every input file.")
     assert not out.exists()
 
 
@@ -78,7 +80,10 @@ def test_missing_passthrough_column_is_refused_naming_the_file_and_column(tmp_pa
     write_input(d / "b.parquet")
     with pytest.raises(ValueError) as exc:
         run_job(JobSpec(input=str(d), output=str(tmp_path / "out"), progress=False), FakeLLM())
-    assert str(exc.value).startswith(f"file://{d}/b.parquet lacks column 'topic', which file://{d}/a.parquet has")
+    assert str(exc.value) == (f"file://{d}/b.parquet lacks column 'topic', which file://{d}/a.parquet has: every "
+                              f"input file must have the same id and pass-through columns, or the output's part files "
+                              f"would not read together as one table. Add or drop the column, or run the files as "
+                              f"separate jobs.")
     assert not (tmp_path / "out").exists()
 
 
@@ -167,3 +172,17 @@ def test_truncate_joins_the_fingerprint_only_when_set(tmp_path):
     run_job(spec.model_copy(update={"truncate": True}), FakeLLM())
     with pytest.raises(JobSpecChanged, match="truncate: True -> None"):
         run_job(spec, FakeLLM())
+
+
+def test_an_empty_prompt_is_an_error_row_saying_so(tmp_path):
+    """As the README's Error rows say: "" and "   " give finish_reason error, no generation, no tokens."""
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3], "prompt": ["", "Hi.", "   "]}).write_parquet(inp)
+    out = tmp_path / "out"
+    report = run_job(JobSpec(input=str(inp), output=str(out), progress=False, max_tokens=2), FakeLLM())
+    df = pl.read_parquet(f"{out}/part-*.parquet").sort("id")
+    assert df["error"].to_list() == ["prompt is empty", None, "prompt is empty"]
+    assert df["finish_reason"].to_list() == ["error", "length", "error"]
+    assert df["generation"].to_list()[0] is None and df["generation"].to_list()[2] is None
+    assert df["prompt_tokens"].to_list()[::2] == [0, 0] and df["completion_tokens"].to_list()[::2] == [0, 0]
+    assert (report.rows_ok, report.rows_error) == (1, 2)
