@@ -139,16 +139,29 @@ def linear_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2) -> 
 class StepTimers:
     """Wall time per category, counted only in decode-only steps (when `decode_only`), by wrapping
     this engine's linear layers, attention backend, model ops, sampler, scheduler and runner.
-    Instance attributes shadow the class methods; `close()` removes them."""
+    Instance attributes shadow the class methods; `close()` removes them.
 
-    def __init__(self, llm: Any, decode_only: bool = True, kernels: bool = True) -> None:
+    With `driver`, the model keeps the C decoder driver, whose own per-kernel counters
+    (`engine.kernels.cpu.decoder.timings`, read around each step) give the layers' split, and the
+    LM head, sampler, scheduler and input preparation are timed in Python as in the loop: the
+    breakdown of the step the engine really runs, in one run."""
+
+    def __init__(self, llm: Any, decode_only: bool = True, kernels: bool = True, driver: bool = False) -> None:
         self.t: dict[str, float] = collections.defaultdict(float)
         self.decode_only = decode_only
         self.in_decode_step = False
         self.steps = 0
         self._undo: list[tuple[Any, str]] = []
         self._sampler = None
-        if kernels:
+        self._driver = None
+        if driver:
+            from engine.kernels.cpu import decoder as dec
+
+            dec.set_timing(True)
+            self._driver = dec
+            self._wrap_outer(llm)
+            self._wrap(llm.model.lm_head, "forward", "linear layers")
+        elif kernels:
             self._wrap_kernels(llm)
         run = llm.runner.run
 
@@ -161,11 +174,20 @@ class StepTimers:
         step = llm.core.step
 
         def timed_step() -> Any:
+            c0 = self._driver.timings() if self._driver else None
             t0 = time.perf_counter()
             self.in_decode_step = False
             r = step()
+            dt = time.perf_counter() - t0
+            if self._driver and (self.in_decode_step or not self.decode_only):
+                c1 = self._driver.timings()
+                d = {k: c1[k] - c0[k] for k in c1}
+                self.t["linear layers"] += d["linear layers"]
+                self.t["attention"] += d["attention"]
+                self.t["other model ops"] += d["kv write"] + d["rms norm"] + d["rope"] + d["silu mul"]
+                self.t["driver"] += sum(d.values())
             if self.in_decode_step or not self.decode_only:
-                self.t["step"] += time.perf_counter() - t0
+                self.t["step"] += dt
                 self.steps += 1
             else:  # a step with prefill: drop what it added
                 for k in list(self._pending):
@@ -189,6 +211,11 @@ class StepTimers:
         self._wrap(llm.backend, "forward", "attention")
         for name in ("rms_norm", "rope_", "silu_mul"):
             self._wrap(m.ops, name, "other model ops")
+        self._wrap_outer(llm)
+
+    def _wrap_outer(self, llm: Any) -> None:
+        """The sampler, scheduler, input preparation and the model forward as a whole."""
+        m = llm.model
         sampler = llm.sampler  # a call goes through the type's __call__: wrap the object itself
 
         class _TimedSampler:
@@ -224,6 +251,8 @@ class StepTimers:
         self._undo.append((obj, attr))
 
     def close(self) -> None:
+        if self._driver is not None:
+            self._driver.set_timing(False)
         if self._sampler is not None:
             llm, sampler = self._sampler
             llm.core.sampler = sampler
@@ -373,26 +402,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {k:<52} {100 * v:5.1f}%")
     print(f"  non-linear share (everything but the linear layers)   {100 * (1 - split['linear layers']):5.1f}%",
           flush=True)
-    # the same workload (other prompts of the same shape) with the C decoder driver, which runs the
-    # same linear kernels on the same shapes: its non-linear share is 1 - (the loop run's linear
-    # time per step) / (its own step time). The loop's linear time includes the layers' own Python
-    # dispatch (a few us per call, 120 calls), so this share errs low by about that much.
+    # the same workload (other prompts of the same shape) as the engine runs it, with the C decoder
+    # driver: its own counters split the layers' time (linear, attention, small ops) inside the
+    # driver, in the same run as the step times
     if llm.model.use_c_decoder:
         rnd2 = build_workload("in99-out64", tok, num_prompts=batch, seed=2, max_output_tokens=16 if q else None)
-        clock = StepTimers(llm, kernels=False)
+        m = measure("breakdown, C decoder driver")
+        clock = StepTimers(llm, kernels=False, driver=True)
         try:
             llm.generate(rnd2.prompt_token_ids, rnd2.sampling_params(), use_tqdm=False)
         finally:
             clock.close()
+        busy2 = done(m)
         drv_ms = 1e3 * clock.t["step"] / max(clock.steps, 1)
-        lin_ms = step_ms * split["linear layers"]
-        if llm.model._c_decoder is not None and clock.steps:
-            share = max(0.0, 1 - lin_ms / drv_ms)
+        if llm.model._c_decoder is not None and clock.steps and clock.t["driver"] > 0:
+            dsplit = clock.fractions()
+            share = 1 - dsplit["linear layers"]
             report["breakdown"]["c_decoder"] = {"decode_steps": clock.steps, "ms_per_decode_step": drv_ms,
-                                                "non_linear": share}
-            print(f"  with the C decoder driver: {drv_ms:.1f} ms per decode-only step ({clock.steps} steps); "
-                  f"non-linear share {100 * share:.1f}% (its step less the loop run's {lin_ms:.1f} ms of linear "
-                  f"layers)", flush=True)
+                                                "fractions": dsplit, "non_linear": share,
+                                                "other_busy_during": busy2}
+            report["breakdown"]["non_linear_engine"] = share
+            print(f"decode-step breakdown with the C decoder driver (the engine's path), batch {batch} "
+                  f"({clock.steps} decode-only steps, {drv_ms:.1f} ms each; the driver's own kernel timers):")
+            for k, v in dsplit.items():
+                print(f"  {k:<52} {100 * v:5.1f}%")
+            print(f"  non-linear share (everything but the linear layers)   {100 * share:5.1f}%", flush=True)
+        else:
+            print("  (the C decoder driver did not serve these steps)", flush=True)
 
     # 5. MBU at batch 1, per scheme
     report["mbu"] = {}

@@ -85,3 +85,42 @@ def test_describe_refuses_layers_it_cannot_run():
             CpuDecoder(model, caches)
     finally:
         model.layers[1].qkv = old
+
+
+def test_driver_timers_split_its_time_and_stay_off_by_default():
+    import time
+
+    from engine.kernels.cpu import decoder as dec
+
+    llm = LLM("smollm2-135m-instruct", speculative=None, enable_prefix_caching=False)
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    dec.set_timing(False)
+    _run(llm, True, p)
+    assert set(dec.timings().values()) == {0.0}  # off: nothing counted
+    dec.set_timing(True)
+    try:
+        t0 = time.perf_counter()
+        _run(llm, True, p)
+        wall = time.perf_counter() - t0
+        t = dec.timings()
+    finally:
+        dec.set_timing(False)
+    assert list(t) == list(dec.TIMER_NAMES)
+    assert all(v > 0 for v in t.values())  # every kernel kind ran and was counted
+    assert t["linear layers"] > t["attention"] and sum(t.values()) < wall
+    assert set(dec.timings().values()) == {0.0}  # switching restarts the counters
+
+
+def test_efficiency_breakdown_of_driver_steps_adds_up():
+    from benchmarks.efficiency import StepTimers
+
+    llm = LLM("smollm2-135m-instruct", speculative=None, enable_prefix_caching=False)
+    clock = StepTimers(llm, kernels=False, driver=True)
+    try:
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    finally:
+        clock.close()
+    f = clock.fractions()
+    assert clock.steps >= 3 and clock.t["driver"] > 0  # decode-only steps, served by the driver
+    assert 0.3 < f["linear layers"] < 1 and f["attention"] > 0 and f["other model ops"] > 0
+    assert abs(sum(f.values()) - 1) < 0.02  # the categories partition the step (rest = what is left)

@@ -58,6 +58,9 @@ _SIGNATURES = {
     "tm_attention_tile_rows": (_I, [_I64]),
     "tm_paged_attention": (_I, [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I64] * 5 + [_F]),
     "tm_decoder_layer_words": (_I, []),
+    "tm_decoder_set_timing": (None, [_I]),
+    "tm_decoder_num_timers": (_I, []),
+    "tm_decoder_timings": (None, [_P]),
     "tm_decoder_forward": (_I, [_P, _I64, _P, _F, _F, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64]
                            + [_P] * 7),
 }

@@ -11,8 +11,16 @@
  *   then four linear layers (qkv, o, gate_up, down), TM_DEC_LIN_WORDS words each:
  *   kind (TM_DEC_F32 | TM_DEC_Q | TM_DEC_W8A8), weight format (TM_W_Q8 / TM_W_Q4 for Q),
  *   has_min, n, k, kpad (Q) or kp (W8A8), group size, packed weight pointer, bias pointer (or 0).
+ *
+ * With timing on (tm_decoder_set_timing), the wall time of every kernel call is added to one of
+ * TM_DEC_NCAT counters (seconds, CLOCK_MONOTONIC; about 20 ns per call, 11 calls per layer), so a
+ * benchmark can split a driver step without leaving the driver: linear layers (W8A8's activation
+ * quantization included), attention, KV write, RMSNorm, RoPE, SiLU * up.
  */
 #include "tm_cpu.h"
+
+#include <string.h>
+#include <time.h>
 
 #define TM_DEC_F32 0
 #define TM_DEC_Q 1
@@ -41,6 +49,39 @@ int tm_gemm_w8a8(const unsigned char *a, const float *sa, int64_t kp, int64_t gs
                  const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int accumulate);
 
 int tm_decoder_layer_words(void) { return TM_DEC_LAYER_WORDS; }
+
+#define TM_DEC_NCAT 6
+enum { T_LINEAR, T_ATTENTION, T_KV_WRITE, T_NORM, T_ROPE, T_SILU };
+static volatile int dec_timing;
+static double dec_seconds[TM_DEC_NCAT];
+
+static inline double dec_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* timing on (1) or off (0); either way the counters restart at 0 */
+void tm_decoder_set_timing(int on) {
+    memset(dec_seconds, 0, sizeof dec_seconds);
+    dec_timing = on;
+}
+
+int tm_decoder_num_timers(void) { return TM_DEC_NCAT; }
+
+/* out [TM_DEC_NCAT]: seconds so far per category (see the header) */
+void tm_decoder_timings(double *out) { memcpy(out, dec_seconds, sizeof dec_seconds); }
+
+#define TIMED(cat, stmt)                              \
+    do {                                              \
+        if (dec_timing) {                             \
+            const double t0_ = dec_now();             \
+            stmt;                                     \
+            dec_seconds[cat] += dec_now() - t0_;      \
+        } else {                                      \
+            stmt;                                     \
+        }                                             \
+    } while (0)
 
 /* y [m, n] (+)= x [m, k] W^T for one described linear layer; codes / scales: W8A8 scratch. */
 static int linear(const int64_t *l, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t m, int accumulate,
@@ -85,18 +126,24 @@ int tm_decoder_forward(const int64_t *desc, int64_t num_layers, const int64_t *d
         const int64_t *L = desc + i * TM_DEC_LAYER_WORDS;
         const int64_t *lin = L + 4;
         void *kc = (void *)(intptr_t)L[2], *vc = (void *)(intptr_t)L[3];
-        tm_rms_norm(h, hidden, (const float *)(intptr_t)L[0], x, hidden, t, hidden, eps);
-        if (linear(lin, x, hidden, qkv, ldqkv, t, 0, codes, scales)) return (int)i + 1;
-        tm_rope(qkv, ldqkv, t, hq + hkv, d, positions, cos_t, sin_t);
-        tm_kv_write(qkv + q_size, ldqkv, qkv + q_size + kv_size, ldqkv, t, hkv, d, slots, kc, vc, s, is_int8);
-        if (tm_paged_attention(qkv, ldqkv, kc, vc, is_int8, block_tables, max_blocks, row_seq, kv_len, tiles,
-                               num_tiles, a, q_size, hq, hkv, d, s, bs, scale))
-            return (int)i + 1;
-        if (linear(lin + TM_DEC_LIN_WORDS, a, q_size, h, hidden, t, 1, codes, scales)) return (int)i + 1;
-        tm_rms_norm(h, hidden, (const float *)(intptr_t)L[1], x, hidden, t, hidden, eps);
-        if (linear(lin + 2 * TM_DEC_LIN_WORDS, x, hidden, gu, 2 * inter, t, 0, codes, scales)) return (int)i + 1;
-        tm_silu_mul(gu, 2 * inter, act, inter, t, inter);
-        if (linear(lin + 3 * TM_DEC_LIN_WORDS, act, inter, h, hidden, t, 1, codes, scales)) return (int)i + 1;
+        int rc = 0;
+        TIMED(T_NORM, tm_rms_norm(h, hidden, (const float *)(intptr_t)L[0], x, hidden, t, hidden, eps));
+        TIMED(T_LINEAR, rc = linear(lin, x, hidden, qkv, ldqkv, t, 0, codes, scales));
+        if (rc) return (int)i + 1;
+        TIMED(T_ROPE, tm_rope(qkv, ldqkv, t, hq + hkv, d, positions, cos_t, sin_t));
+        TIMED(T_KV_WRITE,
+              tm_kv_write(qkv + q_size, ldqkv, qkv + q_size + kv_size, ldqkv, t, hkv, d, slots, kc, vc, s, is_int8));
+        TIMED(T_ATTENTION, rc = tm_paged_attention(qkv, ldqkv, kc, vc, is_int8, block_tables, max_blocks, row_seq,
+                                                   kv_len, tiles, num_tiles, a, q_size, hq, hkv, d, s, bs, scale));
+        if (rc) return (int)i + 1;
+        TIMED(T_LINEAR, rc = linear(lin + TM_DEC_LIN_WORDS, a, q_size, h, hidden, t, 1, codes, scales));
+        if (rc) return (int)i + 1;
+        TIMED(T_NORM, tm_rms_norm(h, hidden, (const float *)(intptr_t)L[1], x, hidden, t, hidden, eps));
+        TIMED(T_LINEAR, rc = linear(lin + 2 * TM_DEC_LIN_WORDS, x, hidden, gu, 2 * inter, t, 0, codes, scales));
+        if (rc) return (int)i + 1;
+        TIMED(T_SILU, tm_silu_mul(gu, 2 * inter, act, inter, t, inter));
+        TIMED(T_LINEAR, rc = linear(lin + 3 * TM_DEC_LIN_WORDS, act, inter, h, hidden, t, 1, codes, scales));
+        if (rc) return (int)i + 1;
     }
     return 0;
 }
