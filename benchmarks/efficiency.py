@@ -427,6 +427,22 @@ def main(argv: Optional[list[str]] = None) -> int:
             for k, v in dsplit.items():
                 print(f"  {k:<52} {100 * v:5.1f}%")
             print(f"  non-linear share (everything but the linear layers)   {100 * share:5.1f}%", flush=True)
+            # the floor set by memory: each decode step reads every running sequence's whole KV
+            # cache (context tokens x bytes per token), at best at the fastest read rate seen here
+            lens = [len(p) for p in rnd2.prompt_token_ids]
+            kv_tokens = sum(n + j for n in lens for j in range(1, clock.steps + 1)) / clock.steps
+            kv_mb = kv_tokens * llm.kv_bytes_per_token / 1e6
+            read_gbps = max(bw / 2, max(r["weight_gbps"] for r in sweep.values()))
+            floor_ms = kv_mb / read_gbps
+            lin_ms = drv_ms * dsplit["linear layers"]
+            floor_share = floor_ms / (floor_ms + lin_ms)
+            report["breakdown"]["kv_floor"] = {"kv_mb_per_step": kv_mb, "read_gbps": read_gbps, "floor_ms": floor_ms,
+                                               "attention_ms": drv_ms * dsplit["attention"],
+                                               "non_linear_floor": floor_share}
+            print(f"  attention reads about {kv_mb:.0f} MB of KV cache per step ({llm.kv_bytes_per_token} bytes per "
+                  f"token): at the best read rate measured here ({read_gbps:.1f} GB/s) at least {floor_ms:.1f} ms "
+                  f"(it took {drv_ms * dsplit['attention']:.1f}); with only that beside the linear layers' "
+                  f"{lin_ms:.1f} ms, the non-linear share would be {100 * floor_share:.1f}%", flush=True)
         else:
             print("  (the C decoder driver did not serve these steps)", flush=True)
 
