@@ -282,6 +282,33 @@ def test_policy_drafts_when_tokens_are_cheap_and_not_when_the_machine_is_saturat
     assert StepCostModel().cost(5) is None
 
 
+def test_small_batches_profile_the_long_plans_they_would_otherwise_never_try():
+    """At batch 4 a step of 36 rows costs about what one of 4 does; without a measured point that
+    size was costed in proportion to tokens from the 16-row point, so long drafts never looked
+    worth it and were never run (and so never measured)."""
+    from engine.config import SpeculativeConfig
+    from engine.spec_decode.decoder import SpecDecoder
+
+    calls = []
+
+    def profile(rows, context, num_seqs=None):  # a memory-bound machine: every size costs the same
+        calls.append(rows)
+        return 0.010 + 1e-5 * rows
+
+    dec = SpecDecoder(SpeculativeConfig.resolve("auto", None), 2048, profile=profile)
+    for rows in (4, 8, 16, 36, 36, 40):
+        dec._ensure_point(rows, 100, 4)
+    assert 36 in calls and 40 not in calls and calls.count(36) == 1  # one pass per power-of-two bucket
+    dec._ensure_point(200, 100, 4)
+    assert 200 not in calls  # big steps are learnt from the steps themselves
+    ks = choose_lengths([0.85] * 4, [8] * 4, base_tokens=4, base_yield=4.0, cost=dec.cost.cost, budget=1000)
+    assert sum(ks) == 32  # nearly free tokens at 85%: every draft runs
+    early = StepCostModel()  # what the policy knew before: nothing past 16 rows
+    for n in (4, 8, 16):
+        early.observe(n, 0.010 + 1e-5 * n)
+    assert sum(choose_lengths([0.85] * 4, [8] * 4, 4, 4.0, early.cost, 1000)) < 32
+
+
 # ---------------------------------------------------------------- the job
 
 def test_job_reports_speculation_per_row_and_per_run(tmp_path):

@@ -179,12 +179,20 @@ class SpecDecoder:
             if d:
                 c.draft, c.num_tokens, c.proposer = d, 1 + len(d), pp.name
 
+    # largest step profiled up front: a few small forwards (at most one per power-of-two bucket).
+    # Without a point, a size is costed in proportion to tokens from the largest point below it;
+    # at a small batch, where a step of 4 rows and one of 36 take about the same time, that made
+    # every plan past 16 rows look 2x too dear, so the tail of a job never tried one (and so never
+    # measured one): drafts stayed short where long ones were nearly free.
+    MAX_PROFILED_ROWS = 64
+
     def _ensure_point(self, rows: int, context: int, num_seqs: int) -> None:
         """Profile a step of `rows` query rows from `num_seqs` sequences once (shaped as this
         step's verifications: the rows past one per sequence are drafts), if the cost model has
         no measurement near its size yet (later real steps refine every point)."""
         x = rows
-        if self._profile is None or not 0 < rows <= 16 or self.cost.has_bucket(x) or rows in self._profiled_sizes:
+        if (self._profile is None or not 0 < rows <= self.MAX_PROFILED_ROWS or self.cost.has_bucket(x)
+                or rows in self._profiled_sizes):
             return  # bigger steps are learnt from the steps themselves (interpolated between them)
         self._profiled_sizes.add(rows)
         t0 = time.perf_counter()

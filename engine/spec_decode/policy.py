@@ -18,7 +18,7 @@ when a full batch already saturates the machine no draft pays and speculation tu
 itself off.
 
 T is measured: each step's (tokens, seconds) updates an exponential moving average per
-power-of-two bucket of tokens, interpolated between buckets; buckets of up to 16 tokens
+power-of-two bucket of tokens, interpolated between buckets; buckets of up to 64 tokens
 that no step has measured yet are seeded by one decode-like forward pass each.
 
 In a job's tail (no request waiting) the job ends when its longest rows end: the decoder
