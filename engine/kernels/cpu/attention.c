@@ -425,18 +425,58 @@ static inline void prefetch_keys(const char *kh, const char *vh, const int32_t *
     }
 }
 
+/* A range of keys still to fetch (K and V rows of one KV head), issued a few lines at a time
+ * between pieces of work, so the fetches overlap the arithmetic instead of stalling it in one
+ * burst of hundreds of prefetches. */
+typedef struct {
+    const char *kh, *vh;
+    const int32_t *table;
+    int64_t bs, rb, p, end, off;
+} pf_cursor;
+
+static inline void pf_set(pf_cursor *c, const char *kh, const char *vh, const int32_t *table, int64_t bs, int64_t rb,
+                          int64_t from, int64_t count) {
+    c->kh = kh;
+    c->vh = vh;
+    c->table = table;
+    c->bs = bs;
+    c->rb = rb;
+    c->p = from;
+    c->end = from + count;
+    c->off = 0;
+}
+
+/* fetch up to `lines` more lines of K and of V (lines < 0: all that is left) */
+static inline void pf_advance(pf_cursor *c, int64_t lines) {
+    while (lines != 0 && c->p < c->end) {
+        const int64_t boff = c->p % c->bs, cnt = c->bs - boff < c->end - c->p ? c->bs - boff : c->end - c->p;
+        const int64_t at = ((int64_t)c->table[c->p / c->bs] * c->bs + boff) * c->rb, bytes = cnt * c->rb;
+        for (; c->off < bytes && lines != 0; c->off += 64, --lines) {
+            __builtin_prefetch(c->kh + at + c->off, 0, 3);
+            __builtin_prefetch(c->vh + at + c->off, 0, 3);
+        }
+        if (c->off >= bytes) {
+            c->p += cnt;
+            c->off = 0;
+        }
+    }
+}
+
 #ifndef TM_PF_TILE
 #define TM_PF_TILE 1
 #endif
 /* The first chunk of KV head 0 of tile t (if any): fetched at the end of an earlier tile, so a
  * thread's next task does not start on cold blocks (tiles are handed out in order). */
-static inline void prefetch_next_tile(const tm_attn *j, int64_t t, int64_t chunk) {
-    if (t >= j->num_tiles) return;
+static inline void prefetch_next_tile(const tm_attn *j, int64_t t, int64_t chunk, pf_cursor *c) {
+    if (t >= j->num_tiles) {
+        c->p = c->end = 0;
+        return;
+    }
     const int64_t r0 = j->tiles[2 * t], nr = j->tiles[2 * t + 1];
     const int64_t seq = j->row_seq ? j->row_seq[r0] : r0, len = j->kv_len[r0 + nr - 1];
     const int64_t rb = j->is_int8 ? j->d + 4 : j->d * 4;
-    prefetch_keys((const char *)j->k_cache, (const char *)j->v_cache, j->block_tables + seq * j->max_blocks,
-                  j->block_size, rb, 0, len < chunk ? len : chunk);
+    pf_set(c, (const char *)j->k_cache, (const char *)j->v_cache, j->block_tables + seq * j->max_blocks,
+           j->block_size, rb, 0, len < chunk ? len : chunk);
 }
 
 /* One (tile, KV head) task; D is 0 for a runtime head_dim (j->d), or a compile-time 64 / 128.
@@ -497,14 +537,19 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
         const int64_t n = maxlen - pos0 < chunk ? maxlen - pos0 : chunk; /* keys some row may see */
         /* the next chunk's blocks lie elsewhere: fetch them whole while this one is computed
          * (after a head's last chunk, the next head's first) */
+        pf_cursor pfc;
         if (pos0 + chunk < maxlen) {
             const int64_t nn = maxlen - pos0 - chunk < chunk ? maxlen - pos0 - chunk : chunk;
-            prefetch_keys(kh, vh, table, bs, rb, pos0 + chunk, nn);
+            pf_set(&pfc, kh, vh, table, bs, rb, pos0 + chunk, nn);
         } else if (h + 1 < j->hkv) {
-            prefetch_keys(kh + j->s * rb, vh + j->s * rb, table, bs, rb, 0, maxlen < chunk ? maxlen : chunk);
+            pf_set(&pfc, kh + j->s * rb, vh + j->s * rb, table, bs, rb, 0, maxlen < chunk ? maxlen : chunk);
         } else {
-            prefetch_next_tile(j, tile + TM_PF_TILE, chunk);
+            prefetch_next_tile(j, tile + TM_PF_TILE, chunk, &pfc);
         }
+        /* spread over this chunk's pieces of work: its score groups and value segments */
+        const int64_t pf_lines = (pfc.end - pfc.p) * rb / 64 + 1;
+        const int64_t pf_quota = pf_lines / (qg * ((n + VL - 1) / VL) + (n + bs - 1) / bs + 1) + 1;
+        pf_advance(&pfc, pf_quota);
         if (is_int8)
             for (int64_t u = 0; u < n;) { /* the rows' scales, block by block */
                 const int64_t p = pos0 + u, off = p % bs, cnt = bs - off < n - u ? bs - off : n - u;
@@ -521,6 +566,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
             if (lim[x] <= pos0) continue; /* this row sees none of these keys */
             const int64_t vis = lim[x] - pos0 < n ? lim[x] - pos0 : n;
             for (int64_t u0 = 0, cnt = 0; u0 < vis; u0 += cnt) {
+                pf_advance(&pfc, pf_quota);
                 /* up to VL keys of one block (a block size that VL does not divide splits a group) */
                 const int64_t p0 = pos0 + u0, off = p0 % bs;
                 const char *kb = kh + ((int64_t)table[p0 / bs] * bs + off) * rb;
@@ -568,7 +614,10 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
             if (lim[x] <= pos0) continue;
             const int64_t vis = lim[x] - pos0 < n ? lim[x] - pos0 : n;
             vf mx = V_SET1(-INFINITY);
-            for (int64_t u0 = 0; u0 < vis; u0 += VL) mx = _mm_max_helper(mx, V_LOAD(sb[x] + u0));
+            /* lanes past vis may hold an earlier chunk's scores (a group split at a block end
+             * stores VL lanes but fills only its keys): mask them */
+            for (int64_t u0 = 0; u0 < vis; u0 += VL)
+                mx = _mm_max_helper(mx, keep_first(V_LOAD(sb[x] + u0), vis - u0, -INFINITY));
             const float mb = V_HMAX(mx);
             const float m_new = mb > m[x] ? mb : m[x];
             const float corr = tm_exp_nonpos(m[x] - m_new);
@@ -604,6 +653,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                 const int64_t p0 = pos0 + u0, off = p0 % bs;
                 const int64_t seg = (bs - off < n - u0) ? bs - off : n - u0;
                 const char *vb = vh + ((int64_t)table[p0 / bs] * bs + off) * rb;
+                pf_advance(&pfc, pf_quota);
                 for (int64_t x0 = 0; x0 < qg; x0 += grp) {
                     const int64_t nq = qg - x0 < grp ? qg - x0 : grp;
                     switch (nq) {
@@ -615,6 +665,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                 }
                 u0 += seg;
             }
+            pf_advance(&pfc, -1);
             continue;
         }
 #endif
@@ -624,6 +675,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
             const int64_t p0 = pos0 + u0, off = p0 % bs;
             const int64_t seg = (bs - off < n - u0) ? bs - off : n - u0;
             const char *vb = vh + ((int64_t)table[p0 / bs] * bs + off) * rb;
+            pf_advance(&pfc, pf_quota);
             if (D && all && D / VL * qg <= 24) {
                 switch (qg) {
                     case 1: pv_regs(1, D, is_int8, acc, sb, u0, vb, rb, seg); break;
@@ -639,6 +691,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
             }
             u0 += seg;
         }
+        pf_advance(&pfc, -1);
     }
     for (int64_t x = 0; x < qg; ++x) {
         const int64_t r = r0 + x / g_n, g = x % g_n;
