@@ -72,6 +72,14 @@ def _model_string(source) -> str:
     return f"dummy:{source.preset}" if source.kind == "dummy" else source.path
 
 
+def _prompt_list(prompts) -> list:
+    """prompts as a list: a single string is one prompt (iterating it would give one prompt per
+    character); anything else is taken as a sequence of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    return list(prompts)
+
+
 def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype) -> bool:
     """Whether the CPU kernel library runs a model: asked for, fp32 on the CPU, and it builds."""
     if not cpu_kernels or device != "cpu" or dtype != torch.float32:
@@ -325,12 +333,17 @@ class LLM:
             else:  # the ranks of a CPU engine share one memory
                 budget = min(int(_available_memory_bytes() * cfg.kv_cache_memory_fraction),
                              _CPU_KV_DEFAULT_CAP) // shard.world_size
+        max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        if bs > max_len:
+            raise ValueError(f"block_size={bs} is larger than the model's context ({max_len} tokens): a KV block "
+                             f"holds block_size tokens of one sequence (16 is the usual size)")
         num_blocks = budget // per_block
         if num_blocks < 1:
+            given = "" if cfg.kv_cache_memory_bytes is not None else " (the default share of free memory)"
             raise ValueError(
-                f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)"
+                f"kv_cache_memory_bytes={budget}{given} is smaller than one KV block ({per_block} bytes: "
+                f"block_size={bs} tokens x {mcfg.num_layers} layers x K and V)"
             )
-        max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # a sequence may never need more blocks than the whole pool holds
         self.max_model_len = min(max_len, num_blocks * bs)
         shape = self.backend.cache_shape(num_blocks, bs, kv_heads, mcfg.head_dim)
@@ -751,12 +764,14 @@ class LLM:
         """Generate completions for every prompt; outputs in input order.
 
         Args:
-            prompts: strings, or lists of token ids.
+            prompts: strings, or lists of token ids; a single string is one prompt (as in vLLM),
+                not a sequence of one-character prompts.
             sampling_params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar (requests done, input and output tokens/s).
         Raises:
             ValueError: only for a sampling_params list whose length differs from prompts.
         """
+        prompts = _prompt_list(prompts)
         outs: list[Optional[RequestOutput]] = [None] * len(prompts)
         for o in self.iter_outputs(prompts, sampling_params, use_tqdm):
             outs[int(o.request_id)] = o
@@ -783,8 +798,10 @@ class LLM:
         """Yield each RequestOutput as soon as its request finishes (request_id = str(prompt index)).
 
         Invalid requests are yielded first, as error outputs. Stopping the
-        iteration early aborts the remaining requests and frees their blocks.
+        iteration early aborts the remaining requests and frees their blocks. A single string
+        is one prompt.
         """
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

@@ -67,7 +67,10 @@ def _kv(text: str) -> tuple[str, Any]:
     key, value = text.split("=", 1)
     try:
         return key, json.loads(value)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as e:
+        if value.lstrip()[:1] in ("{", "["):  # meant as a JSON object or list: say why it is not one
+            raise argparse.ArgumentTypeError(f"{key}={value}: not valid JSON ({e.msg} at character {e.pos})") \
+                from None
         return key, value
 
 

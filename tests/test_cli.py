@@ -279,3 +279,21 @@ def test_colliding_sampling_and_engine_options_name_both_sources_and_the_paramet
         assert str(exc) == ("sampling_options sets top_k (5), which the job's top_k field sets too (3): set each "
                             "once, in its own field")
     assert not out.exists()
+
+
+def test_an_option_value_that_looks_like_json_but_is_not_says_so(tmp_path, capsys):
+    import pytest
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--input", str(inp), "--output", str(tmp_path / "out"),
+              "--engine-option", "speculative_config={not json"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "speculative_config={not json: not valid JSON (Expecting property name enclosed in double quotes" in err
+    assert not (tmp_path / "out").exists()
+    # a plain word is still a string value
+    from pipeline.cli import _kv
+
+    assert _kv("quantization=gguf") == ("quantization", "gguf") and _kv("seed=7") == ("seed", 7)

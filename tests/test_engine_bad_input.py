@@ -101,6 +101,15 @@ def test_bad_requests_through_iter_outputs_and_chat(small_llm):
     assert chats[1].outputs[0].finish_reason == "error" and "min_tokens" in chats[1].outputs[0].error
 
 
+def test_a_single_string_is_one_prompt_not_one_per_character(small_llm):
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    one = small_llm.generate("Hello there", p, use_tqdm=False)
+    want = small_llm.generate(["Hello there"], p, use_tqdm=False)
+    assert len(one) == 1 and one[0].prompt == "Hello there"
+    assert one[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert [o.prompt for o in small_llm.iter_outputs("Hi", p, use_tqdm=False)] == ["Hi"]
+
+
 def test_sampling_params_list_must_match_prompts(small_llm):
     with pytest.raises(ValueError, match="sampling_params"):
         small_llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
@@ -123,6 +132,7 @@ def test_unknown_model_raises(model):
         ({"device": "tpu"}, "device"),
         ({"max_model_len": 0}, "max_model_len"),
         ({"kv_cache_memory_bytes": 10}, "kv_cache_memory_bytes"),  # smaller than one KV block
+        ({"block_size": 100000}, r"block_size=100000 is larger than the model's context"),  # not the KV budget
         ({"max_num_seq": 8}, "max_num_seq"),  # a misspelt kwarg is not silently ignored
     ],
 )
