@@ -13,7 +13,10 @@ exactly one wins. The holder is the highest generation present.
 - Expired: a run that died without giving the lease back (killed, machine
   lost) stops renewing it; once `expires_at` has passed, the next run creates
   generation `g + 1` (again create-if-absent, so one taker wins) and deletes
-  the older files.
+  the older files. A holder known dead counts as expired at once: one that ran
+  on this machine, in this process namespace, since this boot (the lease
+  records Linux's boot id and pid namespace), and whose process is gone (a
+  SIGKILLed run re-run on the same host does not wait out its lease).
 - Heartbeat: the holder rewrites its own file every `ttl_s / 4` seconds with a
   new `expires_at = now + ttl_s`. A holder that finds a higher generation, or
   that could not renew before its own expiry (storage down), has lost the
@@ -76,6 +79,36 @@ def _generations(output: str, so: dict[str, Any]) -> list[int]:
 
 def _url(output: str, gen: int) -> str:
     return io.join(lease_dir(output), f"{_PREFIX}{gen:08d}{_SUFFIX}")
+
+
+def _process_space() -> Optional[str]:
+    """This process's boot id and pid namespace (Linux): two processes with the same value see the
+    same pids, so one can tell whether the other is alive; None where they cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def holder_is_dead(doc: dict[str, Any]) -> bool:
+    """True only if the lease's holder ran on this machine, in this pid namespace, since this boot,
+    and its process no longer exists. Anything unknown (another host, an older lease file, a pid
+    reused by a live process, a zombie, another user's process) counts as alive."""
+    space = _process_space()
+    if space is None or doc.get("process_space") != space:
+        return False
+    host, _, pid = str(doc.get("owner", "")).rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: a live process of another user
+        return False
+    return False
 
 
 def describe_holder(doc: dict[str, Any], now: Optional[float] = None) -> str:
@@ -172,7 +205,7 @@ class Lease:
                 if holder is None:  # released or taken over between the listing and the read
                     continue
                 now = time.time()
-                if float(holder.get("expires_at", 0)) > now:
+                if float(holder.get("expires_at", 0)) > now and not holder_is_dead(holder):
                     raise JobLocked(
                         f"{output} is being written by another {describe_holder(holder, now)}. Only one run may "
                         f"write an output at a time: wait for it to finish, or, if it died, re-run after its "
@@ -181,7 +214,7 @@ class Lease:
             now = time.time()
             doc = {"owner": f"{socket.gethostname()}:{os.getpid()}", "run_id": run_id, "generation": nxt,
                    "ttl_s": ttl_s, "acquired_at": now, "heartbeat_at": now, "expires_at": now + ttl_s,
-                   "expires_at_utc": _iso(now + ttl_s)}
+                   "expires_at_utc": _iso(now + ttl_s), "process_space": _process_space()}
             if io.create_exclusive(_url(output, nxt), json.dumps(doc).encode(), so):
                 lease = cls(output, so, run_id, nxt, ttl_s, doc)
                 for g in gens:  # a dead run's lease, now superseded

@@ -104,6 +104,42 @@ def test_a_dead_runs_lease_blocks_until_it_expires(tmp_path):
     assert not io.exists(dead.url)  # the taker removed the expired lease
 
 
+def test_a_lease_whose_holder_died_on_this_machine_is_taken_at_once(tmp_path):
+    """A SIGKILLed run re-run on the same host: its lease names a process that is gone, so the new
+    run takes the output without waiting out the TTL; a live holder, or one that may have run
+    elsewhere (another boot or pid namespace, an older lease file), still blocks."""
+    import json
+    import socket
+
+    from pipeline.lease import holder_is_dead
+
+    write_input(tmp_path / "in.parquet", 3)
+    spec = spec_for(tmp_path / "in.parquet", tmp_path / "out")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: its pid names no process
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        held = Lease.acquire(spec.output, run_id="deadbeef", ttl_s=600.0, heartbeat=False)
+        doc = json.loads(Path(held.url).read_text())
+        host = socket.gethostname()
+        for owner, space in ((f"{host}:{live.pid}", doc["process_space"]),  # alive
+                             (f"{host}:{gone.pid}", "another-boot/pid:[1]"),  # maybe not this machine's pids
+                             (f"{host}:{gone.pid}", None),  # a lease file from before the field existed
+                             (f"elsewhere:{gone.pid}", doc["process_space"])):  # another host
+            Path(held.url).write_text(json.dumps({**doc, "owner": owner, "process_space": space}))
+            assert not holder_is_dead(json.loads(Path(held.url).read_text()))
+            with pytest.raises(JobLocked, match="run deadbeef"):
+                run_job(spec, FakeLLM())
+        Path(held.url).write_text(json.dumps({**doc, "owner": f"{host}:{gone.pid}"}))
+        started = time.monotonic()
+        report = run_job(spec, FakeLLM())
+        assert report.rows_ok == 3 and time.monotonic() - started < 60  # did not wait out the 600 s lease
+        assert not io.exists(held.url)  # superseded and removed
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_overwrite_keeps_the_lease_of_the_run_doing_it(tmp_path):
     write_input(tmp_path / "in.parquet", 3)
     spec = spec_for(tmp_path / "in.parquet", tmp_path / "out")
