@@ -85,9 +85,14 @@ class InputLayout:
         has_prompt = PROMPT_COLUMN in cols
         has_messages = MESSAGES_COLUMN in cols
         if not (has_prompt or has_messages):
+            import difflib
+
+            near = difflib.get_close_matches(PROMPT_COLUMN, [str(c) for c in cols], n=1, cutoff=0.6) or \
+                difflib.get_close_matches(MESSAGES_COLUMN, [str(c) for c in cols], n=1, cutoff=0.6)
+            hint = f" (is {near[0]!r} meant to be one of them?)" if near else ""
             raise ValueError(
                 f"input needs a {PROMPT_COLUMN!r} column (string) or a {MESSAGES_COLUMN!r} column "
-                f"(list of {{role, content}}); found columns {cols}"
+                f"(list of {{role, content}}); found columns {cols}{hint}"
             )
         reserved = {id_column, PROMPT_COLUMN, MESSAGES_COLUMN, *OVERRIDE_COLUMNS}
         clash = [c for c in cols if c in GENERATION_COLUMNS or c == GENERATIONS_LIST_COLUMN

@@ -25,8 +25,13 @@ def test_layout_roles():
 
 
 def test_layout_needs_a_prompt_column():
-    with pytest.raises(ValueError, match="prompt"):
+    with pytest.raises(ValueError, match="prompt") as e:
         InputLayout.from_schema(["id", "text"])
+    assert "meant to be" not in str(e.value)  # nothing near: no guess
+    with pytest.raises(ValueError, match=r"found columns \['id', 'promt'\] \(is 'promt' meant to be one of them\?\)"):
+        InputLayout.from_schema(["id", "promt"])
+    with pytest.raises(ValueError, match="is 'mesages' meant"):
+        InputLayout.from_schema(["id", "mesages"])
     with pytest.raises(ValueError, match="collide"):
         InputLayout.from_schema(["id", "prompt", "generation"])
 
