@@ -17,15 +17,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the other benchmarks
 import argparse  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
 from benchmarks.hf_compare import _fmt_load, machine_load, write_json_report  # noqa: E402
 
 
-def step_ms(llm, rows: int, context: int, repeats: int) -> float:
-    """Median milliseconds of one forward pass of `rows` decode rows at `context`."""
+def decode_step_times(llm, rows: int, context: int, repeats: int,
+                      after_warmup: Optional[Callable[[], None]] = None) -> list[float]:
+    """Seconds of each of `repeats` forward passes of `rows` one-token decode rows, each attending
+    to `context` earlier tokens in KV blocks of its own (two warm-up passes first, then
+    `after_warmup()` if given, e.g. to read counters). The blocks are freed afterwards."""
     from engine.model_runner import ChunkSpec
 
     pool, bs = llm.block_pool, llm.config.block_size
@@ -36,15 +39,23 @@ def step_ms(llm, rows: int, context: int, repeats: int) -> float:
         with torch.inference_mode():
             for _ in range(2):
                 llm.runner.run(inputs)
+            if after_warmup is not None:
+                after_warmup()
             ts = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 llm.runner.run(inputs)
                 ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2] * 1e3
+        return ts
     finally:
         for t in tables:
             pool.free(t)
+
+
+def step_ms(llm, rows: int, context: int, repeats: int) -> float:
+    """Median milliseconds of one forward pass of `rows` decode rows at `context`."""
+    ts = decode_step_times(llm, rows, context, repeats)
+    return sorted(ts)[len(ts) // 2] * 1e3
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -44,34 +44,24 @@ def _median(xs: list[float]) -> float:
 def step_figures(llm, rows: int, context: int, repeats: int) -> dict:
     """Median ms of one forward pass of `rows` decode rows at `context`, and on a TP driver the
     ms per step in all-reduces, the logits gather and the input broadcasts (means)."""
-    from engine.model_runner import ChunkSpec
+    from benchmarks.step_cost import decode_step_times
 
-    pool, bs = llm.block_pool, llm.config.block_size
-    tables = [pool.allocate(context // bs + 1) for _ in range(rows)]
     g = llm.runner.tp
-    try:
-        ids = list(range(1, context + 2))
-        inputs = llm.runner.prepare([ChunkSpec(ids, context, 1, t, "last") for t in tables], [])
-        with torch.inference_mode():
-            for _ in range(2):
-                llm.runner.run(inputs)
-            c0 = (g.comm_s, g.gather_s, g.broadcast_s, g.num_all_reduces) if g is not None else None
-            ts = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                llm.runner.run(inputs)
-                ts.append(time.perf_counter() - t0)
-        out = {"rows": rows, "step_ms": _median(ts) * 1e3, "mean_step_ms": sum(ts) / len(ts) * 1e3}
+    c0: list = []
+
+    def counters() -> None:  # after the warm-up passes
         if g is not None:
-            out["all_reduce_ms"] = (g.comm_s - c0[0]) / repeats * 1e3
-            out["gather_ms"] = (g.gather_s - c0[1]) / repeats * 1e3
-            out["broadcast_ms"] = (g.broadcast_s - c0[2]) / repeats * 1e3
-            out["all_reduces_per_step"] = (g.num_all_reduces - c0[3]) // repeats
-            out["all_reduce_share"] = out["all_reduce_ms"] / out["mean_step_ms"]
-        return out
-    finally:
-        for t in tables:
-            pool.free(t)
+            c0[:] = [g.comm_s, g.gather_s, g.broadcast_s, g.num_all_reduces]
+
+    ts = decode_step_times(llm, rows, context, repeats, after_warmup=counters)
+    out = {"rows": rows, "step_ms": _median(ts) * 1e3, "mean_step_ms": sum(ts) / len(ts) * 1e3}
+    if g is not None:
+        out["all_reduce_ms"] = (g.comm_s - c0[0]) / repeats * 1e3
+        out["gather_ms"] = (g.gather_s - c0[1]) / repeats * 1e3
+        out["broadcast_ms"] = (g.broadcast_s - c0[2]) / repeats * 1e3
+        out["all_reduces_per_step"] = (g.num_all_reduces - c0[3]) // repeats
+        out["all_reduce_share"] = out["all_reduce_ms"] / out["mean_step_ms"]
+    return out
 
 
 def _micro_worker(rank: int, world: int, where: tuple, shapes: list[tuple[int, int]], repeats: int) -> None:
