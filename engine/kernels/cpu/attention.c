@@ -410,21 +410,6 @@ static inline int64_t pair_pos(int64_t i) {
 }
 #endif
 
-/* Start fetching every line of the K and V rows of keys [from, from + count) of one KV head
- * (kh, vh), block by block: a block's rows are contiguous, but the blocks lie anywhere. */
-static inline void prefetch_keys(const char *kh, const char *vh, const int32_t *table, int64_t bs, int64_t rb,
-                                 int64_t from, int64_t count) {
-    for (int64_t p = from; p < from + count;) {
-        const int64_t off = p % bs, cnt = bs - off < from + count - p ? bs - off : from + count - p;
-        const int64_t at = ((int64_t)table[p / bs] * bs + off) * rb, bytes = cnt * rb;
-        for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch(kh + at + b, 0, 3);
-            __builtin_prefetch(vh + at + b, 0, 3);
-        }
-        p += cnt;
-    }
-}
-
 /* A range of keys still to fetch (K and V rows of one KV head), issued a few lines at a time
  * between pieces of work, so the fetches overlap the arithmetic instead of stalling it in one
  * burst of hundreds of prefetches. */
