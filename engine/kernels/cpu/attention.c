@@ -410,41 +410,6 @@ static inline int64_t pair_pos(int64_t i) {
 }
 #endif
 
-#if defined(TM_AVX2) && !defined(TM_AVX512)
-/* AVX2: the scores over an int8 K cache in integer arithmetic, as the AVX-512 path forms them (the
- * query as int16 codes, K codes widened to int16, vpmaddwd summing pairs of products into int32
- * exactly): 3 instructions per 16 products against 3 per 8 (widen, convert, FMA) in fp32. The
- * values times V stay in fp32 here: without VNNI a multiply-add of int16 pairs costs two
- * instructions per 16 products, no fewer than the FMA path's one per 8, and the V rows'
- * conversion is already shared by every query of a task. Sums stay below 2^31 as there. */
-TM_INLINE __m256i reduce8_i32(const __m256i v[8]) {
-    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
-    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
-    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
-/* int32 dot products of one int16 query (D codes) with cnt <= 8 consecutive int8 K rows. */
-TM_INLINE __m256i scores_i8(const int D, const int16_t *q16, const char *kb, int64_t rb, int64_t cnt) {
-    __m256i qv[TM_MAX_D / 16], part[8];
-#pragma GCC unroll 16
-    for (int c = 0; c < D / 16; ++c) qv[c] = _mm256_loadu_si256((const __m256i *)(q16 + c * 16));
-#pragma GCC unroll 8
-    for (int u = 0; u < 8; ++u) {
-        __m256i a = _mm256_setzero_si256();
-        if (u < cnt) {
-            const char *kr = kb + u * rb;
-#pragma GCC unroll 16
-            for (int c = 0; c < D / 16; ++c)
-                a = _mm256_add_epi32(
-                    a, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(kr + c * 16))), qv[c]));
-        }
-        part[u] = a;
-    }
-    return reduce8_i32(part);
-}
-#endif
-
 /* A range of keys still to fetch (K and V rows of one KV head), issued a few lines at a time
  * between pieces of work, so the fetches overlap the arithmetic instead of stalling it in one
  * burst of hundreds of prefetches. */
@@ -520,15 +485,12 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
     int64_t lim[TM_MAX_QG];
     int64_t maxlen = 0, minlen = INT64_MAX;
     const vf scale8 = V_SET1(j->scale);
-    /* int8 rows of a compile-time head_dim: scores in integer arithmetic (both ISAs), and with
-     * AVX-512 the values times V too (use_i) */
-    const int use_is = is_int8 && D;
-    int16_t q16[TM_MAX_QG][TM_MAX_D] __attribute__((aligned(64)));
-    float sq[TM_MAX_QG];
 #if defined(TM_AVX512)
-    const int use_i = use_is;
+    /* int8 rows of a compile-time head_dim in integer arithmetic (whole VL-key groups per block) */
+    const int use_i = is_int8 && D;
+    int16_t q16[TM_MAX_QG][TM_MAX_D] __attribute__((aligned(64)));
     int16_t w16[TM_MAX_QG][TM_CHUNK + 2] __attribute__((aligned(64)));
-    float sw[TM_MAX_QG];
+    float sq[TM_MAX_QG], sw[TM_MAX_QG];
 #endif
     for (int64_t x = 0; x < qg; ++x) {
         const int64_t r = r0 + x / g_n, g = x % g_n;
@@ -543,7 +505,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
         maxlen = lim[x] > maxlen ? lim[x] : maxlen;
         minlen = lim[x] < minlen ? lim[x] : minlen;
 #if defined(TM_AVX512)
-        if (use_is) { /* the scaled query as int16 codes: qs = sq * q16 */
+        if (use_i) { /* the scaled query as int16 codes: qs = sq * q16 */
             vf mx = V_ZERO();
             for (int64_t i = 0; i < d; i += VL) mx = _mm512_max_ps(mx, _mm512_abs_ps(V_LOAD(qs[x] + i)));
             const float amax = _mm512_reduce_max_ps(mx);
@@ -552,20 +514,6 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
             for (int64_t i = 0; i < d; i += VL)
                 _mm256_storeu_si256((__m256i *)(q16[x] + i),
                                     _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(V_MUL(V_LOAD(qs[x] + i), inv))));
-        }
-#else
-        if (use_is) {
-            const vf sign = V_SET1(-0.0f);
-            vf mx = V_ZERO();
-            for (int64_t i = 0; i < d; i += VL) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, V_LOAD(qs[x] + i)));
-            const float amax = hmax8(mx);
-            sq[x] = amax / 32767.0f;
-            const vf inv = V_SET1(amax > 0.0f ? 32767.0f / amax : 0.0f);
-            for (int64_t i = 0; i < d; i += VL) {
-                const __m256i c32 = _mm256_cvtps_epi32(V_MUL(V_LOAD(qs[x] + i), inv));
-                _mm_storeu_si128((__m128i *)(q16[x] + i),
-                                 _mm_packs_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1)));
-            }
         }
 #endif
     }
@@ -610,15 +558,13 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                 cnt = vis - u0 < VL ? vis - u0 : VL;
                 if (bs - off < cnt) cnt = bs - off;
                 vf part[VL];
-                if (use_is) {
 #if defined(TM_AVX512)
+                if (use_i) {
                     const vf sc = V_MUL(_mm512_cvtepi32_ps(scores_i8(D, q16[x], kb, rb, cnt)), V_SET1(sq[x]));
-#else
-                    const vf sc = V_MUL(_mm256_cvtepi32_ps(scores_i8(D, q16[x], kb, rb, cnt)), V_SET1(sq[x]));
-#endif
                     V_STORE(sb[x] + u0, keep_first(V_MUL(sc, V_LOAD(ks + u0)), cnt, -INFINITY));
                     continue;
                 }
+#endif
                 if (D) { /* the query's D / VL vectors stay in registers across the keys */
                     vf qv[TM_MAX_D / VL];
 #pragma GCC unroll 16
