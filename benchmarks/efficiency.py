@@ -161,13 +161,15 @@ class StepTimers:
             self._driver = dec
             self._wrap_outer(llm)
             self._wrap(llm.model.lm_head, "forward", "linear layers")
+            if callable(getattr(llm.model.lm_head, "argmax", None)):  # greedy argmax in the head's GEMM
+                self._wrap(llm.model.lm_head, "argmax", "linear layers")
         elif kernels:
             self._wrap_kernels(llm)
         run = llm.runner.run
 
-        def run_step(inputs: Any) -> Any:
+        def run_step(inputs: Any, *a: Any, **k: Any) -> Any:
             self.in_decode_step = inputs.num_decodes == inputs.num_tokens
-            return run(inputs)
+            return run(inputs, *a, **k)
 
         llm.runner.run = run_step
         self._undo.append((llm.runner, "run"))
@@ -185,6 +187,8 @@ class StepTimers:
                 self.t["linear layers"] += d["linear layers"]
                 self.t["attention"] += d["attention"]
                 self.t["other model ops"] += d["kv write"] + d["rms norm"] + d["rope"] + d["silu mul"]
+                for name in ("kv write", "rms norm", "rope", "silu mul"):
+                    self.t["driver: " + name] += d[name]
                 self.t["driver"] += sum(d.values())
             if self.in_decode_step or not self.decode_only:
                 self.t["step"] += dt
@@ -208,6 +212,8 @@ class StepTimers:
         self._undo.append((m, "use_c_decoder"))
         for _, lin in m.linear_layers():
             self._wrap(lin, "forward", "linear layers")
+            if callable(getattr(lin, "argmax", None)):
+                self._wrap(lin, "argmax", "linear layers")
         self._wrap(llm.backend, "forward", "attention")
         for name in ("rms_norm", "rope_", "silu_mul"):
             self._wrap(m.ops, name, "other model ops")

@@ -175,7 +175,11 @@ class EngineCore:
             masks = self.structured.start_fill([(s.grammar, []) for s in sample_plain]
                                                + [(c.seq.grammar, c.draft) for c in verify]
                                                + [(s.grammar, []) for s in sample_pre])
-        logits = self.runner.execute(out)
+        seqs = sample_plain + sample_pre
+        # all rows plain greedy: the LM head takes the argmax in its GEMM, no logits are written
+        fused = (self.sampler.fused_greedy(seqs) if not verify and masks is None and self.runner.fused_argmax_ok
+                 else None)
+        logits = self.runner.execute(out) if fused is None else self.runner.execute(out, argmax=fused)
         t2 = time.perf_counter()
         st.time_model_s += t2 - t1
         for c in plain + out.prefills:
@@ -190,8 +194,10 @@ class EngineCore:
             return res
         n_plain, n_ver = len(sample_plain), sum(1 + len(c.draft) for c in verify)
         bitmask = masks.result() if masks is not None else None
-        seqs = sample_plain + sample_pre
-        if seqs:
+        if fused is not None and logits.dim() == 1:  # greedy token ids, one per row of seqs
+            for seq, tok in zip(seqs, logits.tolist()):
+                res.output_tokens += self._append(seq, [tok], [None], res)
+        elif seqs:
             rows = logits[:n_plain] if not sample_pre else torch.cat((logits[:n_plain], logits[n_plain + n_ver:]))
             bm = None
             if bitmask is not None:

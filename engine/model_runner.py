@@ -228,10 +228,18 @@ class ModelRunner:
                             verify + [spec(c) for c in out.prefills])
 
     # ------------------------------------------------------------ run
-    def run(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+    @property
+    def fused_argmax_ok(self) -> bool:
+        """Whether `run` can take greedy argmaxes in the LM head (`argmax=`): a single-process CPU
+        model whose head the CPU kernel library serves."""
+        return (self.workers is None and self.cuda_graphs is None and self.tp is None
+                and bool(getattr(self.model, "fused_argmax_ok", False)))
+
+    def run(self, inputs: StepInputs, argmax=None) -> Optional[torch.Tensor]:
         """One forward pass over the step. Returns [S, vocab] float32 logits of
         `inputs.logits_indices` in order, or None if S == 0 (the pass still fills the cache;
-        on a tensor-parallel worker always None).
+        on a tensor-parallel worker always None). With `argmax` (an `engine.sampler.FusedGreedy`,
+        only where `fused_argmax_ok`): [S] int64 greedy token ids instead of the logits.
 
         Raises:
             engine.parallel.WorkerError: a tensor-parallel worker died or failed (the engine
@@ -241,9 +249,9 @@ class ModelRunner:
             with self.workers.guard():
                 self.workers.run_step(inputs)
                 return self._run(inputs)
-        return self._run(inputs)
+        return self._run(inputs, argmax)
 
-    def _run(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+    def _run(self, inputs: StepInputs, argmax=None) -> Optional[torch.Tensor]:
         t0 = time.perf_counter()
         meta = inputs.meta
         if (self.cuda_graphs is not None and inputs.num_decodes == inputs.num_tokens
@@ -253,8 +261,9 @@ class ModelRunner:
                                           d_logits.tolist())
         else:
             self.backend.prepare(meta)
+            kw = {} if argmax is None else {"argmax": argmax}
             logits = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache.layers,
-                                        self.backend, inputs.logits_indices, self.tp)
+                                        self.backend, inputs.logits_indices, self.tp, **kw)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.time_model += time.perf_counter() - t0
@@ -268,11 +277,12 @@ class ModelRunner:
                 self.workers.copy_blocks(src, dst)
         self.kv_cache.copy_blocks(src, dst)
 
-    def execute(self, out: SchedulerOutput) -> Optional[torch.Tensor]:
+    def execute(self, out: SchedulerOutput, argmax=None) -> Optional[torch.Tensor]:
         """Prepare and run a scheduler step: [S, vocab] float32 logits, in this order: one row per
         plain decode that samples, then 1 + len(draft) rows per verification chunk (decodes
-        with drafts, in order), then one row per prefill chunk that samples; None if S == 0."""
-        return self.run(self.prepare_scheduled(out))
+        with drafts, in order), then one row per prefill chunk that samples; None if S == 0.
+        With `argmax` (see `run`): [S] int64 greedy token ids in that order."""
+        return self.run(self.prepare_scheduled(out), argmax)
 
     def compute_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits of the last position of `token_ids` run as one fresh sequence.

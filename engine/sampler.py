@@ -56,6 +56,20 @@ class SampleRow:
         return self.seq.num_output_tokens + len(self.extra)
 
 
+@dataclass
+class FusedGreedy:
+    """A step whose sampling rows are all plain greedy: the LM head can take each row's argmax in
+    its GEMM epilogue instead of writing logits (`CpuLinear.argmax`).
+
+    limit: only token ids < limit compete (the tokenizer's vocabulary of a padded head).
+    ban: [S, nban] int64 per row ids that never win (EOS and stop ids suppressed by ignore_eos
+        or min_tokens), -1 = none; None when no row suppresses any.
+    """
+
+    limit: int
+    ban: Optional[torch.Tensor] = None
+
+
 class Sampler:
     """Args:
         tokenizer_vocab_size: ids at or above it are never sampled (padded LM heads).
@@ -85,6 +99,34 @@ class Sampler:
         if len(idx) == logits.shape[0]:
             return logits.argmax(dim=-1)
         return logits[torch.tensor(idx, device=logits.device)].argmax(dim=-1)
+
+    def fused_greedy(self, seqs: list[Sequence]) -> Optional[FusedGreedy]:
+        """The argmax-in-the-LM-head plan for a step whose sampling rows are `seqs` (in row
+        order), or None when any row needs the logits themselves: a temperature draw,
+        logprobs, a penalty, or a grammar. Taking the argmax there gives exactly `__call__`'s
+        tokens: the same values, with the same ids masked to -inf (those past the tokenizer's
+        vocabulary, and EOS / stop ids suppressed as `process` does)."""
+        if not seqs:
+            return None
+        bans: list[list[int]] = []
+        for s in seqs:
+            p = s.request.params
+            if (not p.greedy or p.logprobs is not None or s.grammar is not None or p.repetition_penalty != 1.0
+                    or p.presence_penalty or p.frequency_penalty):
+                return None
+            below_min = s.num_output_tokens < p.min_tokens
+            ids: list[int] = []
+            if p.ignore_eos or below_min:
+                ids = list(self.eos_token_ids) + (list(p.stop_token_ids) if below_min else [])
+            bans.append(ids)
+        width = max(len(b) for b in bans)
+        ban = None
+        if width:
+            ban = torch.full((len(seqs), width), -1, dtype=torch.int64)
+            for i, b in enumerate(bans):
+                if b:
+                    ban[i, :len(b)] = torch.tensor(b, dtype=torch.int64)
+        return FusedGreedy(self.tokenizer_vocab_size, ban)
 
     # ------------------------------------------------------------ plain sampling
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: Optional[torch.Tensor] = None

@@ -67,13 +67,15 @@ def test_rope_in_place_on_fused_qkv_rows(lib, t, hq, hkv, d):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_kv_write_matches_the_reference_codec(lib, dtype):
+@pytest.mark.parametrize("t,d", [(7, 64), (37, 64), (5, 20)])
+def test_kv_write_matches_the_reference_codec(lib, dtype, t, d):
     g = torch.Generator().manual_seed(1)
-    t, hkv, d, slots = 7, 3, 64, 64
+    hkv, slots = 3, 64
     qkv = torch.randn(t, (9 + 2 * hkv) * d, generator=g) * 4
+    qkv[1, 9 * d: (9 + hkv) * d] = 0.0  # all-zero K rows: the scale's floor
     k = qkv[:, 9 * d: (9 + hkv) * d].view(t, hkv, d)
     v = qkv[:, (9 + hkv) * d:].view(t, hkv, d)
-    slot_mapping = torch.tensor([3, 0, 63, 17, 18, 40, 5])
+    slot_mapping = torch.tensor([3, 0, 63, 17, 18, 40, 5]) if t == 7 else torch.randperm(slots, generator=g)[:t]
     if dtype == "float32":
         kc, vc = torch.zeros(hkv, slots, d), torch.zeros(hkv, slots, d)
         want_k, want_v = kc.clone(), vc.clone()

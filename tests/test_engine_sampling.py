@@ -280,3 +280,56 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token()
     a = sampler.draw(logits[None].clone(), [SampleRow(SimpleNamespace(request=seq.request, generator=g1))])
     b = sampler.draw(logits[None].clone(), [SampleRow(SimpleNamespace(request=seq.request, generator=g2))])
     assert torch.equal(a, b)
+
+
+def test_greedy_argmax_in_the_lm_head_gives_the_samplers_tokens(llm, monkeypatch):
+    """Steps whose rows are all plain greedy take the argmax in the LM head's GEMM (no logits
+    written); the tokens equal the sampler's over written logits, EOS suppression included."""
+    if not llm.runner.fused_argmax_ok:
+        import pytest
+
+        pytest.skip("the LM head is not served by the CPU kernel library here")
+    prompt, natural = _natural_chat_answer(llm)
+    need = len(natural.token_ids) + 3
+    prompts = [prompt, prompt, "The capital of France is", _chat(llm, "Count to five.")]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, min_tokens=need,
+                             stop_token_ids=[natural.token_ids[1]]),
+              SamplingParams(temperature=0.0, max_tokens=24),
+              SamplingParams(temperature=0.0, max_tokens=24)]
+    calls = []
+    head = llm.model.lm_head
+    argmax = head.argmax
+    monkeypatch.setattr(head, "argmax", lambda *a, **k: calls.append(1) or argmax(*a, **k))
+    fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    n_fused = len(calls)
+    assert n_fused > 0  # steps without speculative verification rows took the fused path
+    monkeypatch.setattr(type(llm.runner), "fused_argmax_ok", property(lambda self: False))
+    plain = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert len(calls) == n_fused and [o.token_ids for o in fused] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in fused] == [o.finish_reason for o in plain]
+    assert not set(llm.tokenizer.eos_token_ids) & set(fused[1].token_ids[:need])
+
+
+def test_fused_greedy_plan_only_for_plain_greedy_rows(llm):
+    from engine.request import Request, RequestMetrics, Sequence
+
+    def seq(**kw):
+        req = Request("r", 0, None, [1, 2, 3], SamplingParams(max_tokens=4, **kw), RequestMetrics(0.0))
+        return Sequence(0, req, 0, [1, 2, 3])
+
+    s = llm.sampler
+    eos = list(s.eos_token_ids)
+    assert s.fused_greedy([]) is None
+    for kw in ({"temperature": 0.7}, {"temperature": 0.0, "logprobs": 2},
+               {"temperature": 0.0, "repetition_penalty": 1.2}, {"temperature": 0.0, "presence_penalty": 0.5}):
+        assert s.fused_greedy([seq(temperature=0.0), seq(**kw)]) is None, kw
+    plan = s.fused_greedy([seq(temperature=0.0), seq(temperature=0.0, ignore_eos=True),
+                           seq(temperature=0.0, min_tokens=2, stop_token_ids=[7])])
+    assert plan.limit == s.tokenizer_vocab_size
+    width = len(eos) + 1
+    assert plan.ban.shape == (3, width)
+    assert plan.ban[0].tolist() == [-1] * width
+    assert plan.ban[1].tolist() == eos + [-1]
+    assert plan.ban[2].tolist() == eos + [7]
+    assert s.fused_greedy([seq(temperature=0.0)]).ban is None

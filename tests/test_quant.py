@@ -364,6 +364,7 @@ def test_w8a8_engine_perplexity_within_one_percent(llm, windows, ref_scores):
     got = w8.score(windows)
     ppl = lambda lps: float(torch.exp(-torch.cat(lps).double().mean()))  # noqa: E731
     rel = ppl(got) / ppl(ref_scores) - 1
-    assert 0 < rel < 0.01, rel
+    # within 1% either way (int8 rounding can land a hair below fp32: -0.02% seen), and not equal
+    assert 0 < abs(rel) < 0.01, rel
     alone = w8.score(windows[1])[0]
     assert (alone - got[1]).abs().max().item() < 1e-4  # the same rows whatever else is in the step

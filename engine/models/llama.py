@@ -297,6 +297,7 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,
         tp=None,
+        argmax=None,
     ) -> Optional[torch.Tensor]:
         """Run the decoder over a flattened batch.
 
@@ -314,8 +315,12 @@ class LlamaModel(nn.Module):
             logits_indices: [S] int64, which of the T positions need logits.
             tp: the tensor-parallel group (`engine.parallel.TPGroup`) of a sharded model, with
                 every rank calling forward on the same inputs; None for an unsharded model.
+            argmax: an `engine.sampler.FusedGreedy` when every row is plain greedy and the LM
+                head can take the argmax in its GEMM (`fused_argmax_ok`): the logits are then
+                never written.
         Returns:
-            [S, vocab_size] float32 logits (on a tensor-parallel rank other than 0: None).
+            [S, vocab_size] float32 logits (on a tensor-parallel rank other than 0: None); with
+            `argmax`, [S] int64 token ids instead.
         Raises:
             ValueError: a sharded model without its group.
         """
@@ -353,10 +358,18 @@ class LlamaModel(nn.Module):
             layer.gate_up(ops.rms_norm(h, layer.mlp_norm, eps, out=x), out=gu)
             self._row_parallel(layer.down, ops.silu_mul(gu, out=act), h, tp)
         hs = h[logits_indices]
+        if argmax is not None and tp is None and self.fused_argmax_ok:
+            return self.lm_head.argmax(ops.rms_norm(hs, self.final_norm, eps), argmax.limit, argmax.ban)
         logits = self.lm_head(ops.rms_norm(hs, self.final_norm, eps))
         if tp is not None:  # vocabulary-parallel LM head: rank 0 gathers the slices
             logits = tp.gather_vocab(logits, cfg.vocab_size)
         return None if logits is None else logits.float()
+
+    @property
+    def fused_argmax_ok(self) -> bool:
+        """Whether forward can return greedy token ids taken in the LM head's GEMM epilogue (an
+        unsharded model whose head is served by the CPU kernel library)."""
+        return not self.shard.is_sharded and callable(getattr(self.lm_head, "argmax", None))
 
     def _embed(self, input_ids: torch.Tensor, tp) -> torch.Tensor:
         """[T, H] embeddings. Sharded: each rank looks up the ids in its vocabulary rows

@@ -42,6 +42,9 @@ _SIGNATURES = {
     "tm_pack_f32_size": (_I64, [_I64, _I64]),
     "tm_pack_f32": (None, [_P, _I64, _I64, _I64, _P]),
     "tm_gemm_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]),
+    "tm_gemm_argmax_scratch": (_I64, [_I64]),
+    "tm_gemm_f32_argmax": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
+    "tm_gemm_q_argmax": (_I, [_I, _I, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
     "tm_pack_q_size": (_I64, [_I, _I, _I64, _I64, _I64]),
     "tm_pack_q": (_I, [_I, _P, _P, _P, _I64, _I64, _I64, _P]),
     "tm_gemm_q": (_I, [_I, _I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I]),
@@ -170,6 +173,52 @@ def gemm_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch
     return y
 
 
+def _argmax_args(x: torch.Tensor, n: int, limit: Optional[int], ban: Optional[torch.Tensor],
+                 lib: ctypes.CDLL) -> tuple[int, Optional[int], int, torch.Tensor, torch.Tensor]:
+    """Checked (limit, ban pointer, nban, out, scratch) for the fused argmax calls."""
+    m = x.shape[0]
+    limit = n if limit is None else int(limit)
+    if limit <= 0:
+        raise ValueError(f"limit must be > 0, got {limit}")
+    nban = 0
+    if ban is not None:
+        if ban.dtype != torch.int64 or ban.dim() != 2 or ban.shape[0] != m or not ban.is_contiguous():
+            raise ValueError(f"ban must be a contiguous int64 tensor [{m}, nban], got {ban.dtype} {list(ban.shape)}")
+        nban = ban.shape[1]
+    out = torch.empty(m, dtype=torch.int64)
+    scratch = torch.empty(max(1, lib.tm_gemm_argmax_scratch(m)), dtype=torch.uint8)
+    return limit, None if not nban else ban.data_ptr(), nban, out, scratch
+
+
+def gemm_f32_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+                    limit: Optional[int] = None, ban: Optional[torch.Tensor] = None,
+                    lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Greedy argmax of each row of x W^T (+ bias) for W packed by `pack_f32`, in the GEMM's
+    epilogue: the [m, n] logits are never written. The values compared are the ones `gemm_f32`
+    would store, bit for bit, so the result equals `argmax_rows(gemm_f32(...))` on the same
+    columns.
+
+    Args:
+        x: [m, k] float32. packed: from pack_f32 of a [n, k] weight. bias: [n] float32 or None.
+        limit: only columns < limit compete (a padded LM head's tokenizer vocabulary); default n.
+        ban: [m, nban] int64, per row columns that never win (suppressed end tokens), -1 = none.
+    Returns:
+        [m] int64: per row the first column holding the largest value; 0 where no allowed value
+        is above -inf; a NaN never wins.
+    Raises:
+        ValueError: a mismatched packed weight, limit <= 0, or a malformed ban.
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    if packed.numel() != lib.tm_pack_f32_size(n, k):
+        raise ValueError(f"packed weight of {packed.numel()} bytes does not match n={n}, k={k}")
+    limit, bp, nban, out, scratch = _argmax_args(x, n, limit, ban, lib)
+    lib.tm_gemm_f32_argmax(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                           m, n, k, limit, bp, nban, out.data_ptr(), scratch.data_ptr())
+    return out
+
+
 # ---------------------------------------------------------------- quantized weights, fp32 activations
 
 def pack_q(codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor], bits: int, group_size: int,
@@ -218,6 +267,29 @@ def gemm_q(x: torch.Tensor, packed: torch.Tensor, n: int, kpad: int, bits: int, 
     if rc:
         raise ValueError(f"tm_gemm_q refused k={k}, kpad={kpad}, group_size={group_size}")
     return y
+
+
+def gemm_q_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, kpad: int, bits: int, group_size: int,
+                  has_min: bool, bias: Optional[torch.Tensor] = None, limit: Optional[int] = None,
+                  ban: Optional[torch.Tensor] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """`gemm_f32_argmax` for quantized W packed by `pack_q` (the values `gemm_q` would store).
+
+    Returns:
+        [m] int64 argmax columns (see `gemm_f32_argmax`).
+    Raises:
+        ValueError: as `gemm_f32_argmax`, or a kpad / group size the kernel refuses.
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    limit, bp, nban, out, scratch = _argmax_args(x, n, limit, ban, lib)
+    kind = W_Q8 if bits == 8 else W_Q4
+    rc = lib.tm_gemm_q_argmax(kind, int(has_min), x.data_ptr(), x.stride(0), packed.data_ptr(),
+                              None if bias is None else bias.data_ptr(), m, n, k, kpad, group_size, limit, bp, nban,
+                              out.data_ptr(), scratch.data_ptr())
+    if rc:
+        raise ValueError(f"tm_gemm_q_argmax refused k={k}, kpad={kpad}, group_size={group_size}")
+    return out
 
 
 # ---------------------------------------------------------------- W8A8

@@ -45,6 +45,8 @@ VARIANTS = {
     "avx2-novnni": ("-mno-avx512f", "-mno-avxvnni"),
     "generic": ("-DTM_GENERIC",),
 }
+# The plain-C path keeps every k sum in source order (gemm.c's batch invariance; see KSPLIT there)
+PLAIN_C_FLAGS = ("-fno-associative-math", "-ffp-contract=off")
 
 _lock = threading.Lock()
 _libs: dict[str, Optional[ctypes.CDLL]] = {}
@@ -84,6 +86,8 @@ def _build(variant: str) -> Path:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     src = b"".join((_DIR / f).read_bytes() for f in (*SOURCES, *HEADERS))
     flags = [*FLAGS, *VARIANTS[variant]]
+    if variant == "generic" or (variant == "native" and not {"avx2", "fma"} <= cpu_flags()):
+        flags += PLAIN_C_FLAGS
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), cpu_id()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"tm_cpu_{variant}_{key}.so"
     if out.exists():

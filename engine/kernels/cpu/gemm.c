@@ -8,10 +8,15 @@
  * (Goto & van de Geijn 2008, "Anatomy of high-performance matrix multiplication";
  * the BLIS micro-kernel design) keeps an MR x TM_NR tile of y in registers across all
  * of K: each step loads one panel row (2 vectors) and broadcasts MR values of x, for
- * 2 * MR fused multiply-adds. With few rows (decode at small batch) the FMA chains
- * would wait on each other, so the tile is split over 2 or 4 interleaved k
- * accumulators. Rows are taken in blocks that stay in L2 (TM_MC_BYTES), and the work
+ * 2 * MR fused multiply-adds. Every row sums over k in one order whatever the tile's
+ * height, so the GEMM is batch-invariant: a row's result does not depend on the other
+ * rows of the call (see KSPLIT). Rows are taken in blocks that stay in L2 (TM_MC_BYTES), and the work
  * is cut into (row block, panel group) chunks handed out by the thread pool.
+ *
+ * The LM head of a step whose rows are all plain greedy can end in an argmax epilogue instead of
+ * the store (tm_gemm_f32_argmax, tm_gemm_q_argmax): each tile's values, the ones the store would
+ * write, are compared against the running best of its rows, and the [m, vocab] logits (12.6 MB
+ * for 64 rows of a 49,152-token vocabulary) are never written nor read back by a sampler.
  *
  * Weight formats (the `kind` of a packed matrix):
  *   TM_W_F32  fp32 values.
@@ -185,12 +190,49 @@ static inline void store_tile(const float *tile, int mr, int ncols, float *y, in
     }
 }
 
+/* tile [mr][TM_NR] of logits (columns n0.., ncols valid) -> each row's running best (value, column)
+ * of this chunk; a column wins only if strictly greater, so the first of equal maxima is kept
+ * (columns arrive in increasing order within a chunk) and a NaN never wins. */
+static void argmax_tile(const float *tile, int mr, int ncols, int64_t n0, int64_t row0, const float *bias,
+                        int64_t n_limit, const int64_t *ban, int64_t nban, float *best_val, int64_t *best_idx) {
+    int64_t lim = n_limit - n0;
+    if (lim > ncols) lim = ncols;
+    if (lim <= 0) return;
+    for (int r = 0; r < mr; ++r) {
+        float v[TM_NR];
+        const float *t = tile + r * TM_NR;
+        for (int j = 0; j < TM_NR; ++j) v[j] = j < lim ? (bias ? t[j] + bias[j] : t[j]) : -INFINITY;
+        if (nban) {
+            const int64_t *b = ban + (row0 + r) * nban;
+            for (int64_t i = 0; i < nban; ++i)
+                if (b[i] >= n0 && b[i] < n0 + TM_NR) v[b[i] - n0] = -INFINITY;
+        }
+        float best = best_val[row0 + r];
+        int64_t bi = -1;
+        for (int j = 0; j < TM_NR; ++j)
+            if (v[j] > best) {
+                best = v[j];
+                bi = j;
+            }
+        if (bi >= 0) {
+            best_val[row0 + r] = best;
+            best_idx[row0 + r] = n0 + bi;
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- micro-kernels */
 
 #if defined(TM_AVX512) || defined(TM_AVX2)
 
-/* interleaved k accumulators for short tiles, so FMA latency does not serialise them */
-#define KSPLIT(mr) ((mr) == 1 ? 4 : (mr) <= 3 ? 2 : 1)
+/* k accumulators per tile row. One for every tile height, so that a row's sum runs over k in the
+ * same order whatever tile (and so whatever batch) it lands in: a token's output is bit for bit the
+ * same in a 2-row decode step and in a 10-row verification step, which speculative decoding's
+ * exact match with plain decoding rests on. Interleaved accumulators for short tiles (4 for one
+ * row, 2 for two or three) changed the order with the tile height; measured on a 2-core Xeon
+ * (AVX-512), 30 layers of SmolLM2 shapes, cold, M = 1-3, fp32, int8 and int4 weights: they gained
+ * nothing there (these steps wait on memory, not on FMA latency). */
+#define KSPLIT(mr) 1
 
 TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
                        float *restrict tile, const char *pf, int64_t pf_len) {
@@ -352,7 +394,9 @@ TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k,
     }
 }
 
-#else /* plain C: the compiler vectorizes the j loops */
+#else /* plain C: the compiler vectorizes the j loops. build.py compiles this path with
+       * -fno-associative-math -ffp-contract=off: otherwise the vectorizer orders (and fuses) the k
+       * sums differently for different tile heights, and a row's result depends on the batch */
 
 static void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
                     float *restrict tile, const char *pf, int64_t pf_len) {
@@ -417,6 +461,13 @@ typedef struct {
     int64_t m, n, k, gs, panel_bytes;
     int64_t mc, npanels, group, ngroups;
     int accumulate;
+    /* greedy argmax instead of a store (tm_gemm_*_argmax): columns >= n_limit and each row's
+     * nban banned columns (ban [m, nban], -1 = none) are skipped; every chunk keeps its rows'
+     * best (value, column) in best_val / best_idx [ngroups, m] */
+    int64_t n_limit, nban;
+    const int64_t *ban;
+    float *best_val;
+    int64_t *best_idx;
 } gemm_ctx;
 
 #define UKR_CASE(MR)                                                                                   \
@@ -463,6 +514,13 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
     float tile[TM_MR * TM_NR] __attribute__((aligned(64)));
+    float *bv = c->best_val ? c->best_val + grp * c->m : NULL;
+    int64_t *bix = c->best_idx ? c->best_idx + grp * c->m : NULL;
+    if (bv)
+        for (int64_t r = m0; r < m1; ++r) {
+            bv[r] = -INFINITY;
+            bix[r] = 0;
+        }
     for (int64_t p = p0; p < p1; ++p) {
         const char *bp = c->w + p * c->panel_bytes;
         const int64_t n0 = p * TM_NR;
@@ -477,7 +535,10 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
             const char *pf = bp + c->panel_bytes + t * share;
             const int64_t pf_len = p + 1 < p1 ? share : 0;
             run_tile(c, mr, c->x + r * c->ldx, bp, tile, pf, pf_len);
-            store_tile(tile, mr, ncols, c->y + r * c->ldy + n0, c->ldy, bias, c->accumulate);
+            if (bv)
+                argmax_tile(tile, mr, ncols, n0, r, bias, c->n_limit, c->ban, c->nban, bv, bix);
+            else
+                store_tile(tile, mr, ncols, c->y + r * c->ldy + n0, c->ldy, bias, c->accumulate);
         }
     }
 }
@@ -499,6 +560,52 @@ static void gemm_run(gemm_ctx *c) {
     c->group = cdiv(c->npanels, per_mb);
     c->ngroups = cdiv(c->npanels, c->group);
     tm_parallel_for(mblocks * c->ngroups, gemm_chunk, c);
+}
+
+/* The greedy argmax of each row of x W^T (+ bias) without writing the logits: out[r] = the first
+ * column < n_limit, not among row r's banned columns, with the largest value (0 if none is above
+ * -inf); the values are the ones tm_gemm_f32 / tm_gemm_q would store, bit for bit. scratch: at
+ * least tm_gemm_argmax_scratch(m) bytes. */
+int64_t tm_gemm_argmax_scratch(int64_t m) {
+    return 4 * TM_MAX_THREADS * m * (int64_t)(sizeof(float) + sizeof(int64_t));
+}
+static void gemm_run_argmax(gemm_ctx *c, int64_t n_limit, const int64_t *ban, int64_t nban, int64_t *out,
+                            void *scratch) {
+    if (c->m <= 0) return;
+    c->n_limit = n_limit < c->n ? n_limit : c->n;
+    c->ban = ban;
+    c->nban = ban ? nban : 0;
+    /* gemm_run sets the chunking; the partials need ngroups <= 4 * TM_MAX_THREADS (its target) */
+    c->best_idx = (int64_t *)scratch;
+    c->best_val = (float *)((int64_t *)scratch + 4 * TM_MAX_THREADS * c->m);
+    for (int64_t r = 0; r < c->m; ++r) out[r] = 0;
+    if (c->n <= 0 || c->n_limit <= 0) return;
+    gemm_run(c);
+    for (int64_t r = 0; r < c->m; ++r) {
+        float best = -INFINITY;
+        int64_t bi = 0;
+        for (int64_t g = 0; g < c->ngroups; ++g)
+            if (c->best_val[g * c->m + r] > best) {
+                best = c->best_val[g * c->m + r];
+                bi = c->best_idx[g * c->m + r];
+            }
+        out[r] = bi;
+    }
+}
+void tm_gemm_f32_argmax(const float *x, int64_t ldx, const float *w_packed, const float *bias, int64_t m, int64_t n,
+                        int64_t k, int64_t n_limit, const int64_t *ban, int64_t nban, int64_t *out, void *scratch) {
+    gemm_ctx c = {.kind = TM_W_F32, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias, .m = m, .n = n,
+                  .k = k, .gs = k, .panel_bytes = k * TM_NR * (int64_t)sizeof(float)};
+    gemm_run_argmax(&c, n_limit, ban, nban, out, scratch);
+}
+int tm_gemm_q_argmax(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias,
+                     int64_t m, int64_t n, int64_t k, int64_t kpad, int64_t gs, int64_t n_limit, const int64_t *ban,
+                     int64_t nban, int64_t *out, void *scratch) {
+    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad) return -1;
+    gemm_ctx c = {.kind = kind, .has_min = has_min, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias,
+                  .m = m, .n = n, .k = k, .gs = gs, .panel_bytes = (kpad / gs) * q_group_bytes(kind, has_min, gs)};
+    gemm_run_argmax(&c, n_limit, ban, nban, out, scratch);
+    return 0;
 }
 
 /* y[m, n] (+)= x[m, k] W^T (+ bias) for W packed by tm_pack_f32.

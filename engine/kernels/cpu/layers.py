@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_f32, gemm_q, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act
+from . import (W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_f32, gemm_f32_argmax, gemm_q, gemm_q_argmax, gemm_w8a8, library,
+               pack_f32, pack_q, pack_w8a8, quantize_act)
 
 _F32 = torch.float32
 
@@ -71,6 +72,12 @@ class CpuLinear(nn.Module):
             fn(x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k, residual is not None)
             return y
         return gemm_f32(x, self.packed, n, self.bias, y, residual is not None, lib=self.lib)
+
+    def argmax(self, x: torch.Tensor, limit: Optional[int] = None, ban: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+        """Greedy argmax of each row of x [T, in] W^T (+ b) without writing the logits: [T] int64
+        (`engine.kernels.cpu.gemm_f32_argmax`: limit, ban as there)."""
+        return gemm_f32_argmax(x.contiguous(), self.packed, self.out_features, self.bias, limit, ban, lib=self.lib)
 
     def weight_bytes(self) -> int:
         """Bytes read per forward pass: the packed panels (padding columns included) and the bias."""
@@ -124,6 +131,13 @@ class CpuQuantLinear(nn.Module):
             return y
         return gemm_q(x, self.packed, n, self.padded_in, self.bits, self.group_size, self.has_min,
                       self.bias, y, residual is not None, lib=self.lib)
+
+    def argmax(self, x: torch.Tensor, limit: Optional[int] = None, ban: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+        """Greedy argmax of each row of x [T, in] W^T (+ b) without writing the logits: [T] int64
+        (`engine.kernels.cpu.gemm_q_argmax`: limit, ban as there)."""
+        return gemm_q_argmax(x.contiguous(), self.packed, self.out_features, self.padded_in, self.bits,
+                             self.group_size, self.has_min, self.bias, limit, ban, lib=self.lib)
 
     def weight_bytes(self) -> int:
         """Bytes read per forward pass (packed codes, scales, mins, bias)."""

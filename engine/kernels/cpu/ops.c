@@ -5,7 +5,8 @@
  *                 (Su et al. 2021, arXiv 2104.09864), angles from cos/sin tables
  *   tm_silu_mul   out = silu(g) * u for a fused [g | u] row  (SwiGLU, Shazeer 2020, arXiv 2002.05202)
  *   tm_kv_write   new K/V rows into the paged cache at their slots, fp32 or int8 rows
- *                 (D codes + the fp32 scale max|x| / 127, as engine/attention/torch_quant_kv.py)
+ *                 (D codes + the fp32 scale max|x| / 127, as engine/attention/torch_quant_kv.py;
+ *                 with AVX-512 a row is coded in vectors, the same max, division and rounding)
  *   tm_argmax_rows  the index of each row's largest value (greedy sampling), the first on ties
  * Rows are shared out over the thread pool in chunks when there are many of them.
  */
@@ -144,6 +145,23 @@ static void write_row(const float *src, void *cache, int64_t h, int64_t slot, in
         return;
     }
     int8_t *row = (int8_t *)cache + (h * s + slot) * (d + 4);
+#if defined(TM_AVX512)
+    if (d % 16 == 0) { /* the same arithmetic in vectors: the max skips a NaN as below, x / scale, rint */
+        __m512 vmax = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(src + i)), vmax);
+        float scale = _mm512_reduce_max_ps(vmax) / 127.0f;
+        if (scale < 1e-12f) scale = 1e-12f;
+        const __m512 vs = _mm512_set1_ps(scale), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+        for (int64_t i = 0; i < d; i += 16) {
+            __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(src + i), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_max_ps(_mm512_min_ps(q, hi), lo);
+            _mm_storeu_si128((__m128i *)(row + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+        }
+        memcpy(row + d, &scale, sizeof scale);
+        return;
+    }
+#endif
     float amax = 0.0f;
     for (int64_t i = 0; i < d; ++i) { /* as fmaxf (a NaN is skipped), but vectorizable */
         const float a = fabsf(src[i]);
@@ -176,7 +194,7 @@ static void kvw_chunk(void *vctx, int64_t chunk) {
 void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t t, int64_t hkv, int64_t d,
                  const int64_t *slots, void *k_cache, void *v_cache, int64_t s, int is_int8) {
     kvw_ctx c = {.k = k, .v = v, .ldk = ldk, .ldv = ldv, .t = t, .hkv = hkv, .d = d, .s = s,
-                 .rpc = rows_per_chunk(4 * hkv * d), .slots = slots, .kc = k_cache, .vc = v_cache,
+                 .rpc = 8, .slots = slots, .kc = k_cache, .vc = v_cache, /* 8 tokens: even shares */
                  .is_int8 = is_int8};
     tm_parallel_for(cdiv(t, c.rpc), kvw_chunk, &c);
 }
