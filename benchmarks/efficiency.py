@@ -214,6 +214,8 @@ class StepTimers:
             self._wrap(lin, "forward", "linear layers")
             if callable(getattr(lin, "argmax", None)):
                 self._wrap(lin, "argmax", "linear layers")
+            if getattr(lin, "silu_fused", False):  # the gate/up GEMM with SwiGLU in its epilogue
+                self._wrap(lin, "silu_mul", "linear layers")
         self._wrap(llm.backend, "forward", "attention")
         for name in ("rms_norm", "rope_", "silu_mul"):
             self._wrap(m.ops, name, "other model ops")

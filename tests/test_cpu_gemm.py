@@ -188,6 +188,39 @@ def test_argmax_in_the_gemm_epilogue_equals_argmax_of_the_stored_logits(lib, m, 
     assert torch.equal(layer.argmax(x, limit, ban), cpu.argmax_rows(want, lib=lib))
 
 
+@pytest.mark.parametrize("m,k", [(1, 5), (3, 64), (17, 130), (64, 576)])
+@pytest.mark.parametrize("scheme", ["fp32", "fp32-bias", "int8", "int4-g32"])
+def test_swiglu_in_the_gate_up_epilogue_equals_silu_mul_of_the_stored_product(lib, m, k, scheme):
+    """gate/up with SwiGLU in its epilogue: bit for bit silu_mul over the stored [m, 2 inter]
+    product (the Python layer loop and the C driver both take this path, so they still agree)."""
+    nr = cpu.nr(lib)
+    inter = 3 * nr
+    g = torch.Generator().manual_seed(m * 31 + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(2 * inter, k, generator=g) * 2
+    if scheme.startswith("fp32"):
+        layer = CpuLinear(w, torch.randn(2 * inter, generator=g) if scheme == "fp32-bias" else None, lib=lib)
+    else:
+        q = quantize_int8(w) if scheme == "int8" else quantize_int4(w, 32)
+        if scheme == "int4-g32" and k % 32:
+            pytest.skip("int4 groups of 32 need k % 32 == 0")
+        layer = CpuQuantLinear(q, lib=lib)
+    assert layer.silu_fused
+    want = cpu.silu_mul(layer(x), lib=lib)
+    out = torch.full((m, inter + 3), 7.0)
+    got = layer.silu_mul(x, out=out[:, :inter])
+    assert torch.equal(got, want) and (out[:, inter:] == 7).all()
+
+
+def test_swiglu_fusion_needs_a_half_width_of_whole_panels(lib):
+    nr = cpu.nr(lib)
+    odd = CpuLinear(torch.randn(2 * nr + 2, 8), lib=lib)
+    assert not odd.silu_fused
+    with pytest.raises(ValueError, match="cannot fuse SwiGLU"):
+        odd.silu_mul(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="multiple of"):
+        cpu.gemm_f32_silu(torch.randn(2, 8), odd.packed, nr + 1, lib=lib)
+
+
 def test_fused_argmax_ties_nan_and_empty_rows(lib):
     x = torch.ones(1, 4)
     w = torch.zeros(70, 4)

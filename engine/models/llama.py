@@ -93,6 +93,17 @@ class Linear(nn.Module):
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
+def _glu_fused(gate_up: nn.Module) -> bool:
+    """Whether the layer loop may run gate/up with SwiGLU in its epilogue (`silu_mul`): a CPU
+    kernel layer that fuses it, with no forward hook on it or on every module (a hook, such as
+    SmoothQuant's calibration, sees the [T, 2I] product of a plain call)."""
+    from torch.nn.modules import module as _m
+
+    return (getattr(gate_up, "silu_fused", False) and not gate_up._forward_hooks
+            and not gate_up._forward_pre_hooks and not _m._global_forward_hooks
+            and not _m._global_forward_pre_hooks)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm block's weights: attention (fused q/k/v, output) and SwiGLU MLP (fused gate/up, down)."""
 
@@ -355,8 +366,12 @@ class LlamaModel(nn.Module):
             ops.rope_(q, k, positions, self.cos, self.sin)
             backend.forward(q, k, v, kc, vc, meta, self.scale, out=a.view(T, hq, d))
             self._row_parallel(layer.o, a, h, tp)
-            layer.gate_up(ops.rms_norm(h, layer.mlp_norm, eps, out=x), out=gu)
-            self._row_parallel(layer.down, ops.silu_mul(gu, out=act), h, tp)
+            mlp_in = ops.rms_norm(h, layer.mlp_norm, eps, out=x)
+            if _glu_fused(layer.gate_up):  # SwiGLU in the gate/up GEMM's epilogue
+                layer.gate_up.silu_mul(mlp_in, out=act)
+            else:
+                ops.silu_mul(layer.gate_up(mlp_in, out=gu), out=act)
+            self._row_parallel(layer.down, act, h, tp)
         hs = h[logits_indices]
         if argmax is not None and tp is None and self.fused_argmax_ok:
             return self.lm_head.argmax(ops.rms_norm(hs, self.final_norm, eps), argmax.limit, argmax.ban)

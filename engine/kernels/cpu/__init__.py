@@ -45,6 +45,8 @@ _SIGNATURES = {
     "tm_gemm_argmax_scratch": (_I64, [_I64]),
     "tm_gemm_f32_argmax": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
     "tm_gemm_q_argmax": (_I, [_I, _I, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
+    "tm_gemm_f32_silu": (_I, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64]),
+    "tm_gemm_q_silu": (_I, [_I, _I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64]),
     "tm_pack_q_size": (_I64, [_I, _I, _I64, _I64, _I64]),
     "tm_pack_q": (_I, [_I, _P, _P, _P, _I64, _I64, _I64, _P]),
     "tm_gemm_q": (_I, [_I, _I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I]),
@@ -219,6 +221,31 @@ def gemm_f32_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optiona
     return out
 
 
+def gemm_f32_silu(x: torch.Tensor, packed: torch.Tensor, inter: int, bias: Optional[torch.Tensor] = None,
+                  out: Optional[torch.Tensor] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """SwiGLU in the gate/up GEMM's epilogue: out = silu(x Wg^T) * (x Wu^T) for a fused weight
+    W = [Wg | Wu] [2 inter, k] packed by `pack_f32` (Shazeer 2020, arXiv 2002.05202). Each value
+    is the one `silu_mul` gives on the stored product; the [m, 2 inter] product is never written.
+
+    Args:
+        x: [m, k] float32. bias: [2 inter] float32 or None. out: [m, inter] float32 or None.
+    Returns:
+        out [m, inter] float32.
+    Raises:
+        ValueError: inter not a multiple of `nr()`, or a mismatched packed weight.
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    if packed.numel() != lib.tm_pack_f32_size(2 * inter, k):
+        raise ValueError(f"packed weight of {packed.numel()} bytes does not match n={2 * inter}, k={k}")
+    y = _out(out, m, inter)
+    if lib.tm_gemm_f32_silu(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                            y.data_ptr(), y.stride(0), m, inter, k):
+        raise ValueError(f"gemm_f32_silu needs inter to be a multiple of {lib.tm_gemm_nr()}, got {inter}")
+    return y
+
+
 # ---------------------------------------------------------------- quantized weights, fp32 activations
 
 def pack_q(codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor], bits: int, group_size: int,
@@ -266,6 +293,27 @@ def gemm_q(x: torch.Tensor, packed: torch.Tensor, n: int, kpad: int, bits: int, 
                        group_size, int(accumulate))
     if rc:
         raise ValueError(f"tm_gemm_q refused k={k}, kpad={kpad}, group_size={group_size}")
+    return y
+
+
+def gemm_q_silu(x: torch.Tensor, packed: torch.Tensor, inter: int, kpad: int, bits: int, group_size: int,
+                has_min: bool, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """`gemm_f32_silu` for a quantized fused [gate | up] weight packed by `pack_q`: out [m, inter].
+
+    Raises:
+        ValueError: inter not a multiple of `nr()`, or a kpad / group size the kernel refuses.
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    y = _out(out, m, inter)
+    kind = W_Q8 if bits == 8 else W_Q4
+    if lib.tm_gemm_q_silu(kind, int(has_min), x.data_ptr(), x.stride(0), packed.data_ptr(),
+                          None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), m, inter, k, kpad,
+                          group_size):
+        raise ValueError(f"tm_gemm_q_silu refused inter={inter} (a multiple of {lib.tm_gemm_nr()}), k={k}, "
+                         f"kpad={kpad}, group_size={group_size}")
     return y
 
 

@@ -1,7 +1,8 @@
 /*
  * The decoder layers of a Llama-family model in one call: the same kernels the Python layer
  * loop calls (RMSNorm, the linear layers, RoPE, the KV write, paged attention, SiLU * up), in
- * the same order on the same buffers, so the result is bit for bit what that loop computes;
+ * the same order on the same buffers, so the result is bit for bit what that loop computes (SwiGLU
+ * in the gate/up GEMM's epilogue where the layer allows it, as the layers' silu_mul decides);
  * only the interpreter's dispatch between kernels (about 300 calls per step for 30 layers) is
  * gone, which is what a small batch pays for.
  *
@@ -43,6 +44,11 @@ void tm_gemm_f32(const float *x, int64_t ldx, const float *w_packed, const float
                  int64_t m, int64_t n, int64_t k, int accumulate);
 int tm_gemm_q(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y,
               int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t kpad, int64_t gs, int accumulate);
+int tm_gemm_f32_silu(const float *x, int64_t ldx, const float *w_packed, const float *bias, float *y, int64_t ldy,
+                     int64_t m, int64_t inter, int64_t k);
+int tm_gemm_q_silu(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias,
+                   float *y, int64_t ldy, int64_t m, int64_t inter, int64_t k, int64_t kpad, int64_t gs);
+int tm_gemm_nr(void);
 void tm_quantize_act(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int64_t gs,
                      unsigned char *codes, float *scales);
 int tm_gemm_w8a8(const unsigned char *a, const float *sa, int64_t kp, int64_t gs, const void *w_packed,
@@ -102,6 +108,21 @@ static int linear(const int64_t *l, const float *x, int64_t ldx, float *y, int64
     return -1;
 }
 
+/* Whether the gate/up layer l takes SwiGLU in its GEMM epilogue (fp32 or Q weights, inter a multiple of
+ * the panel width): the same rule as the Python layers' silu_mul, so both paths run the same kernels. */
+static int silu_fused(const int64_t *l, int64_t inter) {
+    return (l[0] == TM_DEC_F32 || l[0] == TM_DEC_Q) && inter % tm_gemm_nr() == 0;
+}
+
+/* act [m, inter] = silu(x Wg^T) * (x Wu^T) for a fused gate/up layer (silu_fused). */
+static int linear_silu(const int64_t *l, const float *x, int64_t ldx, float *act, int64_t inter, int64_t m) {
+    const int64_t kind = l[0], fmt = l[1], has_min = l[2], k = l[4], kpad = l[5], gs = l[6];
+    const void *w = (const void *)(intptr_t)l[7];
+    const float *bias = (const float *)(intptr_t)l[8];
+    if (kind == TM_DEC_F32) return tm_gemm_f32_silu(x, ldx, (const float *)w, bias, act, inter, m, inter, k);
+    return tm_gemm_q_silu((int)fmt, (int)has_min, x, ldx, w, bias, act, inter, m, inter, k, kpad, gs);
+}
+
 /*
  * Every decoder layer over t tokens, in place on the residual stream h [t, hidden].
  *
@@ -139,9 +160,14 @@ int tm_decoder_forward(const int64_t *desc, int64_t num_layers, const int64_t *d
         TIMED(T_LINEAR, rc = linear(lin + TM_DEC_LIN_WORDS, a, q_size, h, hidden, t, 1, codes, scales));
         if (rc) return (int)i + 1;
         TIMED(T_NORM, tm_rms_norm(h, hidden, (const float *)(intptr_t)L[1], x, hidden, t, hidden, eps));
-        TIMED(T_LINEAR, rc = linear(lin + 2 * TM_DEC_LIN_WORDS, x, hidden, gu, 2 * inter, t, 0, codes, scales));
-        if (rc) return (int)i + 1;
-        TIMED(T_SILU, tm_silu_mul(gu, 2 * inter, act, inter, t, inter));
+        if (silu_fused(lin + 2 * TM_DEC_LIN_WORDS, inter)) { /* SwiGLU in the gate/up GEMM's epilogue */
+            TIMED(T_LINEAR, rc = linear_silu(lin + 2 * TM_DEC_LIN_WORDS, x, hidden, act, inter, t));
+            if (rc) return (int)i + 1;
+        } else {
+            TIMED(T_LINEAR, rc = linear(lin + 2 * TM_DEC_LIN_WORDS, x, hidden, gu, 2 * inter, t, 0, codes, scales));
+            if (rc) return (int)i + 1;
+            TIMED(T_SILU, tm_silu_mul(gu, 2 * inter, act, inter, t, inter));
+        }
         TIMED(T_LINEAR, rc = linear(lin + 3 * TM_DEC_LIN_WORDS, act, inter, h, hidden, t, 1, codes, scales));
         if (rc) return (int)i + 1;
     }

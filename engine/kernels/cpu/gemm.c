@@ -468,6 +468,10 @@ typedef struct {
     const int64_t *ban;
     float *best_val;
     int64_t *best_idx;
+    /* SwiGLU (tm_gemm_*_silu): W is a fused [gate | up] weight of 2 * silu_inter rows, silu_inter a
+     * multiple of TM_NR; gate panel p and up panel p + silu_inter / TM_NR are run on the same rows
+     * and y[:, p * TM_NR + j] = silu(gate) * up is stored (the [m, 2 * inter] product never is) */
+    int64_t silu_inter;
 } gemm_ctx;
 
 #define UKR_CASE(MR)                                                                                   \
@@ -508,8 +512,57 @@ static void run_tile(const gemm_ctx *c, int mr, const float *a, const char *bp, 
     }
 }
 
+/* tile_g, tile_u [mr][TM_NR] (+ their bias) -> y = silu(g) * u, ncols valid columns */
+static inline void store_silu(float *restrict tg, float *restrict tu, int mr, int ncols, float *y, int64_t ldy,
+                              const float *bg, const float *bu) {
+    for (int r = 0; r < mr; ++r) {
+        float *restrict g = tg + r * TM_NR, *restrict u = tu + r * TM_NR;
+        if (bg)
+            for (int j = 0; j < ncols; ++j) {
+                g[j] += bg[j];
+                u[j] += bu[j];
+            }
+        /* a whole row in one fixed-length loop, which the compiler vectorizes as tm_silu_mul's */
+        float o[TM_NR];
+        for (int j = 0; j < TM_NR; ++j) o[j] = tm_silu_mul1(g[j], u[j]);
+        memcpy(y + r * ldy, o, sizeof(float) * (size_t)ncols);
+    }
+}
+
+/* the gate panel's tiles of the row block first (kept in gbuf), then the up panel's, each
+ * prefetching its share of the panel that follows it, as the plain GEMM walks its panels */
+#define TM_SILU_ROWS 256
+static void gemm_chunk_silu(const gemm_ctx *c, int64_t chunk) {
+    const int64_t mb = chunk / c->ngroups, grp = chunk % c->ngroups;
+    const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
+    const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
+    const int64_t up = c->silu_inter / TM_NR; /* panel offset of the up half */
+    float gbuf[TM_SILU_ROWS * TM_NR] __attribute__((aligned(64)));
+    float tu[TM_MR * TM_NR] __attribute__((aligned(64)));
+    const int64_t ntiles = (m1 - m0 + TM_MR - 1) / TM_MR;
+    const int64_t share = (c->panel_bytes + ntiles - 1) / ntiles;
+    for (int64_t p = p0; p < p1; ++p) {
+        const char *bg = c->w + p * c->panel_bytes, *bu = c->w + (p + up) * c->panel_bytes;
+        const int64_t n0 = p * TM_NR;
+        const int ncols = c->silu_inter - n0 < TM_NR ? (int)(c->silu_inter - n0) : TM_NR;
+        const float *biasg = c->bias ? c->bias + n0 : NULL, *biasu = c->bias ? c->bias + c->silu_inter + n0 : NULL;
+        for (int64_t r = m0, t = 0; r < m1; r += TM_MR, ++t) /* gate: then prefetch the up panel */
+            run_tile(c, m1 - r < TM_MR ? (int)(m1 - r) : TM_MR, c->x + r * c->ldx, bg, gbuf + (r - m0) * TM_NR,
+                     bu + t * share, share);
+        for (int64_t r = m0, t = 0; r < m1; r += TM_MR, ++t) { /* up: then prefetch the next gate panel */
+            const int mr = m1 - r < TM_MR ? (int)(m1 - r) : TM_MR;
+            run_tile(c, mr, c->x + r * c->ldx, bu, tu, bg + c->panel_bytes + t * share, p + 1 < p1 ? share : 0);
+            store_silu(gbuf + (r - m0) * TM_NR, tu, mr, ncols, c->y + r * c->ldy + n0, c->ldy, biasg, biasu);
+        }
+    }
+}
+
 static void gemm_chunk(void *vctx, int64_t chunk) {
     const gemm_ctx *c = (const gemm_ctx *)vctx;
+    if (c->silu_inter) {
+        gemm_chunk_silu(c, chunk);
+        return;
+    }
     const int64_t mb = chunk / c->ngroups, grp = chunk % c->ngroups;
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
@@ -548,10 +601,11 @@ static void gemm_run(gemm_ctx *c) {
     const int threads = tm_get_num_threads();
     int64_t mc = TM_MC_BYTES / ((int64_t)sizeof(float) * (c->k > 0 ? c->k : 1));
     mc = mc < TM_MR ? TM_MR : mc - mc % TM_MR;
+    if (c->silu_inter && mc > TM_SILU_ROWS - TM_SILU_ROWS % TM_MR) mc = TM_SILU_ROWS - TM_SILU_ROWS % TM_MR;
     if (mc > c->m) mc = c->m;
     const int64_t mblocks = cdiv(c->m, mc);
     c->mc = mc;
-    c->npanels = cdiv(c->n, TM_NR);
+    c->npanels = c->silu_inter ? c->silu_inter / TM_NR : cdiv(c->n, TM_NR);
     /* about 4 chunks per thread: enough for the dynamic scheduling to even out speed
      * differences, few enough that a chunk's panels prefetch one another */
     const int64_t target = threads > 1 ? 4 * threads : 1;
@@ -605,6 +659,29 @@ int tm_gemm_q_argmax(int kind, int has_min, const float *x, int64_t ldx, const v
     gemm_ctx c = {.kind = kind, .has_min = has_min, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias,
                   .m = m, .n = n, .k = k, .gs = gs, .panel_bytes = (kpad / gs) * q_group_bytes(kind, has_min, gs)};
     gemm_run_argmax(&c, n_limit, ban, nban, out, scratch);
+    return 0;
+}
+
+/* SwiGLU in the gate/up GEMM: y [m, inter] = silu(x Wg^T) * (x Wu^T) for W = [Wg | Wu] [2 inter, k]
+ * packed by tm_pack_f32 (bias [2 inter] or NULL), each output the value tm_silu_mul gives on the
+ * stored product. inter must be a multiple of tm_gemm_nr(): returns -1 otherwise (nothing done). */
+int tm_gemm_f32_silu(const float *x, int64_t ldx, const float *w_packed, const float *bias, float *y, int64_t ldy,
+                     int64_t m, int64_t inter, int64_t k) {
+    if (inter <= 0 || inter % TM_NR) return -1;
+    gemm_ctx c = {.kind = TM_W_F32, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias, .y = y,
+                  .ldy = ldy, .m = m, .n = 2 * inter, .k = k, .gs = k,
+                  .panel_bytes = k * TM_NR * (int64_t)sizeof(float), .silu_inter = inter};
+    gemm_run(&c);
+    return 0;
+}
+int tm_gemm_q_silu(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias,
+                   float *y, int64_t ldy, int64_t m, int64_t inter, int64_t k, int64_t kpad, int64_t gs) {
+    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad || inter <= 0 || inter % TM_NR)
+        return -1;
+    gemm_ctx c = {.kind = kind, .has_min = has_min, .x = x, .ldx = ldx, .w = (const char *)w_packed,
+                  .bias = bias, .y = y, .ldy = ldy, .m = m, .n = 2 * inter, .k = k, .gs = gs,
+                  .panel_bytes = (kpad / gs) * q_group_bytes(kind, has_min, gs), .silu_inter = inter};
+    gemm_run(&c);
     return 0;
 }
 

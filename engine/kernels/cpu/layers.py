@@ -13,6 +13,10 @@ holds. Every layer here keeps that contract:
   group, int4 / GGUF Q4_0 / Q4_1 / Q8_0 groups) packed and dequantized in registers.
 - `W8A8Linear`: int8 weights per output channel times int8 activations per token
   (`gemm_i8.c`); built from float weights by `quantize_w8a8`.
+
+A fused [gate | up] layer whose half width is a multiple of the panel width (`silu_fused`)
+also serves `silu_mul(x, out)`: SwiGLU in its GEMM's epilogue, [T, inter] out, the [T, 2 inter]
+product never written (`CpuLinear`, `CpuQuantLinear`; the C decoder driver applies the same rule).
 """
 from __future__ import annotations
 
@@ -23,10 +27,16 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import (W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_f32, gemm_f32_argmax, gemm_q, gemm_q_argmax, gemm_w8a8, library,
-               pack_f32, pack_q, pack_w8a8, quantize_act)
+from . import (W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_f32, gemm_f32_argmax, gemm_f32_silu, gemm_q, gemm_q_argmax,
+               gemm_q_silu, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act)
 
 _F32 = torch.float32
+
+
+def _silu_fusable(out_features: int, lib: Optional[ctypes.CDLL]) -> bool:
+    """Whether a layer of `out_features` = 2 inter rows can take SwiGLU in its epilogue."""
+    nr = _lib(lib).tm_gemm_nr()
+    return out_features % 2 == 0 and (out_features // 2) % nr == 0
 
 
 def _fast_ok(x: torch.Tensor, k: int, y: Optional[torch.Tensor], n: int) -> bool:
@@ -59,6 +69,7 @@ class CpuLinear(nn.Module):
         # the hot path's raw call: the packed panels are never replaced after construction
         self._call = (_lib(lib).tm_gemm_f32, self.packed.data_ptr(),
                       None if self.bias is None else self.bias.data_ptr())
+        self.silu_fused = _silu_fusable(self.out_features, lib)
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -72,6 +83,14 @@ class CpuLinear(nn.Module):
             fn(x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k, residual is not None)
             return y
         return gemm_f32(x, self.packed, n, self.bias, y, residual is not None, lib=self.lib)
+
+    def silu_mul(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """For a fused [gate | up] weight: silu(x Wg^T) * (x Wu^T), [T, out / 2] float32, in the GEMM's
+        epilogue (`engine.kernels.cpu.gemm_f32_silu`). Raises ValueError unless `silu_fused`."""
+        if not self.silu_fused:
+            raise ValueError(f"a layer of {self.out_features} outputs cannot fuse SwiGLU (half width not a "
+                             f"multiple of {_lib(self.lib).tm_gemm_nr()})")
+        return gemm_f32_silu(x, self.packed, self.out_features // 2, self.bias, out, lib=self.lib)
 
     def argmax(self, x: torch.Tensor, limit: Optional[int] = None, ban: Optional[torch.Tensor] = None
                ) -> torch.Tensor:
@@ -107,6 +126,7 @@ class CpuQuantLinear(nn.Module):
         self.source = q  # the reference layer (dequantize(), byte accounting of the original layout)
         self._call = (_lib(lib).tm_gemm_q, W_Q8 if q.bits == 8 else W_Q4, int(self.has_min), self.packed.data_ptr(),
                       None if self.bias is None else self.bias.data_ptr())
+        self.silu_fused = _silu_fusable(self.out_features, lib)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -131,6 +151,15 @@ class CpuQuantLinear(nn.Module):
             return y
         return gemm_q(x, self.packed, n, self.padded_in, self.bits, self.group_size, self.has_min,
                       self.bias, y, residual is not None, lib=self.lib)
+
+    def silu_mul(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """For a fused [gate | up] layer: silu(x Wg^T) * (x Wu^T), [T, out / 2] float32, in the GEMM's
+        epilogue (`engine.kernels.cpu.gemm_q_silu`). Raises ValueError unless `silu_fused`."""
+        if not self.silu_fused:
+            raise ValueError(f"a layer of {self.out_features} outputs cannot fuse SwiGLU (half width not a "
+                             f"multiple of {_lib(self.lib).tm_gemm_nr()})")
+        return gemm_q_silu(x, self.packed, self.out_features // 2, self.padded_in, self.bits, self.group_size,
+                           self.has_min, self.bias, out, lib=self.lib)
 
     def argmax(self, x: torch.Tensor, limit: Optional[int] = None, ban: Optional[torch.Tensor] = None
                ) -> torch.Tensor:

@@ -89,23 +89,6 @@ void tm_rope(float *x, int64_t ldx, int64_t t, int64_t heads, int64_t d, const i
 
 /* ---------------------------------------------------------------- SiLU * up */
 
-/* exp(x) for |x| <= 88: 2^n * 2^f, f in [-0.5, 0.5], 2^f from a degree-6 polynomial in f ln 2
- * (relative error below 2e-7). */
-static inline float tm_expf(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float t = x * 1.44269504088896341f;
-    const float n = __builtin_rintf(t);
-    const float r = (t - n) * 0.69314718055994531f;
-    const float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.0083333338f +
-                                                                                              r * 0.0013888889f)))));
-    union {
-        float f;
-        int32_t i;
-    } u;
-    u.i = ((int32_t)n + 127) << 23;
-    return p * u.f;
-}
-
 typedef struct {
     const float *gu;
     float *out;
@@ -119,7 +102,7 @@ static void silu_chunk(void *vctx, int64_t chunk) {
         const float *restrict g = c->gu + r * c->ldg;
         const float *restrict u = g + c->n;
         float *restrict o = c->out + r * c->ldo;
-        for (int64_t i = 0; i < c->n; ++i) o[i] = g[i] / (1.0f + tm_expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < c->n; ++i) o[i] = tm_silu_mul1(g[i], u[i]);
     }
 }
 

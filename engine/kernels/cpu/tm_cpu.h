@@ -37,4 +37,25 @@ typedef void (*tm_chunk_fn)(void *ctx, int64_t chunk);
 void tm_parallel_for(int64_t nchunks, tm_chunk_fn fn, void *ctx);
 int tm_get_num_threads(void);
 
+/* ---------------------------------------------------------------- shared math */
+/* exp(x) for |x| <= 88: 2^n * 2^f, f in [-0.5, 0.5], 2^f from a degree-6 polynomial in f ln 2
+ * (relative error below 2e-7). */
+static inline float tm_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = x * 1.44269504088896341f;
+    const float n = __builtin_rintf(t);
+    const float r = (t - n) * 0.69314718055994531f;
+    const float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.0083333338f +
+                                                                                              r * 0.0013888889f)))));
+    union {
+        float f;
+        int32_t i;
+    } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
+/* SwiGLU's silu(g) * u, as tm_silu_mul and the gate/up GEMM's fused epilogue compute it */
+static inline float tm_silu_mul1(float g, float u) { return g / (1.0f + tm_expf(-g)) * u; }
+
 #endif
