@@ -415,7 +415,8 @@ def parse_engines(spec: str, llamacpp_weights: Sequence[str] = llamacpp_peer.WEI
 def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: dict[str, Any],
                   hf_batch_size: int = 32, wait_quiet_s: float = 0.0, model: str = DEFAULT_MODEL,
                   log: Any = print, llamacpp_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Run every engine row on every workload; returns {"workloads": {name: {...}}, "skipped": {...}, ...}.
+    """Run every engine row on every workload; returns {"workloads": {name: {...}}, "skipped": {...},
+    "failed": {workload: {row: why}} (a llama.cpp row whose child process crashed; the others still run), ...}.
 
     Args:
         engines: row names from `parse_engines`.
@@ -450,7 +451,8 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                 peers[f"llamacpp-{w}"] = str(path)  # each row loads it in its own process
                 load_s[f"llamacpp-{w}"] = time.perf_counter() - t0
                 log(f"llama.cpp {w}: {path}")
-    report: dict[str, Any] = {"workloads": {}, "skipped": skipped, "model_load_s": load_s,
+    failed: dict[str, dict[str, str]] = {}  # workload -> engine row -> why (a llama.cpp child that crashed)
+    report: dict[str, Any] = {"workloads": {}, "skipped": skipped, "failed": failed, "model_load_s": load_s,
                               "llamacpp_configs": {n: c.describe() for n, c in configs.items()},
                               "llamacpp_threads": threads}
     try:
@@ -473,7 +475,13 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                     r = run_hf(peers["hf"], wl, hf_batch_size)
                 else:
                     cfg = configs[eng]
-                    r = run_llamacpp(peers[f"llamacpp-{cfg.weights}"], wl, cfg, threads)
+                    try:
+                        r = run_llamacpp(peers[f"llamacpp-{cfg.weights}"], wl, cfg, threads)
+                    except RuntimeError as e:  # a peer that crashes is reported, the other rows still run
+                        meter.stop()
+                        failed.setdefault(wl.name, {})[eng] = str(e).strip()
+                        log(f"[{wl.name}] {eng}: failed ({str(e).strip()})")
+                        continue
                 r["other_busy_during"] = meter.stop()
                 r["machine_load"] = load
                 r.update(rates(wl, r["wall_s"], r["output_tokens"]))
@@ -593,6 +601,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print()
     for eng, why in report["skipped"].items():
         print(f"{eng}: skipped ({why})")
+    for wl_name, rows in report.get("failed", {}).items():
+        for eng, why in rows.items():
+            print(f"[{wl_name}] {eng}: failed, left out of the table and the ratios ({why})")
     busiest = max([max(r["machine_load"]["other_busy_cores"] or 0.0, r["other_busy_during"] or 0.0)
                    for wr in report["workloads"].values() for r in wr["results"].values()] or [0.0])
     print("(busy before/during: cores of this machine kept busy by other processes; 'load 1m' is os.getloadavg; "

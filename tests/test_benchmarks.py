@@ -214,6 +214,30 @@ def test_missing_llamacpp_skips_its_rows_with_the_reason(tok, monkeypatch):
     assert any("skipping" in line for line in logs)
 
 
+def test_a_crashed_llamacpp_row_is_reported_and_the_others_still_run(tok, monkeypatch, tmp_path):
+    from benchmarks import throughput as T
+
+    monkeypatch.setattr(T, "llamacpp_available", lambda: None)
+    monkeypatch.setattr(T, "llamacpp_gguf", lambda w, log=None: tmp_path / f"{w}.gguf")
+    ran = []
+
+    def fake(path, wl, cfg, threads):
+        ran.append(cfg.weights)
+        if cfg.weights == "q4_1":
+            raise RuntimeError("the llama.cpp child process failed (exit code -11): ")
+        return {"wall_s": 1.0, "output_tokens": wl.num_output_tokens, "requests": wl.num_requests}
+
+    monkeypatch.setattr(T, "run_llamacpp", fake)
+    wl = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=2)
+    logs: list[str] = []
+    report = T.run_benchmark([wl], ["llamacpp-q4_1-p32", "llamacpp-f16-p32"], {}, log=logs.append)
+    assert ran == ["q4_1", "f16"]  # the crash did not stop the next row
+    assert list(report["failed"]["in45-out256"]) == ["llamacpp-q4_1-p32"]
+    assert "exit code -11" in report["failed"]["in45-out256"]["llamacpp-q4_1-p32"]
+    assert list(report["workloads"]["in45-out256"]["results"]) == ["llamacpp-f16-p32"]
+    assert any("failed" in line for line in logs)
+
+
 # ----------------------------------------------------------------- the F16 GGUF
 def _tiny_gguf(path, rng):
     """A small GGUF with the metadata kinds and tensor types of the bundled file (Q4_1, Q8_0, F32 1-D)."""
