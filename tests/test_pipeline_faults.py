@@ -280,9 +280,12 @@ def test_kill_at_random_points_then_resume_gives_every_id_exactly_once(s3_bucket
         child.join(10)
         killed_with = len(done_shards(spec))
         deadline = time.monotonic() + 5
+        # the resume holds a longer lease: on a loaded machine a 0.5 s one can lapse between two
+        # heartbeats (every ttl / 4) and the resume would stop itself (LeaseLost) before committing
+        resume = spec.model_copy(update={"lease_ttl_s": 10.0})
         while True:  # the killed run's lease expires after lease_ttl_s
             try:
-                report = run_job(spec, FakeLLM())
+                report = run_job(resume, FakeLLM())
                 break
             except JobLocked:
                 assert time.monotonic() < deadline
