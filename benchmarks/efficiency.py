@@ -435,6 +435,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             for k, v in dsplit.items():
                 print(f"  {k:<52} {100 * v:5.1f}%")
             print(f"  non-linear share (everything but the linear layers)   {100 * share:5.1f}%", flush=True)
+            small = {k[len("driver: "):]: 1e3 * v / clock.steps for k, v in clock.t.items() if k.startswith("driver: ")}
+            report["breakdown"]["c_decoder"]["small_ops_ms"] = small
+            print("  small ops inside the driver, ms per step: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in small.items()), flush=True)
             # the floor set by memory: each decode step reads every running sequence's whole KV
             # cache (context tokens x bytes per token), at best at the fastest read rate seen here
             lens = [len(p) for p in rnd2.prompt_token_ids]

@@ -66,23 +66,6 @@ static inline float row_scale(const char *row, int64_t d) {
     return sc;
 }
 
-/* exp(x) for x <= 0: 2^n 2^f, |f| <= 0.5, 2^f from its degree-6 Taylor polynomial in f ln 2
- * (relative error below 2e-7); inputs below -87 give about 1.6e-38 (callers zero masked lanes). */
-static inline float tm_exp_nonpos(float x) {
-    if (x < -87.0f) x = -87.0f;
-    const float t = x * 1.44269504088896341f;
-    const float n = __builtin_rintf(t);
-    const float r = (t - n) * 0.69314718055994531f;
-    const float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.0083333338f +
-                                                                                              r * 0.0013888889f)))));
-    union {
-        float f;
-        int32_t i;
-    } u;
-    u.i = ((int32_t)n + 127) << 23;
-    return p * u.f;
-}
-
 /* ---------------------------------------------------------------- plain C */
 
 static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
@@ -111,7 +94,7 @@ static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
                 }
                 sc *= j->scale;
                 const float m_new = sc > m ? sc : m;
-                const float corr = tm_exp_nonpos(m - m_new), p = tm_exp_nonpos(sc - m_new);
+                const float corr = tm_expf(m - m_new), p = tm_expf(sc - m_new);
                 l = l * corr + p;
                 m = m_new;
                 if (j->is_int8) {
@@ -605,7 +588,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                 mx = _mm_max_helper(mx, keep_first(V_LOAD(sb[x] + u0), vis - u0, -INFINITY));
             const float mb = V_HMAX(mx);
             const float m_new = mb > m[x] ? mb : m[x];
-            const float corr = tm_exp_nonpos(m[x] - m_new);
+            const float corr = tm_expf(m[x] - m_new);
             const vf mn = V_SET1(m_new);
             vf sum = V_ZERO();
             for (int64_t u0 = 0; u0 < vis; u0 += VL) {
