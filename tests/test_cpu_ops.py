@@ -126,6 +126,34 @@ def test_select_ops():
         select_ops(torch.device("cpu"), torch.float32, "fast")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_take_rows_gathers_as_torch_does(dtype):
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(1000, 37, generator=g).to(dtype)
+    for idx in (torch.randint(0, 1000, (64,), generator=g), torch.tensor([999, 0, 0, 5]), torch.zeros(0, dtype=torch.int64)):
+        got = CpuOps.take_rows(table, idx)
+        assert got.dtype == dtype and got.shape == (idx.shape[0], 37)
+        assert torch.equal(got, table[idx]) and torch.equal(TorchOps.take_rows(table, idx), table[idx])
+        assert got.stride() == (37, 1)  # rows the C kernels can take, even with no rows
+    for bad in (1000, -1):  # torch refuses both; numpy would wrap -1 to the last row
+        with pytest.raises(IndexError, match=f"row index {bad} is outside the table's 1000 rows"):
+            CpuOps.take_rows(table, torch.tensor([3, bad, 4]))
+    # a table numpy cannot view (bfloat16) and int32 ids go through torch
+    bf = table.to(torch.bfloat16)
+    assert torch.equal(CpuOps.take_rows(bf, torch.tensor([2, 1], dtype=torch.int32)), bf[[2, 1]])
+
+
+def test_every_row_only_for_all_rows_in_order():
+    from engine.models.llama import _every_row
+
+    assert _every_row(torch.arange(64), 64) and _every_row(torch.tensor([0]), 1)
+    assert not _every_row(torch.arange(63), 64)
+    assert not _every_row(torch.tensor([0, 2, 1]), 3)
+    assert not _every_row(torch.tensor([1, 2, 3]), 3)
+    assert not _every_row(torch.tensor([0, 1, 1, 3]), 4)
+    assert not _every_row(torch.zeros(0, dtype=torch.int64), 0)
+
+
 def test_forward_with_c_ops_and_layers_matches_the_reference_forward():
     """The dummy SmolLM2-shaped model (30 layers, random weights): greedy tokens and logprobs over steps (two prefills, one of
     that mix prefill chunks, a cached prefix and decodes, with the C kernels vs the PyTorch reference."""
