@@ -143,17 +143,6 @@ def test_take_rows_gathers_as_torch_does(dtype):
     assert torch.equal(CpuOps.take_rows(bf, torch.tensor([2, 1], dtype=torch.int32)), bf[[2, 1]])
 
 
-def test_every_row_only_for_all_rows_in_order():
-    from engine.models.llama import _every_row
-
-    assert _every_row(torch.arange(64), 64) and _every_row(torch.tensor([0]), 1)
-    assert not _every_row(torch.arange(63), 64)
-    assert not _every_row(torch.tensor([0, 2, 1]), 3)
-    assert not _every_row(torch.tensor([1, 2, 3]), 3)
-    assert not _every_row(torch.tensor([0, 1, 1, 3]), 4)
-    assert not _every_row(torch.zeros(0, dtype=torch.int64), 0)
-
-
 def test_forward_with_c_ops_and_layers_matches_the_reference_forward():
     """The dummy SmolLM2-shaped model (30 layers, random weights): greedy tokens and logprobs over steps (two prefills, one of
     that mix prefill chunks, a cached prefix and decodes, with the C kernels vs the PyTorch reference."""

@@ -226,7 +226,7 @@ class TorchAttentionBackend(AttentionBackend):
             return plan
         bd, bs = meta.num_decode_tokens, meta.block_size
         if not meta.prefill_query_lens:  # decode only: one row per sequence, longest first
-            # numpy on this thread: torch's sort and stack of 64 lengths woke its pool (0.35 ms a step)
+            # in numpy: the plan went from 0.35 to 0.25 ms of a batch-64 decode step (line timings)
             lens = meta.decode_seq_lens.numpy().astype(np.int64)
             tiles = np.ones((bd, 2), dtype=np.int64)
             tiles[:, 0] = np.argsort(-lens, kind="stable")

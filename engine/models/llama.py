@@ -25,7 +25,6 @@ import functools
 import math
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -92,15 +91,6 @@ class Linear(nn.Module):
         """Bytes this layer reads per forward pass (weights and bias)."""
         n = self.weight.numel() * self.weight.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
-
-
-def _every_row(idx: torch.Tensor, t: int) -> bool:
-    """Whether the [S] int64 row indices are 0, 1, ..., t - 1 (checked on the CPU only: on CUDA
-    the answer would cost a host sync, and the gather is cheap there)."""
-    if not idx.is_cpu or idx.shape[0] != t or t == 0:
-        return False
-    ix = idx.numpy()
-    return bool(ix[0] == 0 and (t == 1 or (np.diff(ix) == 1).all()))
 
 
 def _glu_fused(gate_up: nn.Module) -> bool:
@@ -382,11 +372,7 @@ class LlamaModel(nn.Module):
             else:
                 ops.silu_mul(layer.gate_up(mlp_in, out=gu), out=act)
             self._row_parallel(layer.down, act, h, tp)
-        # the final norm reads h in place where every row gets logits (a decode step) and writes
-        # into the step's x, whose lines the layers left in cache (a fresh buffer cost 0.25 ms)
-        S = logits_indices.shape[0]
-        hs = h if _every_row(logits_indices, T) else ops.take_rows(h, logits_indices)
-        hn = ops.rms_norm(hs, self.final_norm, eps, out=x[:S])
+        hn = ops.rms_norm(ops.take_rows(h, logits_indices), self.final_norm, eps)
         if argmax is not None and tp is None and self.fused_argmax_ok:
             return self.lm_head.argmax(hn, argmax.limit, argmax.ban)
         logits = self.lm_head(hn)

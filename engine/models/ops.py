@@ -111,9 +111,10 @@ class CpuOps:
 
     @staticmethod
     def take_rows(table, idx):
-        """table[idx] with numpy on the calling thread. A decode step gathers 64-128 rows: torch's
-        gather hands that to its thread pool, and waking it cost 0.25-0.3 ms a call in the
-        engine's decode steps (torch profiler, batch 64), against tens of microseconds here."""
+        """table[idx] with numpy on the calling thread. Measured on a 2-core Xeon, 64 rows of
+        SmolLM2's embedding: 27 against 78 microseconds for F.embedding alone, and in the
+        engine's batch-64 decode steps the lookup went from 0.29 to 0.12 ms (line timings; both
+        pay there for caches the layers just filled with weights)."""
         if table.is_cpu and idx.is_cpu and table.dim() == 2 and idx.dim() == 1 and idx.dtype is torch.int64 \
                 and table.dtype in (torch.float32, torch.float16) and table.is_contiguous():
             ix = idx.numpy()
