@@ -1,28 +1,30 @@
-"""An F16 copy of a GGUF file, for peers that run best on 16-bit weights (llama.cpp's F16 path).
+"""An F16 (or F32) copy of a GGUF file, for peers that run best on float weights (llama.cpp's F16
+and F32 paths).
 
 The bundled SmolLM2 file is Q4_1 (token embedding Q8_0). llama.cpp multiplies
 Q4_1 weights with 8-bit-quantized activations; on a CPU with fast fp16/fp32
 matmuls its F16 path is faster at batch sizes above a few. To measure the
 peer in its best configuration the benchmark writes an F16 file from the same
-weights with the `gguf` library:
+weights with the `gguf` library (and an F32 one: on a CPU whose F16 dot products
+convert every weight first, F32 may be the faster of the two):
 
 - every metadata field is copied in order, except ``general.file_type``, which
-  becomes 1 (``MOSTLY_F16``), and the fields the writer itself owns
+  becomes 1 (``MOSTLY_F16``) or 0 (``ALL_F32``), and the fields the writer itself owns
   (``general.architecture``, ``GGUF.*``; ``general.alignment`` is kept as the
   writer's alignment);
 - every tensor is expanded with ``gguf.quants.dequantize`` and stored as F16,
-  except 1-D tensors (the RMSNorm weights), which stay F32 as llama.cpp's own
-  converter keeps them;
+  (or F32) except 1-D tensors (the RMSNorm weights), which stay F32 as
+  llama.cpp's own converter keeps them;
 - tensor names, order and shapes are unchanged, so the GGUF-specific q/k row
   permutation of the source stays as it is.
 
 The values are those of the source after dequantization, rounded once to
 fp16 (a Q4_1 value ``d * q + m`` is usually not exactly representable in
-fp16: relative error at most 2^-11).
+fp16: relative error at most 2^-11); the F32 copy holds them exactly.
 
 The file is cached under `bench_cache_dir()` and keyed by the source's
-SHA-256, so it is written once per source file (about 270 MB for SmolLM2-135M,
-a few seconds). Never written into the repository.
+SHA-256, so it is written once per source file (about 270 MB for SmolLM2-135M
+in F16, 540 MB in F32, a few seconds). Never written into the repository.
 
 Usage::
 
@@ -39,7 +41,9 @@ from typing import Optional, Union
 import numpy as np
 
 MOSTLY_F16 = 1  # llama_ftype LLAMA_FTYPE_MOSTLY_F16
+ALL_F32 = 0  # llama_ftype LLAMA_FTYPE_ALL_F32
 _FORMAT = "f16-v1"  # bump when the conversion changes, so old cache entries are not reused
+_KINDS = {"F16": (np.float16, MOSTLY_F16), "F32": (np.float32, ALL_F32)}
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -64,17 +68,23 @@ def file_sha256(path: PathLike, chunk_bytes: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def convert_to_f16(src: PathLike, dst: PathLike) -> Path:
-    """Write `dst`, an F16 GGUF of `src` (see the module docstring for what is kept and what changes).
+def convert_to_f16(src: PathLike, dst: PathLike, kind: str = "F16") -> Path:
+    """Write `dst`, an F16 (`kind` "F16") or F32 ("F32") GGUF of `src` (see the module docstring
+    for what is kept and what changes).
 
     Writes to ``dst + ".tmp"`` and renames, so a crash never leaves a partial
     file under the final name.
     Returns:
         the path written.
     Raises:
+        ValueError: another `kind`.
         NotImplementedError: a tensor type `gguf.quants` cannot dequantize.
     """
     import gguf
+
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
+    matrix_dtype, file_type = _KINDS[kind]
 
     src, dst = Path(src), Path(dst)
     reader = gguf.GGUFReader(src)
@@ -90,15 +100,15 @@ def convert_to_f16(src: PathLike, dst: PathLike) -> Path:
             continue
         vtype = field.types[0]
         if name == gguf.Keys.General.FILE_TYPE:
-            writer.add_key_value(name, MOSTLY_F16, vtype)
+            writer.add_key_value(name, file_type, vtype)
             continue
         sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
     if gguf.Keys.General.FILE_TYPE not in reader.fields:
-        writer.add_file_type(MOSTLY_F16)
+        writer.add_file_type(file_type)
 
     def out_dtype(t: "gguf.ReaderTensor") -> type:
-        return np.float32 if len(t.shape) == 1 else np.float16
+        return np.float32 if len(t.shape) == 1 else matrix_dtype
 
     for t in reader.tensors:
         np_shape = [int(n) for n in reversed(t.shape)]  # t.shape is in ggml order (innermost first)
@@ -115,25 +125,31 @@ def convert_to_f16(src: PathLike, dst: PathLike) -> Path:
     return dst
 
 
-def f16_gguf_path(src: PathLike, cache_dir: Optional[PathLike] = None, log=None) -> Path:
-    """The cached F16 copy of `src`, converting it first when it is not cached yet.
+def f16_gguf_path(src: PathLike, cache_dir: Optional[PathLike] = None, log=None, kind: str = "F16") -> Path:
+    """The cached F16 (or, with `kind` "F32", F32) copy of `src`, converting it first when it is
+    not cached yet.
 
     Args:
         src: a GGUF file (any tensor types `gguf.quants` can dequantize).
         cache_dir: where to keep it (default `bench_cache_dir()`).
         log: optional callable(str) told when a conversion runs and how long it took.
+        kind: "F16" or "F32".
     Returns:
-        ``<cache_dir>/<src stem>.<sha256[:16]>.<format>.F16.gguf``.
+        ``<cache_dir>/<src stem>.<sha256[:16]>.<format>.<kind>.gguf``.
+    Raises:
+        ValueError: another `kind`.
     """
     import time
 
     src = Path(src)
     folder = Path(cache_dir) if cache_dir is not None else bench_cache_dir()
-    dst = folder / f"{src.stem}.{file_sha256(src)[:16]}.{_FORMAT}.F16.gguf"
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
+    dst = folder / f"{src.stem}.{file_sha256(src)[:16]}.{_FORMAT}.{kind}.gguf"
     if not dst.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        convert_to_f16(src, dst)
+        convert_to_f16(src, dst, kind)
         if log is not None:
             log(f"wrote {dst} ({dst.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s")
     return dst

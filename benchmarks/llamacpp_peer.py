@@ -49,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-WEIGHTS = ("q4_1", "f16")
+WEIGHTS = ("q4_1", "f16", "f32")
 DEFAULT_PARALLEL = (1, 8, 32, 64)
 _CTX_ALIGN = 256  # llama.cpp rounds context sizes up to this
 
@@ -59,7 +59,7 @@ class LlamaCppConfig:
     """One llama.cpp peer configuration.
 
     Attributes:
-        weights: "q4_1" (the bundled GGUF) or "f16" (`benchmarks.gguf_f16`'s copy of it).
+        weights: "q4_1" (the bundled GGUF), "f16" or "f32" (`benchmarks.gguf_f16`'s copies of it).
         parallel: sequences decoded together (1 = one request at a time).
         n_batch: most tokens per ``llama_decode`` call (decode tokens + prompt tokens).
         n_ubatch: most tokens llama.cpp computes in one graph (it splits a batch into these).
@@ -101,7 +101,7 @@ def all_configs(weights: Sequence[str] = WEIGHTS, parallel: Sequence[int] = DEFA
 
 
 def parse_config_name(name: str, **kwargs: Any) -> LlamaCppConfig:
-    """``llamacpp-<q4_1|f16>-<serial|pN>`` -> its `LlamaCppConfig`.
+    """``llamacpp-<q4_1|f16|f32>-<serial|pN>`` -> its `LlamaCppConfig`.
 
     Raises:
         ValueError: a name of another shape.

@@ -15,7 +15,7 @@ generates exactly the same number of tokens per request (EOS ignored):
   counted as output).
 - ``llamacpp``: llama.cpp through ``llama-cpp-python``'s low-level batch API
   (`benchmarks.llamacpp_peer`), in every configuration asked for, one row
-  each: the bundled Q4_1 GGUF and an F16 GGUF written from it
+  each: the bundled Q4_1 GGUF and F16 and F32 GGUFs written from it
   (`benchmarks.gguf_f16`, cached on disk), each one request at a time
   (``llamacpp-q4_1-serial``) and batched with P parallel sequences, continuous
   refill and greedy sampling in C (``llamacpp-f16-p32``, ...). ``llamacpp``
@@ -35,7 +35,7 @@ Usage::
         [--engines tokenmill,hf,llamacpp | tokenmill,llamacpp-f16-p32,...] [--num-prompts N] [--quick]
         [--seed 0] [--max-num-seqs 128] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
         [--quantization int8|int4|gguf] [--kv-cache-dtype auto|int8]
-        [--llamacpp-weights q4_1,f16] [--llamacpp-parallel 1,8,32] [--llamacpp-n-batch 2048]
+        [--llamacpp-weights q4_1,f16,f32] [--llamacpp-parallel 1,8,32] [--llamacpp-n-batch 2048]
         [--llamacpp-n-ubatch 512] [--llamacpp-kv-unified] [--llamacpp-no-shared-prefix] [--threads N]
         [--wait-quiet SECONDS] [--output-json F]
 
@@ -231,12 +231,12 @@ def llamacpp_available() -> Optional[str]:
 
 
 def llamacpp_gguf(weights: str, log: Any = print) -> Path:
-    """The GGUF file of a llama.cpp weights name: the bundled Q4_1 file, or its cached F16 copy."""
+    """The GGUF file of a llama.cpp weights name: the bundled Q4_1 file, or its cached F16 or F32 copy."""
     from benchmarks.gguf_f16 import f16_gguf_path
     from engine.weights import default_gguf_path
 
     src = Path(default_gguf_path())
-    return src if weights == "q4_1" else f16_gguf_path(src, log=log)
+    return src if weights == "q4_1" else f16_gguf_path(src, log=log, kind=weights.upper())
 
 
 def run_llamacpp(path: str, wl: Workload, cfg: "llamacpp_peer.LlamaCppConfig", threads: int) -> dict[str, Any]:
@@ -407,7 +407,7 @@ def parse_engines(spec: str, llamacpp_weights: Sequence[str] = llamacpp_peer.WEI
         else:
             bad.append(n)
     if bad or not names:
-        raise ValueError(f"unknown engine(s) {bad}; choose from {list(ENGINES)}, llamacpp-<q4_1|f16>-<serial|pN> or "
+        raise ValueError(f"unknown engine(s) {bad}; choose from {list(ENGINES)}, llamacpp-<q4_1|f16|f32>-<serial|pN> or "
                          f"tokenmill-<{'|'.join(TOKENMILL_VARIANTS)}>")
     return list(dict.fromkeys(names))
 
@@ -506,7 +506,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--workload", default="all", help="|".join(WORKLOADS) + "|all, or a comma list")
     p.add_argument("--engines", default="tokenmill,hf,llamacpp",
                    help="comma list: tokenmill, tokenmill-<int8|int4|gguf|w8a8|kv-int8>, hf, llamacpp (all its "
-                        "configurations), llamacpp-<q4_1|f16>-<serial|pN>")
+                        "configurations), llamacpp-<q4_1|f16|f32>-<serial|pN>")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default per workload)")
     p.add_argument("--quick", action="store_true", help="few prompts, outputs capped at 32 tokens (smoke run)")
     p.add_argument("--seed", type=int, default=0)
@@ -518,7 +518,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's KV cache: auto|int8")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--llamacpp-weights", default=",".join(llamacpp_peer.WEIGHTS),
-                   help="weights 'llamacpp' expands to: q4_1 (bundled GGUF), f16 (an F16 copy, cached)")
+                   help="weights 'llamacpp' expands to: q4_1 (bundled GGUF), f16, f32 (F16 and F32 copies, cached)")
     p.add_argument("--llamacpp-parallel", default=",".join(map(str, llamacpp_peer.DEFAULT_PARALLEL)),
                    help="parallel sequences 'llamacpp' expands to (1 = one request at a time)")
     p.add_argument("--llamacpp-n-batch", type=int, default=2048, help="llama.cpp tokens per llama_decode call")

@@ -141,6 +141,7 @@ def test_parse_engines_expands_llamacpp_to_every_configuration():
     cfg = parse_config_name("llamacpp-q4_1-p8", n_batch=256)
     assert (cfg.weights, cfg.parallel, cfg.n_batch, cfg.name) == ("q4_1", 8, 256, "llamacpp-q4_1-p8")
     assert parse_config_name("llamacpp-f16-serial").parallel == 1
+    assert parse_config_name("llamacpp-f32-p64").weights == "f32"
     for bad in ("vllm", "llamacpp-bf16-p8", "llamacpp-f16-p0", "llamacpp-f16", ""):
         with pytest.raises(ValueError):
             parse_engines(bad)
@@ -297,6 +298,25 @@ def test_f16_conversion_keeps_every_field_and_the_dequantized_values(tmp_path):
     assert not (tmp_path / "tiny.F16.gguf.tmp").exists()
 
 
+def test_f32_conversion_holds_the_dequantized_values_exactly(tmp_path):
+    import gguf
+
+    from benchmarks.gguf_f16 import convert_to_f16
+
+    src, dst = tmp_path / "tiny.gguf", tmp_path / "tiny.F32.gguf"
+    _tiny_gguf(src, np.random.default_rng(0))
+    convert_to_f16(src, dst, "F32")
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    assert b.fields["general.file_type"].contents() == 0
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert tb.tensor_type == gguf.GGMLQuantizationType.F32 and list(ta.shape) == list(tb.shape)
+        np.testing.assert_array_equal(gguf.quants.dequantize(tb.data, tb.tensor_type),
+                                      gguf.quants.dequantize(ta.data, ta.tensor_type))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        convert_to_f16(src, tmp_path / "x.gguf", "BF16")
+
+
 def test_f16_copy_is_cached_by_the_source_hash(tmp_path):
     from benchmarks.gguf_f16 import f16_gguf_path
 
@@ -310,6 +330,8 @@ def test_f16_copy_is_cached_by_the_source_hash(tmp_path):
     _tiny_gguf(src, np.random.default_rng(1))  # same name, other weights: another entry
     second = f16_gguf_path(src, cache_dir=tmp_path / "cache", log=logs.append)
     assert second != first and second.is_file() and len(logs) == 2
+    f32 = f16_gguf_path(src, cache_dir=tmp_path / "cache", log=logs.append, kind="F32")
+    assert f32.name.endswith(".F32.gguf") and f32 != second and len(logs) == 3
 
 
 # ----------------------------------------------------------------- llama.cpp (optional)
