@@ -372,3 +372,32 @@ class SamplingParams:
             if self.n != 1:
                 return f"score_choices needs n == 1, got n={self.n}"
         return None
+
+
+def prompt_text_error(prompt: str) -> Optional[str]:
+    """The rule for a text prompt before tokenization: None if it may run, else the error message.
+
+    An empty or all-blank prompt (`""`, `"   "`, `"\\n\\t"`) is refused: `prompt is empty`. The same
+    function decides for `LLM.generate` (an error output) and for a job's row (an error row), so both
+    refuse the same prompts with the same words.
+    """
+    if not prompt.strip():
+        return "prompt is empty"
+    return None
+
+
+def prompt_length_error(num_prompt_tokens: int, max_model_len: int) -> Optional[str]:
+    """The context rule for a tokenized prompt: None if it leaves room for output, else the error message.
+
+    Args:
+        num_prompt_tokens: the prompt's length in tokens (chat template and special tokens included).
+        max_model_len: the engine's context length in tokens.
+
+    A prompt must be shorter than the context (`num_prompt_tokens < max_model_len`), so that at
+    least one output token fits. `LLM.generate` and a job's rows (`pipeline.schema.length_rule`)
+    both apply it.
+    """
+    if num_prompt_tokens >= max_model_len:
+        return (f"prompt is too long: {num_prompt_tokens} tokens, and the model's context (max_model_len) is "
+                f"{max_model_len} tokens, which leaves no room for output")
+    return None

@@ -24,7 +24,7 @@ import torch
 
 from .attention import get_backend
 from .attention.torch_quant_kv import TorchQuantKVAttentionBackend
-from .config import EngineConfig, SamplingParams, SpeculativeConfig
+from .config import EngineConfig, SamplingParams, SpeculativeConfig, prompt_length_error, prompt_text_error
 from .core import EngineCore
 from .kv_cache import BlockPool, KVCache, block_key
 from .metrics import EngineStats
@@ -768,6 +768,18 @@ class LLM:
                 not a sequence of one-character prompts.
             sampling_params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar (requests done, input and output tokens/s).
+
+        Returns:
+            One RequestOutput per prompt, in input order (`request_id` is the prompt's index).
+
+        A bad request does not raise, as a job's bad row becomes an error row: its output has
+        `finish_reason == "error"` in every completion, no tokens, and `.error` naming the problem,
+        in the words a job's error row uses; the other prompts run. Bad requests are: an empty or
+        all-blank prompt (`""`, `"   "`, `[]`: `prompt is empty`), a token id outside the vocabulary,
+        a prompt that leaves no room for output within `max_model_len` (`prompt is too long: ...`),
+        and invalid sampling parameters (`SamplingParams.validate`, e.g. `max_tokens must be an
+        integer >= 1, got 0`).
+
         Raises:
             ValueError: only for a sampling_params list whose length differs from prompts.
         """
@@ -858,7 +870,7 @@ class LLM:
         valid one gets its n Sequences, seeded (a request without a seed draws from the engine's).
         """
         vocab = self.tokenizer.vocab_size
-        texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str) and p != ""]
+        texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str) and prompt_text_error(p) is None]
         encoded = dict(zip((i for i, _ in texts), self.tokenizer.encode_batch([p for _, p in texts]))) if texts else {}
         now = time.time()
         reqs: list[Request] = []
@@ -871,12 +883,13 @@ class LLM:
             elif isinstance(prompt, str):
                 text = prompt
                 ids = encoded.get(i, [])
-                if not ids:
-                    error = "prompt: empty prompt"
+                error = prompt_text_error(prompt)
+                if error is None and not ids:
+                    error = "prompt is empty after tokenization"
             elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 ids = list(prompt)
                 if not ids:
-                    error = "prompt: empty prompt"
+                    error = "prompt is empty"
                 elif any(t < 0 or t >= vocab for t in ids):
                     bad = next(t for t in ids if t < 0 or t >= vocab)
                     error = f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
@@ -886,12 +899,8 @@ class LLM:
                 error = f"sampling_params: expected SamplingParams, got {type(params).__name__}"
             if error is None:
                 error = params.validate(vocab)
-            if error is None and len(ids) >= self.max_model_len:
-                error = (
-                    f"prompt: {len(ids)} tokens leaves no room for output within max_model_len={self.max_model_len}"
-                    if len(ids) == self.max_model_len
-                    else f"prompt: {len(ids)} tokens is longer than max_model_len={self.max_model_len}"
-                )
+            if error is None:
+                error = prompt_length_error(len(ids), self.max_model_len)
             grammar = None
             if error is None and params.structured_outputs is not None:
                 grammar, error = self.structured.matcher_for(params.structured_outputs)

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 import polars as pl
 import pyarrow as pa
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, prompt_length_error, prompt_text_error
 from engine.structured.params import StructuredOutputsParams
 
 PROMPT_COLUMN = "prompt"
@@ -312,8 +312,9 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
             raise ValueError(what)
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r}")
-        if not prompt.strip():
-            raise ValueError("prompt is empty")
+        problem = prompt_text_error(prompt)  # the engine's rule: LLM.generate refuses the same prompts
+        if problem is not None:
+            raise ValueError(problem)
         if use_chat_template:
             messages = [{"role": "user", "content": prompt}]
             if system is not None:
@@ -347,9 +348,9 @@ def length_rule(n_prompt: int, max_tokens: Optional[int], max_model_len: Optiona
     """
     if max_model_len is None:
         return None, max_tokens
-    if n_prompt >= max_model_len:
-        return (f"prompt is too long: {n_prompt} tokens, and the model's context (max_model_len) is "
-                f"{max_model_len} tokens, which leaves no room for output"), max_tokens
+    problem = prompt_length_error(n_prompt, max_model_len)  # the engine's rule, in its words
+    if problem is not None:
+        return problem, max_tokens
     room = max_model_len - n_prompt
     if max_tokens is not None and max_tokens > room:
         if truncate:

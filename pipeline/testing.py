@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, prompt_length_error, prompt_text_error
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -60,11 +60,12 @@ class FakeLLM:
     def _one(self, i: int, prompt, params: SamplingParams) -> RequestOutput:
         now = time.time()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        problem = params.validate(self.tokenizer.vocab_size)
+        problem = prompt_text_error(prompt) if isinstance(prompt, str) else None
         if problem is None and not ids:
             problem = "prompt is empty"
-        if problem is None and len(ids) >= self.max_model_len:
-            problem = f"prompt ({len(ids)} tokens) is longer than max_model_len ({self.max_model_len})"
+        problem = problem or params.validate(self.tokenizer.vocab_size)
+        if problem is None:
+            problem = prompt_length_error(len(ids), self.max_model_len)
         if problem is not None:
             comps = [CompletionOutput(0, "", [], "error", error=problem)]
             return RequestOutput(str(i), None, ids, comps, metrics=RequestMetrics(now), error=problem)

@@ -139,3 +139,30 @@ def test_unknown_model_raises(model):
 def test_invalid_engine_kwargs_raise(kwargs, name):
     with pytest.raises((ValueError, TypeError), match=name):
         LLM(MODEL, **kwargs)
+
+
+def test_blank_prompts_are_error_outputs_in_the_words_of_a_jobs_error_row(small_llm):
+    """A whitespace-only prompt is refused as an empty one is, by the API and by a job alike, and the two
+    describe the same problem (empty, too long) in the same words."""
+    from pipeline.schema import InputLayout, build_request
+
+    llm = small_llm
+    long_text = "Four score and seven years ago our fathers brought forth " * 8
+    n_long = len(llm.tokenizer.encode(long_text))
+    assert n_long > MAX_MODEL_LEN
+    too_long = (f"prompt is too long: {n_long} tokens, and the model's context (max_model_len) is {MAX_MODEL_LEN} "
+                f"tokens, which leaves no room for output")
+    outs = llm.generate(["   ", "\n\t ", "Hi", [], "", long_text], SamplingParams(temperature=0, max_tokens=2),
+                        use_tqdm=False)
+    assert [o.error for o in outs] == ["prompt is empty", "prompt is empty", None, "prompt is empty",
+                                       "prompt is empty", too_long]
+    for i in (0, 1, 3, 4, 5):
+        assert outs[i].request_id == str(i) and [c.finish_reason for c in outs[i].outputs] == ["error"]
+        assert outs[i].outputs[0].token_ids == [] and outs[i].outputs[0].error == outs[i].error
+    assert outs[2].outputs[0].finish_reason in ("stop", "length") and outs[2].outputs[0].token_ids
+
+    layout = InputLayout.from_schema(["id", "prompt"])
+    rows = [build_request({"id": 1, "prompt": p}, layout, llm.tokenizer, SamplingParams(max_tokens=1),
+                          use_chat_template=False, max_model_len=llm.max_model_len, vocab_size=llm.tokenizer.vocab_size)
+            for p in ("   ", "\n\t ", "", long_text)]
+    assert [r.error for r in rows] == ["prompt is empty", "prompt is empty", "prompt is empty", too_long]
