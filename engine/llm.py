@@ -793,7 +793,21 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the chat template to each conversation ({role, content} dicts), then generate.
 
-        A malformed conversation becomes an error output; the others run.
+        Args:
+            conversations: a list of conversations, or one conversation (a list of dicts).
+            sampling_params, use_tqdm: as for `generate`.
+            add_generation_prompt: end the rendered text with the assistant turn's header.
+
+        Returns:
+            One RequestOutput per conversation, in input order (`request_id` is its index).
+
+        A malformed conversation does not raise: its output is an error output (as in `generate`)
+        whose `.error` names the message's index, the field and the bad value, in the words a job's
+        `messages` error row uses (`engine.tokenizer.validate_messages`): a role other than
+        `tokenizer.chat_roles` (system, user, assistant; tool when the model's chat template handles
+        tool messages), e.g. `messages[1].role must be one of ['system', 'user', 'assistant'], got
+        'wizard'`; an empty or all-blank content, `messages[0].content is empty ('')`; a content that
+        is not a string; an empty conversation. The other conversations run.
         """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # a single conversation
@@ -801,8 +815,10 @@ class LLM:
         for conv in conversations:
             try:
                 prompts.append(self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt))
+            except ValueError as e:  # validate_messages: already says which message and what is wrong
+                prompts.append(_BadPrompt(str(e)))
             except Exception as e:  # noqa: BLE001 - one bad conversation never fails the batch
-                prompts.append(_BadPrompt(f"messages: {e}"))
+                prompts.append(_BadPrompt(f"messages: {type(e).__name__}: {e}"))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def iter_outputs(self, prompts: Seq[PromptType], sampling_params=None,

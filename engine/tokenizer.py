@@ -23,6 +23,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Iterable, Optional, Sequence
@@ -191,26 +192,40 @@ def _generation_config_eos(folder: str) -> set[int]:
     return set()
 
 
-def validate_messages(messages: Any) -> None:
-    """Check a chat conversation: a non-empty list of dicts with str `role` and str `content`.
+CHAT_ROLES = ("system", "user", "assistant")  # every chat template renders these
+TOOL_ROLE = "tool"  # accepted where the model's chat template handles tool messages (see Tokenizer.chat_roles)
+
+
+def validate_messages(messages: Any, roles: Sequence[str] = (*CHAT_ROLES, TOOL_ROLE)) -> None:
+    """Check a chat conversation: a non-empty list of {role, content} dicts, each role one of `roles`,
+    each content a string that is not empty or all blank.
+
+    The one rule for conversations: `LLM.chat` and a job's `messages` rows both apply it, so both refuse
+    the same conversations in the same words (`messages[1].role must be one of ['system', 'user',
+    'assistant'], got 'wizard'`, `messages[0].content is empty`).
+
+    Args:
+        roles: the roles accepted (`Tokenizer.chat_roles` for a model's template).
 
     Raises:
-        ValueError: naming the problem and the index of the bad message.
+        ValueError: naming the index of the bad message, the field and the bad value.
     """
-    if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"messages must be a list of {{role, content}} dicts, got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages must not be empty")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        got = "an empty list" if isinstance(messages, (list, tuple)) else type(messages).__name__
+        raise ValueError(f"messages must be a non-empty list of {{role, content}}, got {got}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+            raise ValueError(f"messages[{i}] must be a {{role, content}} object, got {type(m).__name__}")
         for key in ("role", "content"):
             if key not in m:
                 raise ValueError(f"messages[{i}] is missing {key!r}")
-            if not isinstance(m[key], str):
-                raise ValueError(f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}")
-        if not m["role"]:
-            raise ValueError(f"messages[{i}]['role'] must not be empty")
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str) or role not in roles:
+            raise ValueError(f"messages[{i}].role must be one of {list(roles)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        if not content.strip():
+            raise ValueError(f"messages[{i}].content is empty ({content!r})")
 
 
 class Tokenizer:
@@ -230,6 +245,8 @@ class Tokenizer:
         bos_token_id: the tokenizer's BOS id, or None (whether it is *added*
             is the tokenizer's post-processor's business).
         has_chat_template: whether `apply_chat_template` can be used.
+        chat_roles: the message roles `apply_chat_template` accepts: system, user, assistant, and
+            tool when the chat template handles tool messages.
         name_or_path: where it was loaded from.
     """
 
@@ -256,6 +273,12 @@ class Tokenizer:
         eos.update(int(i) for i in extra_eos_ids if 0 <= int(i) < self.vocab_size)
         self.eos_token_ids: set[int] = eos
         self.has_chat_template: bool = bool(getattr(hf_tokenizer, "chat_template", None))
+        # a template that handles tool messages tests for the role by name (`message.role == "tool"`:
+        # Llama 3.1, Qwen2.5, Mistral); one that does not (SmolLM2's ChatML) renders any role verbatim,
+        # `<|im_start|>tool` included, as if it were a turn the model knows
+        template = str(getattr(hf_tokenizer, "chat_template", None) or "")
+        self.chat_roles: tuple[str, ...] = CHAT_ROLES + (
+            (TOOL_ROLE,) if re.search(rf"""["']{TOOL_ROLE}["']""", template) else ())
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -366,15 +389,16 @@ class Tokenizer:
         """Render a conversation with the model's chat template (e.g. ChatML for SmolLM2).
 
         Args:
-            messages: list of {"role": str, "content": str}.
+            messages: list of {"role": str, "content": str}; roles from `chat_roles`, contents
+                not empty.
             add_generation_prompt: append the assistant turn header so the
                 model answers.
 
         Raises:
-            ValueError: malformed `messages` (naming the problem), or the
-                tokenizer has no chat template.
+            ValueError: malformed `messages` (`validate_messages`: the message's index, the field
+                and the bad value), or the tokenizer has no chat template.
         """
-        validate_messages(messages)
+        validate_messages(messages, self.chat_roles)
         if not self.has_chat_template:
             raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template; pass plain prompts instead")
         clean = [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -29,12 +29,13 @@ import pyarrow as pa
 
 from engine.config import SamplingParams, prompt_length_error, prompt_text_error
 from engine.structured.params import StructuredOutputsParams
+from engine.tokenizer import CHAT_ROLES, TOOL_ROLE, validate_messages
 
 PROMPT_COLUMN = "prompt"
 MESSAGES_COLUMN = "messages"
 CONSTRAINT_COLUMNS = ("json_schema", "regex", "choice", "grammar")  # -> StructuredOutputsParams json/regex/...
 OVERRIDE_COLUMNS = ("system", "max_tokens", "temperature", "top_p", "seed", "stop", *CONSTRAINT_COLUMNS)
-MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_ROLES = (*CHAT_ROLES, TOOL_ROLE)  # a tokenizer's `chat_roles` narrows them to what its template handles
 
 # Output columns added after the id and pass-through columns, in this order.
 GENERATION_COLUMNS: dict[str, pl.DataType] = {
@@ -217,32 +218,28 @@ def row_constraint(overrides: dict[str, Any], defaults: SamplingParams) -> Optio
     return StructuredOutputsParams(**{field_name: value}, disable_any_whitespace=compact)
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any, roles: Sequence[str] = MESSAGE_ROLES) -> list[dict[str, str]]:
     """Normalise a `messages` cell to a list of {role, content} dicts.
 
-    Accepts a list of dicts (Parquet list<struct>) or a JSON string of one.
+    Accepts a list of dicts (Parquet list<struct>) or a JSON string of one. The conversation rule is
+    the engine's (`engine.tokenizer.validate_messages`, as `LLM.chat` applies it): each role one of
+    `roles`, each content a non-blank string.
+
+    Args:
+        roles: the roles accepted (the model tokenizer's `chat_roles`; default: system, user,
+            assistant, tool).
 
     Raises:
-        ValueError: with a message saying what is wrong with the value.
+        ValueError: with a message saying what is wrong with the value (the message's index, the
+            field and the bad value).
     """
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"messages is not valid JSON: {exc.msg} at position {exc.pos}") from None
-    if not isinstance(value, (list, tuple)) or len(value) == 0:
-        raise ValueError(f"messages must be a non-empty list of {{role, content}}, got {type(value).__name__}")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be a {{role, content}} object, got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if role not in MESSAGE_ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {list(MESSAGE_ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
-    return out
+    validate_messages(value, roles)
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def build_request(
@@ -298,7 +295,7 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
 
     messages_value = row.get(MESSAGES_COLUMN) if layout.has_messages else None
     if messages_value is not None:
-        messages = parse_messages(messages_value)
+        messages = parse_messages(messages_value, getattr(tokenizer, "chat_roles", MESSAGE_ROLES))
         if not use_chat_template:
             raise ValueError("messages rows need the chat template (chat_template is off or the model has none)")
         if system is not None and messages[0]["role"] != "system":

@@ -166,3 +166,38 @@ def test_blank_prompts_are_error_outputs_in_the_words_of_a_jobs_error_row(small_
                           use_chat_template=False, max_model_len=llm.max_model_len, vocab_size=llm.tokenizer.vocab_size)
             for p in ("   ", "\n\t ", "", long_text)]
     assert [r.error for r in rows] == ["prompt is empty", "prompt is empty", "prompt is empty", too_long]
+
+
+def test_chat_refuses_unknown_roles_and_empty_contents_naming_the_message_like_a_job_row(small_llm):
+    """A bogus role or an empty content makes that conversation an error output (at its index) naming the
+    message, the field and the value; the job's `messages` rows say the same words for the same problem."""
+    import json
+
+    from pipeline.schema import InputLayout, build_request
+
+    llm = small_llm
+    roles = "['system', 'user', 'assistant']"  # SmolLM2's template handles no tool messages
+    convs = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Abracadabra"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}],
+        [{"role": "user", "content": "   "}],
+        [{"role": "tool", "content": "42"}],
+        [],
+    ]
+    want = [None,
+            f"messages[1].role must be one of {roles}, got 'wizard'",
+            "messages[0].content is empty ('')",
+            "messages[0].content is empty ('   ')",
+            f"messages[0].role must be one of {roles}, got 'tool'",
+            "messages must be a non-empty list of {role, content}, got an empty list"]
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert [o.request_id for o in outs] == [str(i) for i in range(len(convs))]
+    assert [o.error for o in outs] == want
+    assert outs[0].outputs[0].finish_reason in ("stop", "length") and outs[0].outputs[0].token_ids
+    assert all(o.outputs[0].finish_reason == "error" and o.outputs[0].token_ids == [] for o in outs[1:])
+
+    layout = InputLayout.from_schema(["id", "messages"])
+    rows = [build_request({"id": i, "messages": json.dumps(c)}, layout, llm.tokenizer, SamplingParams(max_tokens=1),
+                          max_model_len=llm.max_model_len).error for i, c in enumerate(convs)]
+    assert rows == want

@@ -6,6 +6,7 @@ facts of the model card (ChatML markers, `<|im_end|>` is EOS).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -213,22 +214,44 @@ def test_encode_chat_parses_markers(tok: Tokenizer):
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(msgs)
 
 
+ROLES = "['system', 'user', 'assistant']"  # SmolLM2's ChatML template has no tool messages
+
+
 @pytest.mark.parametrize(
     "messages, problem",
     [
-        ("hello", "must be a list"),
-        ({"role": "user", "content": "hi"}, "must be a list"),
-        ([], "must not be empty"),
-        (["hi"], r"messages\[0\] must be a dict"),
-        ([{"content": "hi"}], r"messages\[0\] is missing 'role'"),
-        ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\] is missing 'content'"),
-        ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] must be a str"),
-        ([{"role": None, "content": "hi"}], r"messages\[0\]\['role'\] must be a str"),
+        ("hello", "messages must be a non-empty list of {role, content}, got str"),
+        ({"role": "user", "content": "hi"}, "messages must be a non-empty list of {role, content}, got dict"),
+        ([], "messages must be a non-empty list of {role, content}, got an empty list"),
+        (["hi"], "messages[0] must be a {role, content} object, got str"),
+        ([{"content": "hi"}], "messages[0] is missing 'role'"),
+        ([{"role": "user", "content": "a"}, {"role": "user"}], "messages[1] is missing 'content'"),
+        ([{"role": "user", "content": 5}], "messages[0].content must be a string, got int"),
+        ([{"role": None, "content": "hi"}], f"messages[0].role must be one of {ROLES}, got None"),
+        ([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}],
+         f"messages[1].role must be one of {ROLES}, got 'wizard'"),
+        ([{"role": "tool", "content": "42"}], f"messages[0].role must be one of {ROLES}, got 'tool'"),
+        ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": ""}],
+         "messages[1].content is empty ('')"),
+        ([{"role": "user", "content": " \n"}], "messages[0].content is empty (' \\n')"),
     ],
 )
 def test_malformed_messages_raise_value_error(tok: Tokenizer, messages, problem):
-    with pytest.raises(ValueError, match=problem):
+    with pytest.raises(ValueError) as exc:
         tok.apply_chat_template(messages)
+    assert str(exc.value) == problem
+
+
+def test_the_tool_role_is_accepted_where_the_chat_template_handles_it(tok: Tokenizer):
+    assert tok.chat_roles == ("system", "user", "assistant")  # ChatML as SmolLM2 ships it: no tool turns
+    tool_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}<tool>{{ m['content'] }}</tool>"
+                     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
+    hf = copy.deepcopy(tok.hf)
+    hf.chat_template = tool_template
+    with_tools = Tokenizer(hf, "with-tools")
+    assert with_tools.chat_roles == ("system", "user", "assistant", "tool")
+    assert with_tools.apply_chat_template([{"role": "user", "content": "2*21?"}, {"role": "tool", "content": "42"}],
+                                          add_generation_prompt=False) == "<|im_start|>user\n2*21?<|im_end|>\n<tool>42</tool>"
 
 
 # --------------------------------------------------------- incremental detokenize
