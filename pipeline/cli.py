@@ -17,11 +17,17 @@ adds the traceback); warnings print as `tokenmill: warning: ...`. Ctrl-C or
 SIGTERM abandons the shards in flight (nothing partial is committed), books
 the run's cost and prints one line; a second one exits at once.
 
-Exit codes: 0 done, 1 bad input or failure (storage errors included), 2 the
-output holds a job with another spec (pass --overwrite), 3 another run holds
-the output's lease, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, 141
-(128 + SIGPIPE, as a shell gives a tool its pipe killed) when stdout was closed
-(`tokenmill report OUT | head -1`), quietly.
+Exit codes, one meaning each (a script may act on them):
+    0    done
+    1    refused or failed: a bad option or input (usage errors that argparse catches
+         included: they exit 1, not argparse's usual 2), an output that cannot hold a job
+         (a file, overlapping the input), a storage error, a failed run
+    2    the output holds another job: a changed spec or input, or part files without a
+         manifest; `--overwrite` replaces it (and only this refusal is fixed by it)
+    3    another run holds the output's lease; wait, or let its lease expire
+    130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM
+    141  stdout was closed (`tokenmill report OUT | head -1`), quietly (128 + SIGPIPE, as a
+         shell reports a tool whose pipe closed)
 """
 from __future__ import annotations
 
@@ -288,7 +294,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     spec = spec_from_args(args, base)
     if not Path(spec.input).exists():
         print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
     _echo(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}")
     rc = _run(spec)
     if rc == 0 and args.job == "labelling":
@@ -332,8 +338,25 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_REFUSED = 1  # a bad option or input, a failure (see the module docstring)
+EXIT_OTHER_JOB = 2  # the output holds another job: --overwrite replaces it
+EXIT_LOCKED = 3  # another run holds the output's lease
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors exit EXIT_REFUSED, as every other bad option does: argparse's
+    own 2 would read as EXIT_OTHER_JOB, and a script that re-runs with --overwrite on 2 would then
+    delete a job's outputs over a mistyped flag."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        """Print the usage and the message on stderr, then exit EXIT_REFUSED (raises SystemExit)."""
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_REFUSED, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="Offline batch LLM inference: Parquet in, "
+    """The `tokenmill` argument parser (run, demo, report); a usage error exits 1 (SystemExit)."""
+    parser = _Parser(prog="tokenmill", description="Offline batch LLM inference: Parquet in, "
                                      "generations and a cost report out.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", "-v", action="store_true", help="print the traceback with an error")
@@ -415,13 +438,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 128 + int(getattr(exc, "signum", signal.SIGINT))
     except JobSpecChanged as exc:
-        return _fail(str(exc), verbose, 2)
+        return _fail(str(exc), verbose, EXIT_OTHER_JOB)
     except JobLocked as exc:
-        return _fail(str(exc), verbose, 3)
+        return _fail(str(exc), verbose, EXIT_LOCKED)
     except (StorageError, LeaseLost) as exc:
-        return _fail(str(exc), verbose, 1)
+        return _fail(str(exc), verbose, EXIT_REFUSED)
     except (FileNotFoundError, ValueError) as exc:
-        return _fail(str(exc), verbose, 1)
+        return _fail(str(exc), verbose, EXIT_REFUSED)
     finally:
         warnings.showwarning = old_show
         for s, h in old_handlers.items():

@@ -289,7 +289,7 @@ def test_an_option_value_that_looks_like_json_but_is_not_says_so(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         main(["run", "--input", str(inp), "--output", str(tmp_path / "out"),
               "--engine-option", "speculative_config={not json"])
-    assert e.value.code == 2
+    assert e.value.code == 1  # a bad option, as every other (2 is only "the output holds another job")
     err = capsys.readouterr().err
     assert "speculative_config={not json: not valid JSON (Expecting property name enclosed in double quotes" in err
     assert not (tmp_path / "out").exists()
@@ -297,3 +297,43 @@ def test_an_option_value_that_looks_like_json_but_is_not_says_so(tmp_path, capsy
     from pipeline.cli import _kv
 
     assert _kv("quantization=gguf") == ("quantization", "gguf") and _kv("seed=7") == ("seed", 7)
+
+
+def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
+    """0 done; 1 any bad option or input, argparse's usage errors included; 2 only for an output holding
+    another job (what --overwrite fixes); 3 only for an output another run holds."""
+    import pytest
+
+    from pipeline import JobSpec, cache_llm
+    from pipeline.testing import FakeLLM
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2], "prompt": ["Say yes.", "Say no."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 11}), FakeLLM())  # a key no other test uses
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=11"]
+
+    def usage_error(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        assert exc.value.code == 1, argv
+        return capsys.readouterr().err
+
+    assert "argument --plan: invalid choice: 'bogus'" in usage_error(*run, "--plan", "bogus")
+    assert "argument --shard-size: invalid int value: 'x'" in usage_error(*run, "--shard-size", "x")
+    assert "run needs --input and --output" in usage_error("run", "--input", str(inp))
+    assert "invalid choice: 'frobnicate'" in usage_error("frobnicate")
+    assert main(run + ["--shard-size", "0"]) == 1  # the same option, refused by the spec's validation
+    assert capsys.readouterr().err.splitlines()[1] == "  --shard-size: Input should be greater than or equal to 1 (got 0)"
+    assert not out.exists()
+
+    assert main(run + ["--max-tokens", "3"]) == 0
+    capsys.readouterr()
+    assert main(run + ["--max-tokens", "4"]) == 2
+    assert "max_tokens: 3 -> 4" in capsys.readouterr().err
+    assert main(run + ["--max-tokens", "4", "--output", str(inp)]) == 1  # an output that is a file: not 2
+    assert capsys.readouterr().err.startswith(f"tokenmill: output {inp} is a file")
+    assert main(run + ["--max-tokens", "4", "--overwrite"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
