@@ -15,7 +15,8 @@ Options override the fields of a `--spec` YAML/JSON file.
 Errors print in a few lines naming what failed and what to do (`--verbose`
 adds the traceback); warnings print as `tokenmill: warning: ...`. Ctrl-C or
 SIGTERM abandons the shards in flight (nothing partial is committed), books
-the run's cost and prints one line; a second one exits at once.
+the run's cost, prints that partial cost report on stdout (headed `cost report
+(partial: ...)`) and one line on stderr; a second one exits at once.
 
 Exit codes, one meaning each (a script may act on them):
     0    done
@@ -246,6 +247,16 @@ def _print_report(row: dict) -> None:
     _echo(format_report(row))
 
 
+def _print_partial_report(exc: JobInterrupted) -> None:
+    """The booked cost row of an interrupted run on stdout, headed as partial (a closed stdout is let be)."""
+    try:
+        _echo(f"\ncost report (partial: interrupted after {exc.shards_done} of {exc.shards_total} shards; counts are "
+              f"this run's committed shards, discarded_completion_tokens the output it abandoned)")
+        _echo(format_report(exc.report.as_row()))
+    except StdoutClosed:
+        _silence_stdout()
+
+
 def _run(spec: JobSpec) -> int:
     if spec.cluster:
         row = _run_on_cluster(spec)
@@ -430,6 +441,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _silence_stdout()
         return 128 + signal.SIGPIPE
     except JobInterrupted as exc:
+        if exc.report is not None:
+            _print_partial_report(exc)
         print(f"tokenmill: interrupted after {exc.shards_done} of {exc.shards_total} shards; re-run the same "
               f"command to resume", file=sys.stderr)
         return 128 + exc.signum

@@ -1396,11 +1396,16 @@ class JobInterrupted(KeyboardInterrupt):
         shards_done: shards committed, this run and earlier ones.
         shards_total: shards in the job.
         signum: the signal that interrupted it (SIGINT for a plain KeyboardInterrupt).
+        report: the run's partial cost report as booked under `_job/runs/` (status "interrupted":
+            the wall time so far, the rows and tokens of the shards it committed, the output
+            tokens it discarded), or None when it could not be booked.
     """
 
-    def __init__(self, shards_done: int, shards_total: int, signum: int) -> None:
+    def __init__(self, shards_done: int, shards_total: int, signum: int,
+                 report: Optional[CostReport] = None) -> None:
         super().__init__(f"interrupted after {shards_done} of {shards_total} shards")
         self.shards_done, self.shards_total, self.signum = shards_done, shards_total, signum
+        self.report = report
 
 
 def _say(spec: JobSpec, text: str) -> None:
@@ -1430,7 +1435,8 @@ def run_job(
         This run's CostReport (also booked under `OUTPUT/_job/runs/`).
 
     Raises:
-        JobInterrupted: a KeyboardInterrupt (or a subclass carrying `signum`) stopped the run.
+        JobInterrupted: a KeyboardInterrupt (or a subclass carrying `signum`) stopped the run; its
+            `report` is the partial cost report booked for it.
         ValueError: `spec.cluster` is set (a cluster job runs through the flow).
         Everything `prepare_job` raises, and whatever failed the run (e.g. StorageError, LeaseLost).
     """
@@ -1493,11 +1499,12 @@ def run_job(
         if bar is not None:
             bar.close()
         discarded = max(out_tokens - sum(r.counts.completion_tokens for r in results), 0)
-        abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
-                  device=job_device(plan, results, llm, look_up=False), discarded_completion_tokens=discarded)
+        booked = abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
+                           device=job_device(plan, results, llm, look_up=False),
+                           discarded_completion_tokens=discarded)
         if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, JobInterrupted):
             done = len(plan.shards) - len(plan.pending) + len(results)
-            raise JobInterrupted(done, len(plan.shards), int(getattr(exc, "signum", signal.SIGINT))) from None
+            raise JobInterrupted(done, len(plan.shards), int(getattr(exc, "signum", signal.SIGINT)), booked) from None
         raise
     plan.close()
     return report

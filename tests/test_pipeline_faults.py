@@ -173,10 +173,14 @@ def test_failed_and_interrupted_runs_book_their_cost(tmp_path):
     with pytest.raises(JobInterrupted) as exc:
         run_job(spec, FakeLLM(on_output=interrupt))
     assert (exc.value.shards_done, exc.value.shards_total, exc.value.signum) == (2, 3, signal.SIGINT)
+    partial = exc.value.report  # the row booked for the interrupted run, for the CLI to print
+    assert (partial.status, partial.rows_ok, partial.rows_skipped, partial.completion_tokens) == ("interrupted", 3, 3, 6)
+    assert partial.discarded_completion_tokens == 2
     report = run_job(spec, FakeLLM())
 
     m = read_metrics(spec.output)
     assert m["status"].to_list() == ["failed", "interrupted", "ok"]
+    assert m.row(1, named=True) == partial.as_row()
     assert m["error"].to_list() == ["engine exploded", None, None]
     assert m["rows_ok"].to_list() == [3, 3, 3] and m["rows_skipped"].to_list() == [0, 3, 6]
     assert m["completion_tokens"].to_list() == [6, 6, 6]
@@ -233,6 +237,12 @@ def test_interrupt_prints_one_line_commits_nothing_partial_and_resumes(tmp_path,
     assert 1 <= n_done < 4
     assert stderr.splitlines() == [f"tokenmill: interrupted after {n_done} of 4 shards; re-run the same command "
                                    f"to resume"]
+    # the partial cost report, as booked, on stdout (a completed run prints its report there too)
+    lines = stdout.splitlines()
+    head = lines.index(f"cost report (partial: interrupted after {n_done} of 4 shards; counts are this run's "
+                       f"committed shards, discarded_completion_tokens the output it abandoned)")
+    table = dict(line.split(None, 1) for line in lines[head + 3:] if line.strip())
+    assert table["status"] == "interrupted" and table["rows_ok"] == str(3 * n_done) and table["rows_total"] == "12"
     assert sorted(p.name for p in out.glob("part-*")) == [f"part-{i:05d}.parquet" for i in range(n_done)]
     assert not list(out.glob(".tmp-*"))
     m = read_metrics(str(out))
