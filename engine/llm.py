@@ -39,7 +39,7 @@ from .spec_decode import SpecDecoder
 from .structured import StructuredOutputManager
 from .threads import apply_num_threads, default_num_threads
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from .weights import DEFAULT_MODEL, load_model_weights, model_config, resolve_model
+from .weights import DEFAULT_MODEL, ModelConfig, load_model_weights, model_config, resolve_model
 
 PromptType = Union[str, list[int]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,6 +100,40 @@ def make_attention_backend(attention_backend: str, kv_cache_dtype: str, cpu_kern
     if not cpu_kernels and hasattr(backend, "use_cpu_kernel"):
         backend.use_cpu_kernel = False
     return backend, kv_dtype
+
+
+def resolve_settings(cfg: EngineConfig) -> tuple[torch.device, torch.dtype, str]:
+    """(device, weights dtype, attention backend name) that an engine with `cfg` runs with: "auto" resolved
+    (CUDA when available, bf16 on CUDA and fp32 on the CPU, the Triton backend on CUDA and the PyTorch one
+    on the CPU)."""
+    dev = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+    backend = cfg.attention_backend if cfg.attention_backend != "auto" else (
+        "triton" if dev.type == "cuda" else "torch")
+    return dev, _DTYPES[dtype_name], backend
+
+
+def kv_block_bytes(backend, kv_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,
+                   block_size: int) -> int:
+    """Bytes of one KV block on one rank: K and V of `block_size` tokens for every layer, in the cache's
+    storage dtype, with the backend's layout (an int8 cache's per-row scales included). The engine's KV
+    cache holds `kv_cache_memory_bytes // kv_block_bytes(...)` blocks.
+
+    Args:
+        num_kv_heads: the rank's KV heads (the model's divided by tensor_parallel_size).
+    """
+    return 2 * num_layers * kv_dtype.itemsize * math.prod(backend.cache_shape(1, block_size, num_kv_heads, head_dim))
+
+
+def min_kv_cache_memory_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """The smallest `kv_cache_memory_bytes` an engine with `cfg` over a model of shape `model_cfg` accepts:
+    one KV block per rank (`kv_block_bytes`), in bytes. Cheap: no weights are read, no memory is allocated
+    (a job checks it before writing anything; `LLM` refuses a smaller budget when it sizes the cache).
+    """
+    _, dtype, backend_name = resolve_settings(cfg)
+    backend, kv_dtype = make_attention_backend(backend_name, cfg.kv_cache_dtype, cfg.cpu_kernels, dtype)
+    return kv_block_bytes(backend, kv_dtype, model_cfg.num_layers, model_cfg.num_kv_heads // cfg.tensor_parallel_size,
+                          model_cfg.head_dim, cfg.block_size)
 
 
 @functools.lru_cache(maxsize=4)
@@ -275,15 +309,10 @@ class LLM:
             apply_num_threads(self.num_threads)  # PyTorch's and the C kernels' pools alike (engine/threads.py)
         elif cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(dev)
+        self.device, self.dtype, self.attention_backend = resolve_settings(cfg)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
-        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.dtype = _DTYPES[dtype_name]
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.attention_backend = cfg.attention_backend if cfg.attention_backend != "auto" else (
-            "triton" if self.device.type == "cuda" else "torch")
 
         source = resolve_model(model)
         quant = None if cfg.quantization in (None, "none") else cfg.quantization
@@ -321,8 +350,7 @@ class LLM:
         self.backend, kv_dtype = make_attention_backend(self.attention_backend, cfg.kv_cache_dtype, cfg.cpu_kernels,
                                                         self.dtype)
         kv_heads = self.model.local.num_kv_heads
-        per_block = 2 * mcfg.num_layers * kv_dtype.itemsize * math.prod(
-            self.backend.cache_shape(1, bs, kv_heads, mcfg.head_dim))
+        per_block = kv_block_bytes(self.backend, kv_dtype, mcfg.num_layers, kv_heads, mcfg.head_dim, bs)
         infos = self.workers.wait_ready() if self.workers is not None else []
         budget = cfg.kv_cache_memory_bytes
         if budget is None:

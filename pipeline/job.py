@@ -651,7 +651,8 @@ def _refuse_inputs_the_job_would_replace(spec: JobSpec, files: list[io.InputFile
 def validate_spec(spec: JobSpec) -> None:
     """Check every option a job's spec sets, before anything is read or written: the sampling
     defaults, the engine options (known names, allowed values, the device being there, unless the
-    job runs on a `cluster`, whose workers hold the devices), the model.
+    job runs on a `cluster`, whose workers hold the devices; a `kv_cache_memory_bytes` of at least
+    one KV block of the model), the model.
 
     Raises:
         ValueError: naming the option and what is allowed.
@@ -684,7 +685,7 @@ def validate_spec(spec: JobSpec) -> None:
                          f"use --device cpu (or auto)")
     resolved = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        EngineConfig(model=spec.model, **{**kw, "device": resolved})
+        config = EngineConfig(model=spec.model, **{**kw, "device": resolved})
     except (ValueError, TypeError) as exc:
         raise ValueError(f"invalid engine option: {exc}") from None
     from engine.weights import resolve_model
@@ -693,6 +694,8 @@ def validate_spec(spec: JobSpec) -> None:
         source = resolve_model(spec.model)
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from None
+    if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
+        _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
     draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(
         kw.get("speculative_config"), dict) else None
     if isinstance(draft, str) and draft.startswith("self:") and draft[5:].isdigit():
@@ -717,6 +720,30 @@ def validate_spec(spec: JobSpec) -> None:
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
                          f"{spec.model!r} is a {source.kind} model (use int8 or int4)")
+
+
+def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:
+    """Refuse a `kv_cache_memory_bytes` below one KV block of the model, the least the engine's KV cache
+    holds (`engine.llm.min_kv_cache_memory_bytes`, from the model's metadata: no weights read), before
+    anything is written; the engine would refuse it only after the run's manifest.
+
+    Raises:
+        ValueError: naming the option, the value given and the minimum in bytes.
+    """
+    from engine.llm import min_kv_cache_memory_bytes
+    from engine.weights import model_config
+
+    try:
+        shape = model_config(source)
+        need = min_kv_cache_memory_bytes(config, shape)
+    except (ImportError, OSError, KeyError, ValueError, RuntimeError):  # unreadable metadata, no Triton here:
+        return  # the engine checks the budget again when it sizes the cache
+    given = config.kv_cache_memory_bytes
+    if given is not None and given < need:
+        raise ValueError(f"invalid engine option: kv_cache_memory_bytes={given} is below the minimum of {need} "
+                         f"bytes, one KV block of {spec.model!r} (block_size={config.block_size} tokens x "
+                         f"{shape.num_layers} layers x K and V); give at least {need}, or leave it unset for a "
+                         f"share of the free memory")
 
 
 def check_inputs(spec: JobSpec, files: list[io.InputFile]) -> dict[str, pl.DataType]:

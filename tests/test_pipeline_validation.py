@@ -186,3 +186,42 @@ def test_an_empty_prompt_is_an_error_row_saying_so(tmp_path):
     assert df["generation"].to_list()[0] is None and df["generation"].to_list()[2] is None
     assert df["prompt_tokens"].to_list()[::2] == [0, 0] and df["completion_tokens"].to_list()[::2] == [0, 0]
     assert (report.rows_ok, report.rows_error) == (1, 2)
+
+
+def test_a_kv_cache_budget_below_one_block_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--kv-cache-memory-bytes 10 fails up front, naming the option and the minimum (one KV block of the
+    model, from its metadata), which is the engine's own: one byte less is refused by the engine too."""
+    from engine import LLM
+    from pipeline.cli import main
+
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    block = 2 * 30 * 3 * 64 * 4 * 16  # K and V x 30 layers x 3 KV heads x head_dim 64 x fp32 x 16 tokens
+
+    def refused(**options) -> str:
+        with pytest.raises(ValueError) as exc:
+            prepare_job(JobSpec(input=inp, output=str(out), progress=False, dtype="float32", **options))
+        assert not out.exists()
+        return str(exc.value)
+
+    def message(given: int, need: int, block_size: int = 16) -> str:
+        return (f"invalid engine option: kv_cache_memory_bytes={given} is below the minimum of {need} bytes, one "
+                f"KV block of 'smollm2-135m-instruct' (block_size={block_size} tokens x 30 layers x K and V); give "
+                f"at least {need}, or leave it unset for a share of the free memory")
+
+    assert refused(kv_cache_memory_bytes=10) == message(10, block)
+    assert refused(kv_cache_memory_bytes=block - 1) == message(block - 1, block)
+    assert refused(kv_cache_memory_bytes=10, engine_options={"block_size": 32}) == message(10, 2 * block, 32)
+    int8_block = 2 * 30 * 3 * (64 + 4) * 1 * 16  # int8 codes and each row's fp32 scale
+    assert refused(kv_cache_memory_bytes=10, engine_options={"kv_cache_dtype": "int8"}) == message(10, int8_block)
+
+    assert main(["run", "--input", inp, "--output", str(out), "--no-progress", "--dtype", "float32",
+                 "--kv-cache-memory-bytes", "10"]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"tokenmill: {message(10, block)}"]
+    assert not out.exists()
+
+    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={block - 1} is smaller than one KV block "
+                                         rf"\({block} bytes"):
+        LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory_bytes=block - 1)
+    prepare_job(JobSpec(input=inp, output=str(out), progress=False, dtype="float32",
+                        kv_cache_memory_bytes=block)).close()  # the minimum itself passes
