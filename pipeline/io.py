@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
@@ -34,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
+from fsspec.utils import glob_translate
 
 from pipeline.storage import (
     bucket_of, config_kwargs, no_such_bucket, s3fs_retries, storage_call, write_deadline_s,
@@ -175,34 +177,66 @@ def _etag(info: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[InputFile]:
-    """The Parquet files at `url` (one file, or every *.parquet under a folder/prefix), sorted.
+GLOB_CHARS = "*?["  # fsspec's glob: `*` and `?` within a path segment, `**` across segments, `[...]` a set
 
-    Files whose names start with "_" or "." are skipped (job metadata, temp files).
+
+def is_glob(url: str) -> bool:
+    """True when `url` is a glob pattern (`data/*.parquet`, `s3://b/2026-*/part-*.parquet`)."""
+    return any(ch in str(url) for ch in GLOB_CHARS)
+
+
+def glob_base(path: str) -> str:
+    """The folder part of a glob pattern before its first wildcard segment (`b/in/*.parquet` -> `b/in`)."""
+    cut = min((path.index(ch) for ch in GLOB_CHARS if ch in path), default=len(path))
+    return path[:cut].rsplit("/", 1)[0] if "/" in path[:cut] else ""
+
+
+def glob_matches(pattern_path: str, path: str) -> bool:
+    """Whether `path` (no protocol) is one that the glob `pattern_path` (no protocol) matches, by fsspec's rules."""
+    return re.match(glob_translate(pattern_path), path) is not None
+
+
+def _hidden_under(path: str, base: str) -> bool:
+    """True when a component of `path` below `base` starts with "_" or "." (job metadata, temp files)."""
+    return any(part.startswith(("_", ".")) for part in path[len(base):].split("/"))
+
+
+def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[InputFile]:
+    """The Parquet files at `url`, sorted: one file, every *.parquet under a folder/prefix, or every
+    *.parquet file a glob pattern matches (`data/*.parquet`, `s3://bucket/prefix/*.parquet`, `**` for
+    any depth; fsspec's glob, on local paths and object stores alike).
+
+    Files whose names (or folders, below the folder or the pattern's fixed part) start with "_" or "."
+    are skipped (job metadata, temp files).
 
     Raises:
-        FileNotFoundError: when nothing is found.
+        FileNotFoundError: when nothing is found (for a pattern: no Parquet file matches it, named).
         ValueError: a file that is not Parquet (the message names it).
     """
     fs, path = filesystem(url, storage_options)
     so = resolve_storage_options(url, storage_options)
     path = path.rstrip("/")
-    _invalidate(fs, path)
+    pattern = is_glob(path)
+    base = glob_base(path) if pattern else path
+    _invalidate(fs, base)
     with storage_call("list", url, so, passthrough=(FileNotFoundError,)):
         try:
-            if fs.isfile(path):
+            if pattern:
+                found = fs.glob(path, detail=True)
+                infos = [info for p, info in sorted(found.items())
+                         if info.get("type") == "file" and p.endswith(".parquet") and not _hidden_under(p, base)]
+            elif fs.isfile(path):
                 infos = [fs.info(path)]
             else:
                 found = fs.find(path, detail=True)
-                infos = [
-                    info for p, info in sorted(found.items())
-                    if p.endswith(".parquet")
-                    and not any(part.startswith(("_", ".")) for part in p[len(path):].split("/"))
-                ]
+                infos = [info for p, info in sorted(found.items())
+                         if p.endswith(".parquet") and not _hidden_under(p, path)]
         except FileNotFoundError:
             infos = []
     if not infos:
         check_bucket(url, storage_options, "list")
+        if pattern:
+            raise FileNotFoundError(f"no Parquet files match the pattern {url}")
         raise FileNotFoundError(f"no Parquet files at {url}")
     files = []
     for info in infos:

@@ -118,7 +118,8 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input: str = Field(description="Parquet file or folder/prefix: s3://, gs://, file:// or a local path")
+    input: str = Field(description="Parquet file, folder/prefix, or glob pattern of files ('data/*.parquet', "
+                                   "'s3://bucket/prefix/*.parquet'): s3://, gs://, file:// or a local path")
     output: str = Field(description="output folder/prefix URL")
 
     model: str = Field("smollm2-135m-instruct", description="engine model: smollm2-135m-instruct, a .gguf file, "
@@ -600,8 +601,8 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
 
 def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> None:
     """Refuse, before anything is written, an output that cannot hold a job: a local path under a
-    file, or a folder that is (or lies inside, or contains) the input folder, whose part files the
-    next run (a resume) would read as input.
+    file, a folder that is (or lies inside, or contains) the input folder, or one whose part files an
+    input glob pattern matches: the next run (a resume) would read its part files as input.
 
     Raises:
         ValueError: naming the output and the file or input in the way.
@@ -616,9 +617,14 @@ def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> No
             parent = up
             if out_fs.isfile(parent):
                 raise ValueError(f"output {spec.output} lies under {parent}, which is a file; give a folder URL")
-    if any(ch in str(spec.input) for ch in "*?["):
-        return
     in_fs, in_path = io.filesystem(spec.input, spec.storage_options)
+    if io.is_glob(in_path):  # a pattern: refuse an output whose part files it would match
+        part = out_path.rstrip("/") + "/part-00000.parquet"
+        if in_fs.protocol == out_fs.protocol and io.glob_matches(in_path.rstrip("/"), part):
+            raise ValueError(f"output {spec.output} lies where the input pattern {spec.input} matches: the part files "
+                             f"written there would be read as input by the next run (a resume); choose an output "
+                             f"the pattern does not match")
+        return
     if in_fs.protocol != out_fs.protocol or in_fs.isfile(in_path):
         return
     a, b = in_path.rstrip("/"), out_path.rstrip("/")

@@ -371,3 +371,60 @@ def test_input_that_is_not_parquet_is_named(tmp_path):
     assert str(exc.value) == (f"file://{inp}/b.parquet is not a Parquet file (Parquet magic bytes not found in "
                               "footer. Either the file is corrupted or this is not a parquet file.)")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_glob_input_reads_the_files_it_matches_sorted_and_resumes(tmp_path):
+    d = tmp_path / "in"
+    (d / "2026-02").mkdir(parents=True)
+    (d / "2026-01").mkdir()
+    dataset(4, 3).write_parquet(d / "2026-02" / "b.parquet")
+    dataset(3).write_parquet(d / "2026-01" / "a.parquet")
+    dataset(2, 50).write_parquet(d / "2026-01" / "skip.txt")  # not *.parquet: the pattern below does not take it
+    dataset(2, 60).write_parquet(d / "old.parquet")  # one level up: not matched by */*.parquet
+    (d / "2026-01" / "_tmp").mkdir()
+    dataset(2, 70).write_parquet(d / "2026-01" / "_tmp" / "c.parquet")  # hidden: skipped under **
+    files = io.list_input_files(f"{d}/*/*.parquet")
+    assert [f.path for f in files] == [f"file://{d}/2026-01/a.parquet", f"file://{d}/2026-02/b.parquet"]
+    assert [f.path for f in io.list_input_files(f"{d}/**/*.parquet")] == [
+        f"file://{d}/2026-01/a.parquet", f"file://{d}/2026-02/b.parquet", f"file://{d}/old.parquet"]
+    assert [f.path for f in io.list_input_files(f"{d}/2026-0[2]/*")] == [f"file://{d}/2026-02/b.parquet"]
+
+    out = tmp_path / "out"
+    spec = spec_for(f"{d}/*/*.parquet", out)
+    report = run_job(spec, FakeLLM())
+    assert report.rows_total == 7 and report.rows_ok == 7
+    assert read_output(out)["id"].to_list() == [f"r{i:03d}" for i in range(7)]
+    assert run_job(spec, FakeLLM()).rows_skipped == 7  # the same pattern resumes: every shard done
+
+    with pytest.raises(FileNotFoundError) as exc:
+        run_job(spec_for(f"{d}/*/*.json", tmp_path / "out2"), FakeLLM())
+    assert str(exc.value) == f"no Parquet files match the pattern {d}/*/*.json"
+    assert not (tmp_path / "out2").exists()
+    # an output the pattern would read back on the next run is refused before anything is written
+    with pytest.raises(ValueError) as exc:
+        run_job(spec_for(f"{d}/*/*.parquet", d / "2026-03"), FakeLLM())
+    assert str(exc.value) == (f"output {d}/2026-03 lies where the input pattern {d}/*/*.parquet matches: the part "
+                              f"files written there would be read as input by the next run (a resume); choose an "
+                              f"output the pattern does not match")
+    assert not (d / "2026-03").exists()
+
+
+def test_a_glob_input_on_s3(s3_bucket, s3_server, tmp_path):
+    so = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
+    for name, frame in {"in/part-b.parquet": dataset(4, 3), "in/part-a.parquet": dataset(3),
+                        "in/other.parquet": dataset(2, 60), "in/_meta/x.parquet": dataset(1, 80)}.items():
+        buf = tmp_path / "f.parquet"
+        frame.write_parquet(buf)
+        io.write_bytes(f"s3://{s3_bucket}/{name}", buf.read_bytes(), so)
+    pattern = f"s3://{s3_bucket}/in/part-*.parquet"
+    assert [f.path for f in io.list_input_files(pattern, so)] == [
+        f"s3://{s3_bucket}/in/part-a.parquet", f"s3://{s3_bucket}/in/part-b.parquet"]
+    out = f"s3://{s3_bucket}/out"
+    report = run_job(spec_for(pattern, out, storage_options=so), FakeLLM())
+    assert report.rows_total == 7 and report.rows_ok == 7
+    fs, path = io.filesystem(out, so)
+    got = pl.concat([pl.read_parquet(fs.cat_file(p)) for p in sorted(fs.glob(f"{path}/part-*.parquet"))])
+    assert got["id"].to_list() == [f"r{i:03d}" for i in range(7)]
+    with pytest.raises(FileNotFoundError) as exc:
+        io.list_input_files(f"s3://{s3_bucket}/in/*.csv", so)
+    assert str(exc.value) == f"no Parquet files match the pattern s3://{s3_bucket}/in/*.csv"
