@@ -2,7 +2,7 @@
 
     tokenmill run --input URL --output URL [--spec job.yaml] [JobSpec options]
     tokenmill run ... --cluster tcp://HOST:8786   (the Prefect flow, windows on a Dask cluster)
-    tokenmill demo [--job labelling|synthetic] [JobSpec options]
+    tokenmill demo [--job labelling|synthetic] [JobSpec options]   (replaces ./demo_output/JOB/ each time)
     tokenmill report URL [--all]
 
 Every JobSpec field is an option in kebab case (`--max-tokens`,
@@ -300,13 +300,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """`tokenmill demo`: run a bundled job into ./demo_output/<job>/ (or --output) with `overwrite` on, so a
+    re-run replaces the previous demo's outputs there (its part files and `_job/`, cost history included)
+    and computes every row again, whatever options changed; `--no-overwrite` resumes it instead, as
+    `tokenmill run` does (a changed option is then refused, exit 2). Returns the exit code."""
     job = DEMO_JOBS[args.job]
     base = {**job, "output": f"{DEMO_OUTPUT}/{args.job}", "overwrite": True}
     spec = spec_from_args(args, base)
     if not Path(spec.input).exists():
         print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
         return EXIT_REFUSED
-    _echo(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}")
+    from pipeline import io
+    from pipeline.manifest import job_url
+
+    replacing = spec.overwrite and io.exists(job_url(spec.output, "manifest.json"), spec.storage_options)
+    _echo(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}"
+          + (" (replacing the previous demo output there; --no-overwrite resumes it instead)" if replacing else ""))
     rc = _run(spec)
     if rc == 0 and args.job == "labelling":
         _print_label_accuracy(spec.output)
@@ -377,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_options(p_run)
     p_run.set_defaults(func=cmd_run)
     p_demo = sub.add_parser("demo", parents=[common],
-                            help=f"run a bundled sample job into ./{DEMO_OUTPUT}/ and print the report")
+                            help=f"run a bundled sample job into ./{DEMO_OUTPUT}/JOB/ (replacing the previous demo "
+                                 f"output there; --no-overwrite resumes it) and print the report")
     p_demo.add_argument("--job", choices=sorted(DEMO_JOBS), default="labelling", help="which sample job")
     add_spec_options(p_demo)
     p_demo.set_defaults(func=cmd_demo)

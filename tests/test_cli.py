@@ -337,3 +337,31 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
+
+
+def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):
+    from pipeline import JobSpec, cache_llm, read_metrics
+    from pipeline.testing import FakeLLM
+
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 13}), FakeLLM(max_model_len=4096))  # own key
+    out = tmp_path / "demo"
+    demo = ["demo", "--output", str(out), "--max-tokens", "2", "--no-progress", "--engine-option", "seed=13"]
+    assert main(demo + ["--limit", "3"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith(f"-> {out}, model smollm2-135m-instruct")  # nothing to replace yet
+    assert pl.read_parquet(out / "part-00000.parquet").height == 3
+
+    assert main(demo + ["--limit", "2"]) == 0  # another option: no refusal, the old output is replaced
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        "(replacing the previous demo output there; --no-overwrite resumes it instead)")
+    assert sorted(p.name for p in out.glob("part-*")) == ["part-00000.parquet"]
+    assert pl.read_parquet(out / "part-00000.parquet").height == 2
+    m = read_metrics(str(out))
+    assert m.height == 1 and m["rows_ok"].to_list() == [2]  # the first demo's cost rows went with it
+
+    assert main(demo + ["--limit", "2", "--no-overwrite"]) == 0  # resumes, as `tokenmill run` does
+    m = read_metrics(str(out))
+    assert m["rows_skipped"].to_list() == [0, 2] and m["rows_ok"].to_list() == [2, 0]
+    capsys.readouterr()
+    assert main(demo + ["--limit", "3", "--no-overwrite"]) == 2  # a changed option without overwrite: refused
+    assert "limit: 2 -> 3" in capsys.readouterr().err
