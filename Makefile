@@ -21,7 +21,7 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 # from the `tokenmill` console script; the default strict finder maps only the
 # packages that existed at install time.
 EDITABLE_FLAGS ?= --config-settings editable_mode=compat
-PYTEST_ARGS ?= -q -p no:cacheprovider -ra
+PYTEST_ARGS ?= -q -p no:cacheprovider -ra --durations=15
 BENCH_ARGS ?=
 
 # The stamp is keyed on the content of pyproject.toml plus the torch and model
