@@ -129,6 +129,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_threads is not None and (
+                not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads <= 0):
+            raise ValueError(f"num_threads must be a positive integer or None (the default: TOKENMILL_NUM_THREADS, "
+                             f"else the CPUs this process may use), got {self.num_threads!r}")
         if not isinstance(self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be a positive number, got {self.distributed_timeout_s!r}")
         if self.kv_cache_memory_bytes is not None and (

@@ -8,6 +8,7 @@ requests of the batch are identical to a clean run of just them.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -201,3 +202,21 @@ def test_chat_refuses_unknown_roles_and_empty_contents_naming_the_message_like_a
     rows = [build_request({"id": i, "messages": json.dumps(c)}, layout, llm.tokenizer, SamplingParams(max_tokens=1),
                           max_model_len=llm.max_model_len).error for i, c in enumerate(convs)]
     assert rows == want
+
+
+@pytest.mark.parametrize("n", [-1, 0, 1.5, True])
+def test_a_bad_thread_count_is_refused_by_name_before_any_pool_is_touched(n):
+    """num_threads must be a positive integer (None: the default); before, -1 reached
+    torch.set_num_threads and came back as torch's own RuntimeError, after the job had written."""
+    import torch
+
+    from engine import LLM
+    from engine.config import EngineConfig
+
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match=r"num_threads must be a positive integer or None .*got " + re.escape(repr(n))):
+        EngineConfig(model="smollm2-135m-instruct", num_threads=n)
+    with pytest.raises(ValueError, match="num_threads must be a positive integer"):
+        LLM(num_threads=n)
+    assert torch.get_num_threads() == before
+    assert EngineConfig(model="smollm2-135m-instruct", num_threads=2).num_threads == 2
