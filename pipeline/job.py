@@ -745,7 +745,7 @@ def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:
     except (ImportError, OSError, KeyError, ValueError, RuntimeError):  # unreadable metadata, no Triton here:
         return  # the engine checks the budget again when it sizes the cache
     given = config.kv_cache_memory_bytes
-    if given is not None and given < need:
+    if given < need:
         raise ValueError(f"invalid engine option: kv_cache_memory_bytes={given} is below the minimum of {need} "
                          f"bytes, one KV block of {spec.model!r} (block_size={config.block_size} tokens x "
                          f"{shape.num_layers} layers x K and V); give at least {need}, or leave it unset for a "
