@@ -1,4 +1,5 @@
-"""The CPU kernel library's linear layers (engine/kernels/cpu/gemm.c, gemm_i8.c) against PyTorch references.
+"""The CPU kernel library's linear layers (engine/kernels/cpu/gemm.c, gemm_i8.c) against PyTorch references
+(float64 products; for 4-bit weights, `cpu.gemm_q4_reference`, the integer product the kernel defines).
 
 Every build the machine can run is checked: the native one (AVX-512 where present),
 AVX2 (+ AVX-VNNI where present), AVX2 without VNNI (the vpmaddubsw W8A8 path) and plain C,
@@ -13,7 +14,7 @@ import torch
 from engine.kernels import cpu
 from engine.kernels.cpu import build
 from engine.kernels.cpu.layers import CpuLinear, CpuQuantLinear, W8A8Linear, quantize_w8a8
-from engine.quant import QuantLinear, quantize_int4, quantize_int8
+from engine.quant import QuantLinear, quantize_int4, quantize_int8, unpack_int4
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no CPU kernels: {cpu.why_unavailable()}")
 
@@ -79,11 +80,37 @@ def test_quantized_gemm_matches_dequantized_weights(lib, m, n, k, scheme):
         q = quantize_int8(w, group_size=32 if k % 32 == 0 else None)
     else:
         q = quantize_int4(w, int(scheme[-2:]))
-    ref = x.double() @ q.dequantize().double().t()
+    exact = x.double() @ q.dequantize().double().t()
+    if q.bits == 4:
+        # 4-bit codes times int8 activations: the integer product the kernel defines, to fp32
+        # rounding of its per-group steps; and within the activations' rounding of the float one
+        ref = cpu.gemm_q4_reference(x, unpack_int4(q.weight, q.group_size), q.scale, q.min, q.group_size)
+        assert 1e-5 < _rel(ref, exact) < 0.03
+    else:
+        ref = exact
     assert _rel(CpuQuantLinear(q, lib=lib)(x), ref) < 1e-6
     # and the layer serves QuantLinear's contract (out / residual)
     r = torch.randn(m, n, generator=g)
     assert _rel(CpuQuantLinear(q, lib=lib)(x, residual=r.clone()), ref + r.double()) < 1e-6
+
+
+@pytest.mark.parametrize("m,k", [(1, 5), (3, 64), (17, 130), (4, 257)])
+def test_q4_activation_quantization_matches_its_reference(lib, m, k):
+    """The int8 activations of the 4-bit path, seen through the product with one-hot weights: a
+    weight row whose only nonzero code (1, scale 1, no min) sits at column c gives sa * qa[c]."""
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]
+    x[0, : min(k, 32)] = 0.0  # an all-zero group: scale 0, codes 0
+    gs = 32
+    kpad = -(-k // gs) * gs
+    codes = torch.zeros(k, kpad, dtype=torch.uint8)
+    codes[torch.arange(k), torch.arange(k)] = 1
+    scale = torch.ones(k, kpad // gs)
+    layer_out = cpu.gemm_q(x, cpu.pack_q(codes, scale, None, 4, gs, lib=lib), k, kpad, 4, gs, False, lib=lib)
+    qa, sa, _ = cpu.quantize_act_q4(x, gs)
+    want = (qa.view(m, -1)[:, :k].float() * sa.repeat_interleave(gs, 1)[:, :k])
+    assert torch.equal(layer_out, want)
+    assert (qa.abs() <= 127).all() and (qa[0, 0] == 0).all()
 
 
 def test_gguf_blocks_are_read_exactly_from_the_bundled_model():
@@ -97,10 +124,14 @@ def test_gguf_blocks_are_read_exactly_from_the_bundled_model():
     qkv = parts_to_layer(concat_rows([parts[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]))
     head = parts_to_layer(parts["embed_tokens.weight"])
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    assert qkv.bits == 4 and head.bits == 8
     for q in (qkv, head):
-        ref = x.double() @ q.dequantize().double().t()
-        # fp32 sums of 576 products in k order: about 1e-6 of the largest output (a wrongly read
-        # block moves a whole group of 32 weights, orders of magnitude more)
+        if q.bits == 4:  # Q4_1 codes times int8 activations, exactly as the reference defines them
+            ref = cpu.gemm_q4_reference(x, unpack_int4(q.weight, q.group_size), q.scale, q.min, q.group_size)
+        else:
+            ref = x.double() @ q.dequantize().double().t()
+        # fp32 sums of 576 products (or 18 group steps): about 1e-6 of the largest output (a wrongly
+        # read block moves a whole group of 32 weights, orders of magnitude more)
         assert _rel(CpuQuantLinear(q)(x), ref) < 2e-6
 
 
@@ -304,6 +335,8 @@ def test_bad_arguments_are_refused_with_names():
         lay(torch.randn(2, 16), out=torch.empty(2, 9))
     with pytest.raises(ValueError, match="bad quantized weight"):
         cpu.pack_q(torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 1), None, 8, 32)
+    with pytest.raises(ValueError, match="refused kpad=12, group_size=6"):  # 4-bit groups: a multiple of 4
+        cpu.pack_q(torch.zeros(4, 12, dtype=torch.uint8), torch.ones(4, 2), None, 4, 6)
     with pytest.raises(ValueError, match="multiple of 4"):
         cpu.quantize_act(torch.zeros(2, 8), 6)
     with pytest.raises(ValueError, match="multiple of 4"):

@@ -257,14 +257,11 @@ def test_int8_keeps_the_tied_lm_head_in_float_and_counts_its_bytes(llm, engines)
     assert head4.bits == 4 and head4.weight_bytes() == vocab * (d // 2 + d // 32 * 8)
 
 
-def test_gguf_logprobs_equal_fp32_dequantized(engines, windows, ref_scores):
-    """Same weights (bit-exact), so only matmul tiling may differ: within float noise."""
-    got = engines["gguf"].score(windows)
-    for a, b in zip(got, ref_scores):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("name,mean_tol,ppl_tol", [("int8", 0.15, 0.01), ("kv-int8", 0.05, 0.01), ("int4", 0.3, 0.08)])
+# gguf: the bundled Q4_1 weights exactly, times int8 activations per group of 32 (the CPU kernels'
+# Q4 x Q8 product, as llama.cpp's); measured: mean |dlogprob| 0.145, perplexity -0.24% (bit-exact
+# float products gave 1e-4 and 0%, so the activations' rounding is all of it)
+@pytest.mark.parametrize("name,mean_tol,ppl_tol", [("gguf", 0.2, 0.01), ("int8", 0.15, 0.01), ("kv-int8", 0.05, 0.01),
+                                                   ("int4", 0.3, 0.08)])
 def test_quantized_logprobs_close_to_fp32(engines, windows, ref_scores, name, mean_tol, ppl_tol):
     got = torch.cat(engines[name].score(windows))
     ref = torch.cat(ref_scores)

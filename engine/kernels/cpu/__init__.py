@@ -3,7 +3,8 @@
 What it holds (see each C file's header for the algorithm and its source):
 
 - `gemm.c`: linear layers over weights packed once at load time into panels of
-  `nr()` output features; fp32, and int8 / int4 codes dequantized in registers.
+  `nr()` output features; fp32, int8 codes dequantized in registers, and 4-bit codes
+  times int8 activations in integer arithmetic (`gemm_q4_reference` is its definition).
 - `gemm_i8.c`: W8A8 (int8 weights x int8 per-token activations, int32 sums).
 - `ops.c`: RMSNorm, RoPE, SiLU x up, and the KV-cache write (fp32 and int8 rows).
 - `attention.c`: paged decode attention reading KV blocks in place.
@@ -258,7 +259,8 @@ def pack_q(codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor]
     Returns:
         the packed uint8 tensor.
     Raises:
-        ValueError: on shapes that do not agree, or kpad not a multiple of group_size.
+        ValueError: on shapes that do not agree, kpad not a multiple of group_size, or (bits=4)
+            group_size not a multiple of 4.
     """
     lib = _lib(lib)
     kind = W_Q8 if bits == 8 else W_Q4
@@ -280,7 +282,14 @@ def pack_q(codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor]
 def gemm_q(x: torch.Tensor, packed: torch.Tensor, n: int, kpad: int, bits: int, group_size: int, has_min: bool,
            bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
            lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """y = x W^T (+ bias) (+ y) for quantized W packed by `pack_q`; x [m, k] float32 with k <= kpad."""
+    """y = x W^T (+ bias) (+ y) for quantized W packed by `pack_q`; x [m, k] float32 with k <= kpad.
+
+    bits=8 dequantizes the codes in registers (fp32 arithmetic); bits=4 quantizes x to int8 per row
+    and group first and sums in integers (`gemm_q4_reference` gives the result it computes).
+
+    Raises:
+        ValueError: if the kernel refuses the shapes, or cannot allocate its activation scratch.
+    """
     lib = _lib(lib)
     _check2d("x", x, torch.float32)
     m, k = x.shape
@@ -292,7 +301,59 @@ def gemm_q(x: torch.Tensor, packed: torch.Tensor, n: int, kpad: int, bits: int, 
                        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), m, n, k, kpad,
                        group_size, int(accumulate))
     if rc:
-        raise ValueError(f"tm_gemm_q refused k={k}, kpad={kpad}, group_size={group_size}")
+        raise ValueError(gemm_q_error(rc, k, kpad, group_size))
+    return y
+
+
+def gemm_q_error(rc: int, k: int, kpad: int, group_size: int) -> str:
+    """The message for a nonzero return code of tm_gemm_q (-1 shapes, -2 memory)."""
+    if rc == -2:
+        return f"tm_gemm_q could not allocate its int8 activation scratch (k={k}, group_size={group_size})"
+    return f"tm_gemm_q refused k={k}, kpad={kpad}, group_size={group_size}"
+
+
+def quantize_act_q4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The activations `gemm_q` computes with for 4-bit weights, in PyTorch (the kernel's definition).
+
+    Per row and group of `group_size` columns (the last group zero-padded): sa = max|x| / 127,
+    q = round(x * (127 / max|x|)) (round half to even, in [-127, 127]; 0 for an all-zero group), and
+    sx = the group's sum (the kernel sums in fp32 in its own order; here in float64).
+
+    Args:
+        x: [m, k] float32.
+    Returns:
+        (q int64 [m, groups, group_size], sa float32 [m, groups], sx float64 [m, groups]).
+    """
+    m, k = x.shape
+    ng = -(-k // group_size)
+    xp = torch.nn.functional.pad(x.float(), (0, ng * group_size - k)).view(m, ng, group_size)
+    amax = xp.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xp * inv[..., None]).clamp(-127, 127).to(torch.int64)
+    return q, amax / 127.0, xp.double().sum(-1)
+
+
+def gemm_q4_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor],
+                      group_size: int) -> torch.Tensor:
+    """What `gemm_q` computes for 4-bit weights, in float64: the Q4 x Q8 dot product of llama.cpp's
+    CPU backend (its Q4_1 x Q8_1 blocks), with the min's term taken on the exact group sum:
+
+        y[r, n] = sum_g s[n, g] sa[r, g] (sum_{k in g} q[n, k] qa[r, k]) + m[n, g] sx[r, g]
+
+    Args:
+        x: [m, k] float32; codes: [n, kpad] integer codes 0..15; scale, min: [n, kpad // group_size]
+            (min None: no min term).
+    Returns:
+        [m, n] float64. The kernel agrees to fp32 rounding of the per-group steps (about 1e-6 of
+        the largest output); its integer sums are exact.
+    """
+    qa, sa, sx = quantize_act_q4(x, group_size)
+    ng = qa.shape[1]
+    w = codes.to(torch.int64)[:, :ng * group_size].reshape(codes.shape[0], ng, group_size)
+    isum = torch.einsum("mgk,ngk->mng", qa.double(), w.double())  # exact: integers below 2^53
+    y = (isum * (scale[:, :ng].double()[None] * sa.double()[:, None, :])).sum(-1)
+    if min is not None:
+        y = y + (min[:, :ng].double()[None] * sx[:, None, :]).sum(-1)
     return y
 
 

@@ -27,10 +27,24 @@
  * never written to memory as floats (as llama.cpp's CPU kernels do), so a step reads
  * 1 (int8) or 0.5 (int4) bytes per weight plus the scales.
  *
+ * 4-bit weights take integer arithmetic instead (the Q4 x Q8 dot product of llama.cpp's CPU
+ * backend): each call quantizes x to int8 per row and group of gs columns (qa = round(x / sa),
+ * sa = max|x| / 127 over the group), multiplies the unsigned 4-bit codes by the signed activation
+ * codes exactly in int32 within a group (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with VNNI, int
+ * loops in plain C), and scales once per group:
+ *     y[r, n] = sum_g  s[n, g] sa[r, g] (sum_{k in g} q[n, k] qa[r, k])  +  m[n, g] sx[r, g]
+ * where sx[r, g] is the exact fp32 sum of the group's x (the min's term needs no rounding).
+ * That is 32 multiply-adds per instruction pair where the fp32 path widens, converts and scales
+ * every code first; the activations' rounding costs what llama.cpp's Q8_1 activations cost
+ * (benchmarks.quality measures it). A row's codes, scales and sums depend on that row alone, so
+ * the result stays batch-invariant.
+ *
  * Packed quantized panel layout, per panel of TM_NR columns, per group g:
  *   float s[TM_NR]; float m[TM_NR] (if has_min); codes for the group's gs rows of K:
- *   Q8: gs x TM_NR int8;  Q4: gs x TM_NR/2 bytes, byte j of a row holding column j
- *   (low nibble) and column j + TM_NR/2 (high nibble).
+ *   Q8: gs x TM_NR int8;  Q4: gs / 4 blocks of 4 rows of K, TM_NR * 2 bytes each: byte
+ *   4 c + i of block t holds column c (low nibble) and column c + TM_NR/2 (high nibble) at
+ *   k = 4 t + i, c < TM_NR/2, so one vector load, a mask and a shift give the 4 consecutive
+ *   codes of each column that vpmaddubsw / vpdpbusd take per 32-bit lane.
  */
 #include "tm_cpu.h"
 
@@ -119,14 +133,14 @@ int64_t tm_pack_q_size(int kind, int has_min, int64_t n, int64_t kpad, int64_t g
     return cdiv(n, TM_NR) * (kpad / gs) * q_group_bytes(kind, has_min, gs);
 }
 
-/* Quantized weights in the layer's own layout -> packed panels.
+/* Quantized weights in the layer's own layout -> packed panels (Q4: gs % 4 == 0).
  *   codes: Q8: int8 [n, kpad]; Q4: one code 0..15 per byte, uint8 [n, kpad] (the caller
  *          unpacks nibbles first, so the packing order here is independent of the source's).
  *   scale, min: float [n, kpad / gs] (min may be NULL).
- * Padding columns get scale 0 and min 0. Returns 0, or -1 if kpad % gs or gs % 2. */
+ * Padding columns get scale 0 and min 0. Returns 0, or -1 if kpad % gs or (Q4) gs % 4. */
 int tm_pack_q(int kind, const void *codes, const float *scale, const float *min, int64_t n, int64_t kpad,
               int64_t gs, void *out) {
-    if (gs <= 0 || kpad % gs || (kind == TM_W_Q4 && gs % 2)) return -1;
+    if (gs <= 0 || kpad % gs || (kind == TM_W_Q4 && gs % 4)) return -1;
     const int has_min = min != NULL;
     const int64_t np = cdiv(n, TM_NR), ng = kpad / gs, gb = q_group_bytes(kind, has_min, gs);
     for (int64_t p = 0; p < np; ++p) {
@@ -152,7 +166,7 @@ int tm_pack_q(int kind, const void *codes, const float *scale, const float *min,
                         const int64_t c0 = p * TM_NR + j, c1 = c0 + TM_NR / 2;
                         const unsigned char lo = c0 < n ? ((const unsigned char *)codes)[c0 * kpad + kidx] & 15 : 0;
                         const unsigned char hi = c1 < n ? ((const unsigned char *)codes)[c1 * kpad + kidx] & 15 : 0;
-                        c[kk * (TM_NR / 2) + j] = (unsigned char)(lo | (hi << 4));
+                        c[(kk / 4) * TM_NR * 2 + j * 4 + kk % 4] = (unsigned char)(lo | (hi << 4));
                     }
                 }
             }
@@ -291,38 +305,26 @@ TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t
     }
 }
 
-/* One row of quantized codes (TM_NR columns) widened to two fp32 vectors. */
-TM_INLINE void load_codes(const int kind, const unsigned char *c, vf *b0, vf *b1) {
+/* One row of int8 codes (TM_NR columns) widened to two fp32 vectors. */
+TM_INLINE void load_q8(const unsigned char *c, vf *b0, vf *b1) {
 #if defined(TM_AVX512)
-    if (kind == TM_W_Q8) {
-        *b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
-        *b1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
-    } else {
-        const __m128i x = _mm_loadu_si128((const __m128i *)c), m4 = _mm_set1_epi8(15);
-        *b0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(x, m4)));
-        *b1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), m4)));
-    }
+    *b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+    *b1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
 #else
-    if (kind == TM_W_Q8) {
-        const __m128i x = _mm_loadu_si128((const __m128i *)c);
-        *b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
-        *b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
-    } else {
-        const __m128i x = _mm_loadl_epi64((const __m128i *)c), m4 = _mm_set1_epi8(15);
-        *b0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(x, m4)));
-        *b1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), m4)));
-    }
+    const __m128i x = _mm_loadu_si128((const __m128i *)c);
+    *b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    *b1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
 #endif
 }
 
-/* Quantized panel: groups of gs rows, each with its scale (and min) vectors; codes are
+/* int8-code panel: groups of gs rows, each with its scale (and min) vectors; codes are
  * dequantized in registers, w = q * s (+ m), then used by all mr rows. k <= ng * gs is the
  * number of real rows of K (the last group may be padded). */
-TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a,
-                     int64_t lda, const char *restrict b, float *restrict tile, const char *pf, int64_t pf_len) {
+TM_INLINE void ukr_q8(const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a, int64_t lda,
+                      const char *restrict b, float *restrict tile, const char *pf, int64_t pf_len) {
     const int ks = KSPLIT(mr);
-    const int64_t row_bytes = kind == TM_W_Q4 ? TM_NR / 2 : TM_NR;
-    const int64_t gb = q_group_bytes(kind, has_min, gs);
+    const int64_t row_bytes = TM_NR;
+    const int64_t gb = q_group_bytes(TM_W_Q8, has_min, gs);
     vf acc[4][TM_MR][2];
 #pragma GCC unroll 4
     for (int s = 0; s < ks; ++s)
@@ -340,12 +342,12 @@ TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k,
         const int64_t n = k - g0 < gs ? k - g0 : gs;
         int64_t kk = 0;
         for (; kk + ks <= n; kk += ks) {
-            const int64_t pk = (g0 + kk) * 32; /* half a line per step: codes are 1 byte or half */
+            const int64_t pk = (g0 + kk) * 32; /* half a line per step */
             if (pk < pf_len) __builtin_prefetch(pf + pk, 0, 2);
 #pragma GCC unroll 4
             for (int s = 0; s < ks; ++s) {
                 vf b0, b1;
-                load_codes(kind, codes + (kk + s) * row_bytes, &b0, &b1);
+                load_q8(codes + (kk + s) * row_bytes, &b0, &b1);
                 if (has_min) {
                     b0 = V_FMA(b0, s0, m0);
                     b1 = V_FMA(b1, s1, m1);
@@ -364,7 +366,7 @@ TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k,
         }
         for (; kk < n; ++kk) {
             vf b0, b1;
-            load_codes(kind, codes + kk * row_bytes, &b0, &b1);
+            load_q8(codes + kk * row_bytes, &b0, &b1);
             if (has_min) {
                 b0 = V_FMA(b0, s0, m0);
                 b1 = V_FMA(b1, s1, m1);
@@ -394,6 +396,142 @@ TM_INLINE void ukr_q(const int kind, const int has_min, const int mr, int64_t k,
     }
 }
 
+/* 4-bit codes times int8 activations (see the header). Vectors of TM_NR * 2 code bytes: 4 k of
+ * TM_NR / 2 columns per nibble half. Without VNNI, two blocks' vpmaddubsw results (each pair
+ * at most 2 * 15 * 127 = 3810) are added in int16 (at most 7620, no saturation) before one
+ * vpmaddwd widens them to int32. */
+#if defined(TM_AVX512)
+typedef __m512i vq;
+#define Q_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define Q_NIB_LO(v, m) _mm512_and_si512(v, m)
+#define Q_NIB_HI(v, m) _mm512_and_si512(_mm512_srli_epi16(v, 4), m)
+#define Q_SET8(x) _mm512_set1_epi8(x)
+#define Q_SET16(x) _mm512_set1_epi16(x)
+#define Q_SET32(x) _mm512_set1_epi32(x)
+#define Q_ZERO() _mm512_setzero_si512()
+#define Q_MADDUBS(w, x) _mm512_maddubs_epi16(w, x)
+#define Q_ADD16(a, b) _mm512_add_epi16(a, b)
+#define Q_MADD(a, b) _mm512_madd_epi16(a, b)
+#define Q_ADD32(a, b) _mm512_add_epi32(a, b)
+#define Q_CVT(v) _mm512_cvtepi32_ps(v)
+#if defined(__AVX512VNNI__)
+#define Q_VNNI 1
+#define Q_DPBUSD(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#endif
+#define TM_MR_Q4 4
+#else
+typedef __m256i vq;
+#define Q_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define Q_NIB_LO(v, m) _mm256_and_si256(v, m)
+#define Q_NIB_HI(v, m) _mm256_and_si256(_mm256_srli_epi16(v, 4), m)
+#define Q_SET8(x) _mm256_set1_epi8(x)
+#define Q_SET16(x) _mm256_set1_epi16(x)
+#define Q_SET32(x) _mm256_set1_epi32(x)
+#define Q_ZERO() _mm256_setzero_si256()
+#define Q_MADDUBS(w, x) _mm256_maddubs_epi16(w, x)
+#define Q_ADD16(a, b) _mm256_add_epi16(a, b)
+#define Q_MADD(a, b) _mm256_madd_epi16(a, b)
+#define Q_ADD32(a, b) _mm256_add_epi32(a, b)
+#define Q_CVT(v) _mm256_cvtepi32_ps(v)
+#if defined(__AVXVNNI__)
+#define Q_VNNI 1
+#define Q_DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#endif
+#define TM_MR_Q4 4
+#endif
+
+/* 4 activation codes of a row as one 32-bit lane value, broadcast */
+TM_INLINE vq bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return Q_SET32(v);
+}
+
+/* tile [mr][TM_NR] = x W^T for one Q4 panel b, from the rows' activation codes qa (stride ldq),
+ * their group scales sa and group sums sx (stride ng); k real rows of K. */
+TM_INLINE void ukr_q4(const int has_min, const int mr, int64_t k, int64_t gs, const int8_t *restrict qa,
+                      int64_t ldq, const float *restrict sa, const float *restrict sx, int64_t ng,
+                      const char *restrict b, float *restrict tile, const char *pf, int64_t pf_len) {
+    const int64_t gb = q_group_bytes(TM_W_Q4, has_min, gs), bb = TM_NR * 2;
+    const vq m4 = Q_SET8(15);
+#if !defined(Q_VNNI)
+    const vq ones = Q_SET16(1);
+#endif
+    vf facc[TM_MR_Q4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; ++r) facc[r][0] = facc[r][1] = V_ZERO();
+    const int64_t ngk = (k + gs - 1) / gs;
+    int64_t pf_off = 0;
+    for (int64_t g = 0; g < ngk; ++g, b += gb) {
+        const float *sc = (const float *)b;
+        const unsigned char *codes = (const unsigned char *)(sc + TM_NR * (has_min ? 2 : 1));
+        const int64_t g0 = g * gs, nb = ((k - g0 < gs ? k - g0 : gs) + 3) / 4; /* blocks holding real k */
+        if (pf_off < pf_len) { /* a share of the next panel per group, as the fp32 kernel spreads it */
+            __builtin_prefetch(pf + pf_off, 0, 2);
+            __builtin_prefetch(pf + pf_off + 64, 0, 2);
+            pf_off += 128;
+        }
+        vq acc[TM_MR_Q4][2];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; ++r) acc[r][0] = acc[r][1] = Q_ZERO();
+        const int8_t *ag = qa + g0;
+        int64_t t = 0;
+#if defined(Q_VNNI)
+        for (; t < nb; ++t) {
+            const vq w = Q_LOAD(codes + t * bb), w0 = Q_NIB_LO(w, m4), w1 = Q_NIB_HI(w, m4);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; ++r) {
+                const vq x = bcast4(ag + r * ldq + 4 * t);
+                acc[r][0] = Q_DPBUSD(acc[r][0], w0, x);
+                acc[r][1] = Q_DPBUSD(acc[r][1], w1, x);
+            }
+        }
+#else
+        for (; t + 2 <= nb; t += 2) {
+            const vq wa = Q_LOAD(codes + t * bb), wb = Q_LOAD(codes + (t + 1) * bb);
+            const vq wa0 = Q_NIB_LO(wa, m4), wa1 = Q_NIB_HI(wa, m4);
+            const vq wb0 = Q_NIB_LO(wb, m4), wb1 = Q_NIB_HI(wb, m4);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; ++r) {
+                const vq xa = bcast4(ag + r * ldq + 4 * t), xb = bcast4(ag + r * ldq + 4 * t + 4);
+                acc[r][0] = Q_ADD32(acc[r][0], Q_MADD(Q_ADD16(Q_MADDUBS(wa0, xa), Q_MADDUBS(wb0, xb)), ones));
+                acc[r][1] = Q_ADD32(acc[r][1], Q_MADD(Q_ADD16(Q_MADDUBS(wa1, xa), Q_MADDUBS(wb1, xb)), ones));
+            }
+        }
+        if (t < nb) {
+            const vq w = Q_LOAD(codes + t * bb), w0 = Q_NIB_LO(w, m4), w1 = Q_NIB_HI(w, m4);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; ++r) {
+                const vq x = bcast4(ag + r * ldq + 4 * t);
+                acc[r][0] = Q_ADD32(acc[r][0], Q_MADD(Q_MADDUBS(w0, x), ones));
+                acc[r][1] = Q_ADD32(acc[r][1], Q_MADD(Q_MADDUBS(w1, x), ones));
+            }
+        }
+#endif
+        const vf s0 = V_LOAD(sc), s1 = V_LOAD(sc + VL);
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; ++r) {
+            const vf d = V_SET1(sa[r * ng + g]);
+            facc[r][0] = V_FMA(Q_CVT(acc[r][0]), V_MUL(s0, d), facc[r][0]);
+            facc[r][1] = V_FMA(Q_CVT(acc[r][1]), V_MUL(s1, d), facc[r][1]);
+        }
+        if (has_min) {
+            const vf m0 = V_LOAD(sc + TM_NR), m1 = V_LOAD(sc + TM_NR + VL);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; ++r) {
+                const vf xs = V_SET1(sx[r * ng + g]);
+                facc[r][0] = V_FMA(m0, xs, facc[r][0]);
+                facc[r][1] = V_FMA(m1, xs, facc[r][1]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; ++r) {
+        V_STORE(tile + r * TM_NR, facc[r][0]);
+        V_STORE(tile + r * TM_NR + VL, facc[r][1]);
+    }
+}
+
 #else /* plain C: the compiler vectorizes the j loops. build.py compiles this path with
        * -fno-associative-math -ffp-contract=off: otherwise the vectorizer orders (and fuses) the k
        * sums differently for different tile heights, and a row's result depends on the batch */
@@ -414,30 +552,22 @@ static void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t ld
     memcpy(tile, acc, sizeof(float) * mr * TM_NR);
 }
 
-static void ukr_q(const int kind, const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a,
-                  int64_t lda, const char *restrict b, float *restrict tile, const char *pf, int64_t pf_len) {
+static void ukr_q8(const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a, int64_t lda,
+                   const char *restrict b, float *restrict tile, const char *pf, int64_t pf_len) {
     (void)pf;
     (void)pf_len;
     float acc[TM_MR][TM_NR];
     float w[TM_NR];
     memset(acc, 0, sizeof acc);
-    const int64_t row_bytes = kind == TM_W_Q4 ? TM_NR / 2 : TM_NR;
-    const int64_t gb = q_group_bytes(kind, has_min, gs);
+    const int64_t gb = q_group_bytes(TM_W_Q8, has_min, gs);
     for (int64_t g0 = 0; g0 < k; g0 += gs, b += gb) {
         const float *s = (const float *)b;
         const float *m = has_min ? s + TM_NR : NULL;
-        const unsigned char *codes = (const unsigned char *)(s + TM_NR * (has_min ? 2 : 1));
+        const signed char *codes = (const signed char *)(s + TM_NR * (has_min ? 2 : 1));
         const int64_t n = k - g0 < gs ? k - g0 : gs;
         for (int64_t kk = 0; kk < n; ++kk) {
-            const unsigned char *c = codes + kk * row_bytes;
-            for (int j = 0; j < TM_NR; ++j) {
-                float q;
-                if (kind == TM_W_Q8)
-                    q = (float)(int8_t)c[j];
-                else
-                    q = (float)(j < TM_NR / 2 ? (c[j] & 15) : (c[j - TM_NR / 2] >> 4));
-                w[j] = m ? q * s[j] + m[j] : q * s[j];
-            }
+            const signed char *c = codes + kk * TM_NR;
+            for (int j = 0; j < TM_NR; ++j) w[j] = m ? (float)c[j] * s[j] + m[j] : (float)c[j] * s[j];
             for (int r = 0; r < mr; ++r) {
                 const float x = a[r * lda + g0 + kk];
                 for (int j = 0; j < TM_NR; ++j) acc[r][j] += x * w[j];
@@ -445,6 +575,45 @@ static void ukr_q(const int kind, const int has_min, const int mr, int64_t k, in
         }
     }
     memcpy(tile, acc, sizeof(float) * mr * TM_NR);
+}
+
+#define TM_MR_Q4 4
+/* the int32 sums of the SIMD kernel in int loops, then the same fp32 steps per group */
+static void ukr_q4(const int has_min, const int mr, int64_t k, int64_t gs, const int8_t *restrict qa, int64_t ldq,
+                   const float *restrict sa, const float *restrict sx, int64_t ng, const char *restrict b,
+                   float *restrict tile, const char *pf, int64_t pf_len) {
+    (void)pf;
+    (void)pf_len;
+    float facc[TM_MR_Q4][TM_NR];
+    int32_t acc[TM_MR_Q4][TM_NR];
+    memset(facc, 0, sizeof facc);
+    const int64_t gb = q_group_bytes(TM_W_Q4, has_min, gs), ngk = (k + gs - 1) / gs;
+    for (int64_t g = 0; g < ngk; ++g, b += gb) {
+        const float *s = (const float *)b;
+        const float *m = has_min ? s + TM_NR : NULL;
+        const unsigned char *codes = (const unsigned char *)(s + TM_NR * (has_min ? 2 : 1));
+        const int64_t g0 = g * gs, nb = ((k - g0 < gs ? k - g0 : gs) + 3) / 4;
+        memset(acc, 0, sizeof acc);
+        for (int64_t t = 0; t < nb; ++t) {
+            const unsigned char *c = codes + t * TM_NR * 2;
+            for (int r = 0; r < mr; ++r) {
+                const int8_t *x = qa + r * ldq + g0 + 4 * t;
+                for (int j = 0; j < TM_NR / 2; ++j)
+                    for (int i = 0; i < 4; ++i) {
+                        acc[r][j] += (c[j * 4 + i] & 15) * x[i];
+                        acc[r][j + TM_NR / 2] += (c[j * 4 + i] >> 4) * x[i];
+                    }
+            }
+        }
+        for (int r = 0; r < mr; ++r) {
+            const float d = sa[r * ng + g], xs = sx[r * ng + g];
+            for (int j = 0; j < TM_NR; ++j) {
+                facc[r][j] = fmaf((float)acc[r][j], s[j] * d, facc[r][j]);
+                if (m) facc[r][j] = fmaf(m[j], xs, facc[r][j]);
+            }
+        }
+    }
+    memcpy(tile, facc, sizeof(float) * mr * TM_NR);
 }
 #endif
 
@@ -472,6 +641,12 @@ typedef struct {
      * multiple of TM_NR; gate panel p and up panel p + silu_inter / TM_NR are run on the same rows
      * and y[:, p * TM_NR + j] = silu(gate) * up is stored (the [m, 2 * inter] product never is) */
     int64_t silu_inter;
+    /* Q4 weights: the rows' int8 activation codes qa [m, ldq], group scales sa and exact group sums
+     * sx [m, ng] (quantize_rows); mr: the tallest tile (TM_MR, or TM_MR_Q4 for Q4) */
+    const int8_t *qa;
+    const float *sa, *sx;
+    int64_t ldq, ng;
+    int mr;
 } gemm_ctx;
 
 #define UKR_CASE(MR)                                                                                   \
@@ -479,17 +654,22 @@ typedef struct {
         if (c->kind == TM_W_F32)                                                                       \
             ukr_f32(MR, c->k, a, c->ldx, (const float *)bp, tile, pf, pf_len);                         \
         else if (c->kind == TM_W_Q8 && c->has_min)                                                     \
-            ukr_q(TM_W_Q8, 1, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                       \
+            ukr_q8(1, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                               \
         else if (c->kind == TM_W_Q8)                                                                   \
-            ukr_q(TM_W_Q8, 0, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                       \
-        else if (c->has_min)                                                                           \
-            ukr_q(TM_W_Q4, 1, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                       \
-        else                                                                                           \
-            ukr_q(TM_W_Q4, 0, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                       \
+            ukr_q8(0, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                               \
+        else if (MR <= TM_MR_Q4 && c->has_min)                                                         \
+            ukr_q4(1, MR <= TM_MR_Q4 ? MR : 1, c->k, c->gs, qa, c->ldq, sa, sx, c->ng, bp, tile, pf, pf_len); \
+        else if (MR <= TM_MR_Q4)                                                                       \
+            ukr_q4(0, MR <= TM_MR_Q4 ? MR : 1, c->k, c->gs, qa, c->ldq, sa, sx, c->ng, bp, tile, pf, pf_len); \
         break;
 
-static void run_tile(const gemm_ctx *c, int mr, const float *a, const char *bp, float *tile, const char *pf,
+/* tile [mr][TM_NR] = rows r .. r + mr - 1 of x times panel bp; pf / pf_len: the share of the next
+ * panel this tile prefetches */
+static void run_tile(const gemm_ctx *c, int mr, int64_t r, const char *bp, float *tile, const char *pf,
                      int64_t pf_len) {
+    const float *a = c->x + r * c->ldx;
+    const int8_t *qa = c->qa ? c->qa + r * c->ldq : NULL;
+    const float *sa = c->sa ? c->sa + r * c->ng : NULL, *sx = c->sx ? c->sx + r * c->ng : NULL;
     switch (mr) {
         UKR_CASE(1)
         UKR_CASE(2)
@@ -539,19 +719,19 @@ static void gemm_chunk_silu(const gemm_ctx *c, int64_t chunk) {
     const int64_t up = c->silu_inter / TM_NR; /* panel offset of the up half */
     float gbuf[TM_SILU_ROWS * TM_NR] __attribute__((aligned(64)));
     float tu[TM_MR * TM_NR] __attribute__((aligned(64)));
-    const int64_t ntiles = (m1 - m0 + TM_MR - 1) / TM_MR;
+    const int mrt = c->mr;
+    const int64_t ntiles = (m1 - m0 + mrt - 1) / mrt;
     const int64_t share = (c->panel_bytes + ntiles - 1) / ntiles;
     for (int64_t p = p0; p < p1; ++p) {
         const char *bg = c->w + p * c->panel_bytes, *bu = c->w + (p + up) * c->panel_bytes;
         const int64_t n0 = p * TM_NR;
         const int ncols = c->silu_inter - n0 < TM_NR ? (int)(c->silu_inter - n0) : TM_NR;
         const float *biasg = c->bias ? c->bias + n0 : NULL, *biasu = c->bias ? c->bias + c->silu_inter + n0 : NULL;
-        for (int64_t r = m0, t = 0; r < m1; r += TM_MR, ++t) /* gate: then prefetch the up panel */
-            run_tile(c, m1 - r < TM_MR ? (int)(m1 - r) : TM_MR, c->x + r * c->ldx, bg, gbuf + (r - m0) * TM_NR,
-                     bu + t * share, share);
-        for (int64_t r = m0, t = 0; r < m1; r += TM_MR, ++t) { /* up: then prefetch the next gate panel */
-            const int mr = m1 - r < TM_MR ? (int)(m1 - r) : TM_MR;
-            run_tile(c, mr, c->x + r * c->ldx, bu, tu, bg + c->panel_bytes + t * share, p + 1 < p1 ? share : 0);
+        for (int64_t r = m0, t = 0; r < m1; r += mrt, ++t) /* gate: then prefetch the up panel */
+            run_tile(c, m1 - r < mrt ? (int)(m1 - r) : mrt, r, bg, gbuf + (r - m0) * TM_NR, bu + t * share, share);
+        for (int64_t r = m0, t = 0; r < m1; r += mrt, ++t) { /* up: then prefetch the next gate panel */
+            const int mr = m1 - r < mrt ? (int)(m1 - r) : mrt;
+            run_tile(c, mr, r, bu, tu, bg + c->panel_bytes + t * share, p + 1 < p1 ? share : 0);
             store_silu(gbuf + (r - m0) * TM_NR, tu, mr, ncols, c->y + r * c->ldy + n0, c->ldy, biasg, biasu);
         }
     }
@@ -581,13 +761,14 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
         const float *bias = c->bias ? c->bias + n0 : NULL;
         /* each tile of this panel prefetches its share of the next panel of the chunk, so the
          * next panel's first tile finds it in cache instead of waiting on memory */
-        const int64_t ntiles = (m1 - m0 + TM_MR - 1) / TM_MR;
+        const int mrt = c->mr;
+        const int64_t ntiles = (m1 - m0 + mrt - 1) / mrt;
         const int64_t share = (c->panel_bytes + ntiles - 1) / ntiles;
-        for (int64_t r = m0, t = 0; r < m1; r += TM_MR, ++t) {
-            const int mr = m1 - r < TM_MR ? (int)(m1 - r) : TM_MR;
+        for (int64_t r = m0, t = 0; r < m1; r += mrt, ++t) {
+            const int mr = m1 - r < mrt ? (int)(m1 - r) : mrt;
             const char *pf = bp + c->panel_bytes + t * share;
             const int64_t pf_len = p + 1 < p1 ? share : 0;
-            run_tile(c, mr, c->x + r * c->ldx, bp, tile, pf, pf_len);
+            run_tile(c, mr, r, bp, tile, pf, pf_len);
             if (bv)
                 argmax_tile(tile, mr, ncols, n0, r, bias, c->n_limit, c->ban, c->nban, bv, bix);
             else
@@ -596,12 +777,68 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
     }
 }
 
-static void gemm_run(gemm_ctx *c) {
-    if (c->m <= 0 || c->n <= 0) return;
+/* One row's int8 activation codes for Q4 weights, per group of gs columns (see the header):
+ * sa = max|x| / 127, q = round(x / sa) (half to even) in [-127, 127], sx = the group's fp32 sum;
+ * q [ngk * gs] is 0 past k, so the kernels may run whole 4-column blocks. */
+static void quantize_row_q4(const float *x, int64_t k, int64_t gs, int64_t ngk, int8_t *q, float *sa, float *sx) {
+    for (int64_t g = 0; g < ngk; ++g) {
+        const int64_t k0 = g * gs, n = k - k0 < gs ? k - k0 : gs;
+        const float *xg = x + k0;
+        float amax = 0.0f, sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            amax = fmaxf(amax, fabsf(xg[i]));
+            sum += xg[i];
+        }
+        sa[g] = amax / 127.0f;
+        sx[g] = sum;
+        /* through a volatile, as gemm_i8.c's quant_group: x * (127 / amax), never (x * 127) / amax */
+        volatile float inv_v = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float inv = inv_v;
+        int8_t *qg = q + k0;
+        for (int64_t i = 0; i < n; ++i) {
+            float v = rintf(xg[i] * inv);
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            qg[i] = (int8_t)v;
+        }
+        for (int64_t i = n; i < gs; ++i) qg[i] = 0;
+    }
+}
+
+static void quantize_rows_q4(void *vctx, int64_t chunk) {
+    gemm_ctx *c = (gemm_ctx *)vctx;
+    const int64_t r0 = chunk * 16, r1 = r0 + 16 < c->m ? r0 + 16 : c->m;
+    for (int64_t r = r0; r < r1; ++r)
+        quantize_row_q4(c->x + r * c->ldx, c->k, c->gs, c->ng, (int8_t *)c->qa + r * c->ldq, (float *)c->sa + r * c->ng,
+                        (float *)c->sx + r * c->ng);
+}
+
+/* per-thread scratch for a call's Q4 activations, grown to the largest call (never shrunk) */
+static __thread void *q4_scratch;
+static __thread size_t q4_scratch_bytes;
+
+static int gemm_run(gemm_ctx *c) {
+    if (c->m <= 0 || c->n <= 0) return 0;
+    c->mr = c->kind == TM_W_Q4 ? TM_MR_Q4 : TM_MR;
+    if (c->kind == TM_W_Q4) {
+        c->ng = cdiv(c->k, c->gs);
+        c->ldq = c->ng * c->gs;
+        const size_t need = (size_t)c->m * ((size_t)c->ldq + 2 * sizeof(float) * (size_t)c->ng) + 64;
+        if (need > q4_scratch_bytes) {
+            void *p = realloc(q4_scratch, need);
+            if (!p) return -2;
+            q4_scratch = p;
+            q4_scratch_bytes = need;
+        }
+        c->sa = (const float *)q4_scratch;
+        c->sx = c->sa + c->m * c->ng;
+        c->qa = (const int8_t *)(c->sx + c->m * c->ng);
+        tm_parallel_for(cdiv(c->m, 16), quantize_rows_q4, c);
+    }
+    const int mrt = c->mr;
     const int threads = tm_get_num_threads();
     int64_t mc = TM_MC_BYTES / ((int64_t)sizeof(float) * (c->k > 0 ? c->k : 1));
-    mc = mc < TM_MR ? TM_MR : mc - mc % TM_MR;
-    if (c->silu_inter && mc > TM_SILU_ROWS - TM_SILU_ROWS % TM_MR) mc = TM_SILU_ROWS - TM_SILU_ROWS % TM_MR;
+    mc = mc < mrt ? mrt : mc - mc % mrt;
+    if (c->silu_inter && mc > TM_SILU_ROWS - TM_SILU_ROWS % mrt) mc = TM_SILU_ROWS - TM_SILU_ROWS % mrt;
     if (mc > c->m) mc = c->m;
     const int64_t mblocks = cdiv(c->m, mc);
     c->mc = mc;
@@ -614,6 +851,7 @@ static void gemm_run(gemm_ctx *c) {
     c->group = cdiv(c->npanels, per_mb);
     c->ngroups = cdiv(c->npanels, c->group);
     tm_parallel_for(mblocks * c->ngroups, gemm_chunk, c);
+    return 0;
 }
 
 /* The greedy argmax of each row of x W^T (+ bias) without writing the logits: out[r] = the first
@@ -623,9 +861,9 @@ static void gemm_run(gemm_ctx *c) {
 int64_t tm_gemm_argmax_scratch(int64_t m) {
     return 4 * TM_MAX_THREADS * m * (int64_t)(sizeof(float) + sizeof(int64_t));
 }
-static void gemm_run_argmax(gemm_ctx *c, int64_t n_limit, const int64_t *ban, int64_t nban, int64_t *out,
-                            void *scratch) {
-    if (c->m <= 0) return;
+static int gemm_run_argmax(gemm_ctx *c, int64_t n_limit, const int64_t *ban, int64_t nban, int64_t *out,
+                           void *scratch) {
+    if (c->m <= 0) return 0;
     c->n_limit = n_limit < c->n ? n_limit : c->n;
     c->ban = ban;
     c->nban = ban ? nban : 0;
@@ -633,8 +871,9 @@ static void gemm_run_argmax(gemm_ctx *c, int64_t n_limit, const int64_t *ban, in
     c->best_idx = (int64_t *)scratch;
     c->best_val = (float *)((int64_t *)scratch + 4 * TM_MAX_THREADS * c->m);
     for (int64_t r = 0; r < c->m; ++r) out[r] = 0;
-    if (c->n <= 0 || c->n_limit <= 0) return;
-    gemm_run(c);
+    if (c->n <= 0 || c->n_limit <= 0) return 0;
+    const int rc = gemm_run(c);
+    if (rc) return rc;
     for (int64_t r = 0; r < c->m; ++r) {
         float best = -INFINITY;
         int64_t bi = 0;
@@ -645,6 +884,7 @@ static void gemm_run_argmax(gemm_ctx *c, int64_t n_limit, const int64_t *ban, in
             }
         out[r] = bi;
     }
+    return 0;
 }
 void tm_gemm_f32_argmax(const float *x, int64_t ldx, const float *w_packed, const float *bias, int64_t m, int64_t n,
                         int64_t k, int64_t n_limit, const int64_t *ban, int64_t nban, int64_t *out, void *scratch) {
@@ -655,11 +895,10 @@ void tm_gemm_f32_argmax(const float *x, int64_t ldx, const float *w_packed, cons
 int tm_gemm_q_argmax(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias,
                      int64_t m, int64_t n, int64_t k, int64_t kpad, int64_t gs, int64_t n_limit, const int64_t *ban,
                      int64_t nban, int64_t *out, void *scratch) {
-    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad) return -1;
+    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad || (kind == TM_W_Q4 && gs % 4)) return -1;
     gemm_ctx c = {.kind = kind, .has_min = has_min, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias,
                   .m = m, .n = n, .k = k, .gs = gs, .panel_bytes = (kpad / gs) * q_group_bytes(kind, has_min, gs)};
-    gemm_run_argmax(&c, n_limit, ban, nban, out, scratch);
-    return 0;
+    return gemm_run_argmax(&c, n_limit, ban, nban, out, scratch);
 }
 
 /* SwiGLU in the gate/up GEMM: y [m, inter] = silu(x Wg^T) * (x Wu^T) for W = [Wg | Wu] [2 inter, k]
@@ -676,13 +915,12 @@ int tm_gemm_f32_silu(const float *x, int64_t ldx, const float *w_packed, const f
 }
 int tm_gemm_q_silu(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias,
                    float *y, int64_t ldy, int64_t m, int64_t inter, int64_t k, int64_t kpad, int64_t gs) {
-    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad || inter <= 0 || inter % TM_NR)
+    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad || (kind == TM_W_Q4 && gs % 4) || inter <= 0 || inter % TM_NR)
         return -1;
     gemm_ctx c = {.kind = kind, .has_min = has_min, .x = x, .ldx = ldx, .w = (const char *)w_packed,
                   .bias = bias, .y = y, .ldy = ldy, .m = m, .n = 2 * inter, .k = k, .gs = gs,
                   .panel_bytes = (kpad / gs) * q_group_bytes(kind, has_min, gs), .silu_inter = inter};
-    gemm_run(&c);
-    return 0;
+    return gemm_run(&c);
 }
 
 /* y[m, n] (+)= x[m, k] W^T (+ bias) for W packed by tm_pack_f32.
@@ -695,13 +933,13 @@ void tm_gemm_f32(const float *x, int64_t ldx, const float *w_packed, const float
     gemm_run(&c);
 }
 
-/* The same for quantized weights packed by tm_pack_q (kpad = k rounded up to gs). */
+/* The same for quantized weights packed by tm_pack_q (kpad = k rounded up to gs). Returns 0, -1 for
+ * a bad kind / gs / k (Q4: gs % 4 == 0), or -2 when the Q4 activation scratch cannot be allocated. */
 int tm_gemm_q(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y,
               int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t kpad, int64_t gs, int accumulate) {
-    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad) return -1;
+    if ((kind != TM_W_Q8 && kind != TM_W_Q4) || gs <= 0 || kpad % gs || k > kpad || (kind == TM_W_Q4 && gs % 4)) return -1;
     gemm_ctx c = {.kind = kind, .has_min = has_min, .x = x, .ldx = ldx, .w = (const char *)w_packed,
                   .bias = bias, .y = y, .ldy = ldy, .m = m, .n = n, .k = k, .gs = gs,
                   .panel_bytes = (kpad / gs) * q_group_bytes(kind, has_min, gs), .accumulate = accumulate};
-    gemm_run(&c);
-    return 0;
+    return gemm_run(&c);
 }

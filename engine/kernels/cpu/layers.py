@@ -10,7 +10,9 @@ holds. Every layer here keeps that contract:
 
 - `CpuLinear`: fp32 weights packed into panels (`gemm.c`).
 - `CpuQuantLinear`: the codes and scales of a `QuantLinear` (int8 per channel or per
-  group, int4 / GGUF Q4_0 / Q4_1 / Q8_0 groups) packed and dequantized in registers.
+  group, int4 / GGUF Q4_0 / Q4_1 / Q8_0 groups) packed; int8 codes are dequantized in
+  registers, 4-bit codes multiply int8 activations (per token and group, quantized in the
+  call) in integer arithmetic, as llama.cpp's Q4 x Q8 dot product.
 - `W8A8Linear`: int8 weights per output channel times int8 activations per token
   (`gemm_i8.c`); built from float weights by `quantize_w8a8`.
 
@@ -28,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from . import (W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_f32, gemm_f32_argmax, gemm_f32_silu, gemm_q, gemm_q_argmax,
-               gemm_q_silu, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act)
+               gemm_q_error, gemm_q_silu, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act)
 
 _F32 = torch.float32
 
@@ -146,8 +148,10 @@ class CpuQuantLinear(nn.Module):
             if y is None:
                 y = torch.empty(m, n)
             fn, kind, has_min, w, b = self._call
-            fn(kind, has_min, x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k, self.padded_in,
-               self.group_size, residual is not None)
+            rc = fn(kind, has_min, x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k,
+                    self.padded_in, self.group_size, residual is not None)
+            if rc:
+                raise ValueError(gemm_q_error(rc, k, self.padded_in, self.group_size))
             return y
         return gemm_q(x, self.packed, n, self.padded_in, self.bits, self.group_size, self.has_min,
                       self.bias, y, residual is not None, lib=self.lib)
