@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import time
+import warnings
 import weakref
 from typing import Any, Iterator, Optional, Sequence as Seq, Union
 
@@ -44,6 +45,22 @@ from .weights import DEFAULT_MODEL, ModelConfig, load_model_weights, model_confi
 PromptType = Union[str, list[int]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_DEFAULT_CAP = 2 << 30  # bytes
+
+
+def max_tokens_past_context_warning(num_prompt_tokens: int, max_tokens: Optional[int],
+                                    max_model_len: int) -> Optional[str]:
+    """The warning `LLM.generate` gives (once per LLM) for a `max_tokens` past the room the context
+    leaves after the prompt, or None when it fits (or is None: up to the context).
+
+    Such a request runs, as in vLLM, and stops at the end of the context with finish_reason
+    "length"; a job refuses such a row instead (`pipeline.schema.length_rule`) unless `--truncate`.
+    """
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None or max_tokens <= room:
+        return None
+    return (f"max_tokens={max_tokens} is more than the context leaves after the prompt ({num_prompt_tokens} "
+            f"tokens of max_model_len={max_model_len}, room for {room}): such requests stop at the end of the "
+            f"context with finish_reason 'length' (said once per LLM)")
 
 
 class _BadPrompt:
@@ -438,6 +455,7 @@ class LLM:
             core_ref.append(weakref.proxy(self.core))
         self._seq_counter = 0
         self._request_counter = 0
+        self._warned_max_tokens = False  # `max_tokens_past_context_warning` is given once per LLM
 
     def _start_workers(self, source, quant: Optional[str], group_size: int, spec_cfg):
         """Check that the model splits over tensor_parallel_size ranks, then start ranks 1..N-1
@@ -808,6 +826,11 @@ class LLM:
         and invalid sampling parameters (`SamplingParams.validate`, e.g. `max_tokens must be an
         integer >= 1, got 0`).
 
+        A `max_tokens` larger than the context leaves after the prompt is not an error here (as in
+        vLLM): the request stops at the end of the context with finish_reason "length", and the
+        first such request warns (a UserWarning, once per LLM). A job refuses such a row instead,
+        unless `--truncate`.
+
         Raises:
             ValueError: only for a sampling_params list whose length differs from prompts.
         """
@@ -945,6 +968,11 @@ class LLM:
                 error = params.validate(vocab)
             if error is None:
                 error = prompt_length_error(len(ids), self.max_model_len)
+            if error is None and not self._warned_max_tokens and params.score_choices is None:
+                message = max_tokens_past_context_warning(len(ids), params.max_tokens, self.max_model_len)
+                if message is not None:
+                    self._warned_max_tokens = True
+                    warnings.warn(message, stacklevel=3)
             grammar = None
             if error is None and params.structured_outputs is not None:
                 grammar, error = self.structured.matcher_for(params.structured_outputs)

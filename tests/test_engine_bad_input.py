@@ -102,6 +102,31 @@ def test_bad_requests_through_iter_outputs_and_chat(small_llm):
     assert chats[1].outputs[0].finish_reason == "error" and "min_tokens" in chats[1].outputs[0].error
 
 
+def test_max_tokens_past_the_context_runs_to_its_end_and_warns_once_per_llm(small_llm):
+    """As vLLM's offline LLM does, a max_tokens past the room the prompt leaves is no error: the request
+    stops at the end of the context ("length"). The first such request says so (a job refuses the row
+    unless --truncate); later ones, in this call or the next, do not repeat it."""
+    import warnings
+
+    llm = small_llm
+    llm._warned_max_tokens = False  # the module's engine may have warned already in another test
+    ids = llm.tokenizer.encode("Four score and seven years ago our fathers brought forth on this continent " * 8)
+    prompt = ids[: MAX_MODEL_LEN - 5]
+    assert len(prompt) == MAX_MODEL_LEN - 5
+    p = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    want = (f"max_tokens=1000 is more than the context leaves after the prompt ({MAX_MODEL_LEN - 5} tokens of "
+            f"max_model_len={MAX_MODEL_LEN}, room for 5): such requests stop at the end of the context with "
+            f"finish_reason 'length' (said once per LLM)")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = llm.generate([prompt, prompt[:-1]], p, use_tqdm=False)
+        again = llm.generate([prompt], p, use_tqdm=False)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == [want]
+    assert [(o.error, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outs] == [
+        (None, "length", 5), (None, "length", 6)]
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
 def test_a_single_string_is_one_prompt_not_one_per_character(small_llm):
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     one = small_llm.generate("Hello there", p, use_tqdm=False)
