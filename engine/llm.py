@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import math
 import os
+import reprlib
 import time
 import warnings
 import weakref
@@ -25,7 +26,9 @@ import torch
 
 from .attention import get_backend
 from .attention.torch_quant_kv import TorchQuantKVAttentionBackend
-from .config import EngineConfig, SamplingParams, SpeculativeConfig, prompt_length_error, prompt_text_error
+from .config import (
+    EngineConfig, SamplingParams, SpeculativeConfig, prompt_length_error, prompt_text_error, prompt_type_error,
+)
 from .core import EngineCore
 from .kv_cache import BlockPool, KVCache, block_key
 from .metrics import EngineStats
@@ -820,8 +823,9 @@ class LLM:
 
         A bad request does not raise, as a job's bad row becomes an error row: its output has
         `finish_reason == "error"` in every completion, no tokens, and `.error` naming the problem,
-        in the words a job's error row uses; the other prompts run. Bad requests are: an empty or
-        all-blank prompt (`""`, `"   "`, `[]`: `prompt is empty`), a token id outside the vocabulary,
+        in the words a job's error row uses; the other prompts run. Bad requests are: a null or
+        non-string prompt (`None`: `prompt is null`; `5`: `prompt must be a string, got int 5`), an
+        empty or all-blank prompt (`""`, `"   "`, `[]`: `prompt is empty`), a token id outside the vocabulary,
         a prompt that leaves no room for output within `max_model_len` (`prompt is too long: ...`),
         and invalid sampling parameters (`SamplingParams.validate`, e.g. `max_tokens must be an
         integer >= 1, got 0`).
@@ -960,8 +964,10 @@ class LLM:
                 elif any(t < 0 or t >= vocab for t in ids):
                     bad = next(t for t in ids if t < 0 or t >= vocab)
                     error = f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
-            else:
-                error = f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}"
+            elif isinstance(prompt, (list, tuple)):
+                error = f"prompt: must be a string or a list of token ids (ints), got {reprlib.repr(prompt)}"
+            else:  # None, an int, ...: the words a job's row uses
+                error = prompt_type_error(prompt)
             if error is None and not isinstance(params, SamplingParams):
                 error = f"sampling_params: expected SamplingParams, got {type(params).__name__}"
             if error is None:

@@ -194,6 +194,35 @@ def test_blank_prompts_are_error_outputs_in_the_words_of_a_jobs_error_row(small_
     assert [r.error for r in rows] == ["prompt is empty", "prompt is empty", "prompt is empty", too_long]
 
 
+def test_a_null_or_int_prompt_and_an_empty_stop_string_read_the_same_through_the_api_and_a_job(small_llm, tmp_path):
+    """None, 12345 and stop="" give one message each, the same from LLM.generate (the error output) and from a
+    job on the same engine (the error row): engine.config's prompt_type_error and stop_strings_error decide both."""
+    import polars as pl
+
+    from pipeline import JobSpec, run_job
+
+    llm = small_llm
+    want = ["prompt is null", "prompt must be a string, got int 12345", "stop cannot contain an empty string ('')"]
+    p = SamplingParams(temperature=0, max_tokens=2)
+    outs = llm.generate([None, 12345, "Hi", "Hi"], [p, p, SamplingParams(temperature=0, max_tokens=2, stop=""), p],
+                        use_tqdm=False)
+    assert [o.error for o in outs] == [*want, None]
+    assert [o.outputs[0].finish_reason for o in outs[:3]] == ["error"] * 3
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pl.DataFrame({"id": [1, 3, 4], "prompt": [None, "Hi", "Hi"],
+                  "stop": [None, "", None]}).write_parquet(inp / "a.parquet")
+    pl.DataFrame({"id": [2], "prompt": [12345],
+                  "stop": pl.Series([None], dtype=pl.String)}).write_parquet(inp / "b.parquet")
+    report = run_job(JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, temperature=0,
+                             chat_template=False, progress=False), llm)
+    rows = pl.read_parquet(f"{tmp_path}/out/part-*.parquet").sort("id")
+    assert rows["error"].to_list() == [*want, None]
+    assert rows["finish_reason"].to_list()[:3] == ["error"] * 3
+    assert (report.rows_ok, report.rows_error) == (1, 3)
+
+
 def test_chat_refuses_unknown_roles_and_empty_contents_naming_the_message_like_a_job_row(small_llm):
     """A bogus role or an empty content makes that conversation an error output (at its index) naming the
     message, the field and the value; the job's `messages` rows say the same words for the same problem."""
