@@ -250,8 +250,8 @@ def _print_report(row: dict) -> None:
 def _print_partial_report(exc: JobInterrupted) -> None:
     """The booked cost row of an interrupted run on stdout, headed as partial (a closed stdout is let be)."""
     try:
-        _echo(f"\ncost report (partial: interrupted after {exc.shards_done} of {exc.shards_total} shards; counts are "
-              f"this run's committed shards, discarded_completion_tokens the output it abandoned)")
+        _echo(f"\ncost report (partial: interrupted {exc.when}; counts are this run's committed shards, "
+              f"discarded_completion_tokens the output it abandoned)")
         _echo(format_report(exc.report.as_row()))
     except StdoutClosed:
         _silence_stdout()
@@ -453,11 +453,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except JobInterrupted as exc:
         if exc.report is not None:
             _print_partial_report(exc)
-        print(f"tokenmill: interrupted after {exc.shards_done} of {exc.shards_total} shards; re-run the same "
-              f"command to resume", file=sys.stderr)
+        print(f"tokenmill: interrupted {exc.when}; re-run the same command to resume", file=sys.stderr)
         return 128 + exc.signum
-    except KeyboardInterrupt as exc:
-        print("tokenmill: interrupted before any shard ran; re-run the same command to start again",
+    except KeyboardInterrupt as exc:  # before the run held the output: nothing written, no cost booked
+        print("tokenmill: interrupted before the job started (nothing written); re-run the same command to start",
               file=sys.stderr)
         return 128 + int(getattr(exc, "signum", signal.SIGINT))
     except JobSpecChanged as exc:
