@@ -460,7 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 128 + int(getattr(exc, "signum", signal.SIGINT))
     except JobSpecChanged as exc:
-        return _fail(str(exc), verbose, EXIT_OTHER_JOB)
+        return _fail(exc.cli_message, verbose, EXIT_OTHER_JOB)  # the flag, not the Python API's overwrite=True
     except JobLocked as exc:
         return _fail(str(exc), verbose, EXIT_LOCKED)
     except (StorageError, LeaseLost) as exc:

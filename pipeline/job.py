@@ -95,7 +95,16 @@ CLUSTER_SCHEMES = ("tcp", "tls", "ucx", "ws", "wss", "inproc")
 
 
 class JobSpecChanged(RuntimeError):
-    """The output folder holds a job with another spec or input; pass overwrite=True to replace it."""
+    """The output folder holds a job with another spec or input; pass overwrite=True to replace it.
+
+    Attributes:
+        cli_message: the message in a command-line user's words (`--overwrite` alone where the
+            Python message also names `overwrite=True`); the message itself when they agree.
+    """
+
+    def __init__(self, message: str, cli_message: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.cli_message = message if cli_message is None else cli_message
 
 
 class JobSpec(BaseModel):
@@ -832,11 +841,11 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         if spec.overwrite:
             manifest.clear_output(spec.output, so)
         elif previous is not None and previous.get("fingerprint") != digest:
-            raise JobSpecChanged(
-                f"{spec.output} already holds a job with a different spec or input "
-                f"({manifest.describe_change(previous, {**doc, **readable})}). Re-run with --overwrite "
-                f"(overwrite=True) to discard its outputs and start over, or choose another output."
-            )
+            what = (f"{spec.output} already holds a job with a different spec or input "
+                    f"({manifest.describe_change(previous, {**doc, **readable})}).")
+            fix = "to discard its outputs and start over, or choose another output."
+            raise JobSpecChanged(f"{what} Re-run with --overwrite (overwrite=True) {fix}",
+                                 cli_message=f"{what} Re-run with --overwrite {fix}")
         elif previous is None and (stray := manifest.part_files(spec.output, so)):
             shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
             raise JobSpecChanged(

@@ -304,7 +304,7 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     another job (what --overwrite fixes); 3 only for an output another run holds."""
     import pytest
 
-    from pipeline import JobSpec, cache_llm
+    from pipeline import JobSpec, JobSpecChanged, cache_llm, run_job
     from pipeline.testing import FakeLLM
 
     inp = tmp_path / "in.parquet"
@@ -330,7 +330,12 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     assert main(run + ["--max-tokens", "3"]) == 0
     capsys.readouterr()
     assert main(run + ["--max-tokens", "4"]) == 2
-    assert "max_tokens: 3 -> 4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "max_tokens: 3 -> 4" in err and "overwrite=True" not in err  # the flag, not the Python API's words
+    assert err.rstrip().endswith("Re-run with --overwrite to discard its outputs and start over, or choose another "
+                                 "output.")
+    with pytest.raises(JobSpecChanged, match=r"Re-run with --overwrite \(overwrite=True\) to discard"):
+        run_job(spec_from_args(build_parser().parse_args(run + ["--max-tokens", "4"])))  # Python: both spellings
     assert main(run + ["--max-tokens", "4", "--output", str(inp)]) == 1  # an output that is a file: not 2
     assert capsys.readouterr().err.startswith(f"tokenmill: output {inp} is a file")
     assert main(run + ["--max-tokens", "4", "--overwrite"]) == 0
