@@ -259,7 +259,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens; -1 or 0 keeps all.
         min_p: drop tokens whose probability is below min_p x the top probability.
         seed: per-request seed; the same seed gives the same tokens whatever
-            else is in the batch. With n > 1 the seed covers the whole set.
+            else is in the batch. With n > 1 the seed covers the whole set. Any integer,
+            negative ones too; -1 means None (no seed of its own: the request draws from the
+            engine's seed), as in vLLM.
         max_tokens: most new tokens per completion.
         min_tokens: EOS and stop token ids are suppressed until this many tokens.
         stop: strings that end the completion; the text is cut before them.
@@ -299,6 +301,8 @@ class SamplingParams:
     score_choices: Optional[Sequence[str]] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed == -1:
+            self.seed = None  # vLLM's convention: -1 is no seed of its own
         so = self.structured_outputs
         if isinstance(so, dict) and set(so) <= set(StructuredOutputsParams.__dataclass_fields__):
             self.structured_outputs = StructuredOutputsParams(**so)

@@ -127,6 +127,16 @@ def test_max_tokens_past_the_context_runs_to_its_end_and_warns_once_per_llm(smal
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
+def test_a_negative_seed_is_a_seed_and_minus_one_is_none_as_in_vllm(small_llm):
+    """Any integer seeds a request, negative ones too (the same tokens each time); -1 is vLLM's "no seed"."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-7).seed == -7 and SamplingParams(seed=-7).validate() is None
+    p = SamplingParams(temperature=0.9, max_tokens=6, seed=-7, ignore_eos=True)
+    first, again = (small_llm.generate(["Once upon a time"], p, use_tqdm=False)[0] for _ in range(2))
+    assert first.error is None and len(first.outputs[0].token_ids) == 6
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_a_single_string_is_one_prompt_not_one_per_character(small_llm):
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     one = small_llm.generate("Hello there", p, use_tqdm=False)
