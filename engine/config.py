@@ -9,8 +9,9 @@ error output and never fails the batch.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .structured.params import StructuredOutputsParams
 
@@ -258,7 +259,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens; -1 or 0 keeps all.
         min_p: drop tokens whose probability is below min_p x the top probability.
         seed: per-request seed; the same seed gives the same tokens whatever
-            else is in the batch. With n > 1 the seed covers the whole set.
+            else is in the batch. With n > 1 the seed covers the whole set. Any integer,
+            negative ones too; -1 means None (no seed of its own: the request draws from the
+            engine's seed), as in vLLM.
         max_tokens: most new tokens per completion.
         min_tokens: EOS and stop token ids are suppressed until this many tokens.
         stop: strings that end the completion; the text is cut before them.
@@ -298,14 +301,22 @@ class SamplingParams:
     score_choices: Optional[Sequence[str]] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed == -1:
+            self.seed = None  # vLLM's convention: -1 is no seed of its own
         so = self.structured_outputs
         if isinstance(so, dict) and set(so) <= set(StructuredOutputsParams.__dataclass_fields__):
             self.structured_outputs = StructuredOutputsParams(**so)
         if isinstance(self.score_choices, tuple):
             self.score_choices = list(self.score_choices)
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop) if self.stop else []
+        else:
+            try:
+                self.stop = list(self.stop)
+            except TypeError:  # not a sequence (stop=5): validate() names it
+                pass
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
 
     @property
@@ -343,9 +354,9 @@ class SamplingParams:
             return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             return f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-        for s in self.stop:
-            if not isinstance(s, str) or s == "":
-                return f"stop must be a list of non-empty strings, got {s!r}"
+        problem = stop_strings_error(self.stop)
+        if problem is not None:
+            return problem
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 return f"stop_token_ids contains unknown token id {t!r} (vocab size {vocab_size})"
@@ -376,6 +387,42 @@ class SamplingParams:
             if self.n != 1:
                 return f"score_choices needs n == 1, got n={self.n}"
         return None
+
+
+def prompt_type_error(prompt: Any) -> Optional[str]:
+    """The rule for a prompt's type: None for a string, else the error message.
+
+    A null prompt (None) is `prompt is null`; any other non-string (an int, a float, a dict) is
+    `prompt must be a string, got int 12345`. The same function decides for `LLM.generate` (an error
+    output) and for a job's row (an error row), so both refuse the same prompts with the same words;
+    `LLM.generate` also takes a list of token ids, which it checks before asking this.
+    """
+    if isinstance(prompt, str):
+        return None
+    if prompt is None:
+        return "prompt is null"
+    return f"prompt must be a string, got {type(prompt).__name__} {reprlib.repr(prompt)}"
+
+
+def stop_strings_error(stop: Any) -> Optional[str]:
+    """The rule for `stop`: None for a list of non-empty strings, else the error message.
+
+    Args:
+        stop: the stop strings as `SamplingParams` holds them (a single string already made a
+            list of one, so `stop=""` arrives as `[""]`).
+
+    An empty stop string would end every completion before its first character:
+    `stop cannot contain an empty string ('')`. `SamplingParams.validate` (the API, a job's
+    `--stop`) and a job row's `stop` column both apply it, in the same words.
+    """
+    if not isinstance(stop, (list, tuple)):
+        return f"stop must be a string or a list of strings, got {type(stop).__name__} {reprlib.repr(stop)}"
+    for s in stop:
+        if not isinstance(s, str):
+            return f"stop must be a string or a list of strings, got {type(s).__name__} {reprlib.repr(s)} in the list"
+        if s == "":
+            return "stop cannot contain an empty string ('')"
+    return None
 
 
 def prompt_text_error(prompt: str) -> Optional[str]:

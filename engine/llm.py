@@ -16,7 +16,9 @@ import dataclasses
 import functools
 import math
 import os
+import reprlib
 import time
+import warnings
 import weakref
 from typing import Any, Iterator, Optional, Sequence as Seq, Union
 
@@ -24,7 +26,9 @@ import torch
 
 from .attention import get_backend
 from .attention.torch_quant_kv import TorchQuantKVAttentionBackend
-from .config import EngineConfig, SamplingParams, SpeculativeConfig, prompt_length_error, prompt_text_error
+from .config import (
+    EngineConfig, SamplingParams, SpeculativeConfig, prompt_length_error, prompt_text_error, prompt_type_error,
+)
 from .core import EngineCore
 from .kv_cache import BlockPool, KVCache, block_key
 from .metrics import EngineStats
@@ -44,6 +48,22 @@ from .weights import DEFAULT_MODEL, ModelConfig, load_model_weights, model_confi
 PromptType = Union[str, list[int]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_DEFAULT_CAP = 2 << 30  # bytes
+
+
+def max_tokens_past_context_warning(num_prompt_tokens: int, max_tokens: Optional[int],
+                                    max_model_len: int) -> Optional[str]:
+    """The warning `LLM.generate` gives (once per LLM) for a `max_tokens` past the room the context
+    leaves after the prompt, or None when it fits (or is None: up to the context).
+
+    Such a request runs, as in vLLM, and stops at the end of the context with finish_reason
+    "length"; a job refuses such a row instead (`pipeline.schema.length_rule`) unless `--truncate`.
+    """
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None or max_tokens <= room:
+        return None
+    return (f"max_tokens={max_tokens} is more than the context leaves after the prompt ({num_prompt_tokens} "
+            f"tokens of max_model_len={max_model_len}, room for {room}): such requests stop at the end of the "
+            f"context with finish_reason 'length' (said once per LLM)")
 
 
 class _BadPrompt:
@@ -438,6 +458,7 @@ class LLM:
             core_ref.append(weakref.proxy(self.core))
         self._seq_counter = 0
         self._request_counter = 0
+        self._warned_max_tokens = False  # `max_tokens_past_context_warning` is given once per LLM
 
     def _start_workers(self, source, quant: Optional[str], group_size: int, spec_cfg):
         """Check that the model splits over tensor_parallel_size ranks, then start ranks 1..N-1
@@ -802,11 +823,17 @@ class LLM:
 
         A bad request does not raise, as a job's bad row becomes an error row: its output has
         `finish_reason == "error"` in every completion, no tokens, and `.error` naming the problem,
-        in the words a job's error row uses; the other prompts run. Bad requests are: an empty or
-        all-blank prompt (`""`, `"   "`, `[]`: `prompt is empty`), a token id outside the vocabulary,
+        in the words a job's error row uses; the other prompts run. Bad requests are: a null or
+        non-string prompt (`None`: `prompt is null`; `5`: `prompt must be a string, got int 5`), an
+        empty or all-blank prompt (`""`, `"   "`, `[]`: `prompt is empty`), a token id outside the vocabulary,
         a prompt that leaves no room for output within `max_model_len` (`prompt is too long: ...`),
         and invalid sampling parameters (`SamplingParams.validate`, e.g. `max_tokens must be an
         integer >= 1, got 0`).
+
+        A `max_tokens` larger than the context leaves after the prompt is not an error here (as in
+        vLLM): the request stops at the end of the context with finish_reason "length", and the
+        first such request warns (a UserWarning, once per LLM). A job refuses such a row instead,
+        unless `--truncate`.
 
         Raises:
             ValueError: only for a sampling_params list whose length differs from prompts.
@@ -937,14 +964,21 @@ class LLM:
                 elif any(t < 0 or t >= vocab for t in ids):
                     bad = next(t for t in ids if t < 0 or t >= vocab)
                     error = f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
-            else:
-                error = f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}"
+            elif isinstance(prompt, (list, tuple)):
+                error = f"prompt: must be a string or a list of token ids (ints), got {reprlib.repr(prompt)}"
+            else:  # None, an int, ...: the words a job's row uses
+                error = prompt_type_error(prompt)
             if error is None and not isinstance(params, SamplingParams):
                 error = f"sampling_params: expected SamplingParams, got {type(params).__name__}"
             if error is None:
                 error = params.validate(vocab)
             if error is None:
                 error = prompt_length_error(len(ids), self.max_model_len)
+            if error is None and not self._warned_max_tokens and params.score_choices is None:
+                message = max_tokens_past_context_warning(len(ids), params.max_tokens, self.max_model_len)
+                if message is not None:
+                    self._warned_max_tokens = True
+                    warnings.warn(message, stacklevel=3)
             grammar = None
             if error is None and params.structured_outputs is not None:
                 grammar, error = self.structured.matcher_for(params.structured_outputs)

@@ -13,7 +13,8 @@ Every JobSpec field is an option in kebab case (`--max-tokens`,
 Options override the fields of a `--spec` YAML/JSON file.
 
 Errors print in a few lines naming what failed and what to do (`--verbose`
-adds the traceback); warnings print as `tokenmill: warning: ...`. Ctrl-C or
+adds the traceback); a usage error prints `tokenmill run: error: ...` and
+`see 'tokenmill run --help'` (not the usage); warnings print as `tokenmill: warning: ...`. Ctrl-C or
 SIGTERM abandons the shards in flight (nothing partial is committed), books
 the run's cost, prints that partial cost report on stdout (headed `cost report
 (partial: ...)`) and one line on stderr; a second one exits at once.
@@ -250,8 +251,8 @@ def _print_report(row: dict) -> None:
 def _print_partial_report(exc: JobInterrupted) -> None:
     """The booked cost row of an interrupted run on stdout, headed as partial (a closed stdout is let be)."""
     try:
-        _echo(f"\ncost report (partial: interrupted after {exc.shards_done} of {exc.shards_total} shards; counts are "
-              f"this run's committed shards, discarded_completion_tokens the output it abandoned)")
+        _echo(f"\ncost report (partial: interrupted {exc.when}; counts are this run's committed shards, "
+              f"discarded_completion_tokens the output it abandoned)")
         _echo(format_report(exc.report.as_row()))
     except StdoutClosed:
         _silence_stdout()
@@ -369,9 +370,10 @@ class _Parser(argparse.ArgumentParser):
     delete a job's outputs over a mistyped flag."""
 
     def error(self, message: str) -> typing.NoReturn:
-        """Print the usage and the message on stderr, then exit EXIT_REFUSED (raises SystemExit)."""
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_REFUSED, f"{self.prog}: error: {message}\n")
+        """Print `PROG: error: MESSAGE` and where the options are (`see 'tokenmill run --help'`) on stderr,
+        without the usage (`run`'s lists every option: 30 lines over a one-line mistake), then exit
+        EXIT_REFUSED (raises SystemExit)."""
+        self.exit(EXIT_REFUSED, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -384,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_run = sub.add_parser("run", parents=[common],
                            help="run a job (resumes a killed one; --overwrite replaces a changed one)")
     add_spec_options(p_run)
-    p_run.set_defaults(func=cmd_run)
+    p_run.set_defaults(func=cmd_run, command_parser=p_run)
     p_demo = sub.add_parser("demo", parents=[common],
                             help=f"run a bundled sample job into ./{DEMO_OUTPUT}/JOB/ (replacing the previous demo "
                                  f"output there; --no-overwrite resumes it) and print the report")
@@ -438,7 +440,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the `tokenmill` command; returns the exit code (see the module docstring)."""
     args = build_parser().parse_args(argv)
     if args.command == "run" and not args.spec and (args.input is None or args.output is None):
-        build_parser().error("run needs --input and --output (or a --spec file that sets them)")
+        missing = [flag for flag, value in (("--input", args.input), ("--output", args.output)) if value is None]
+        args.command_parser.error(f"the following arguments are required: {', '.join(missing)} (or a --spec file "
+                                  f"that sets {'it' if len(missing) == 1 else 'them'})")
     verbose = bool(getattr(args, "verbose", False))
     old_handlers = {}
     if threading_is_main():
@@ -453,15 +457,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except JobInterrupted as exc:
         if exc.report is not None:
             _print_partial_report(exc)
-        print(f"tokenmill: interrupted after {exc.shards_done} of {exc.shards_total} shards; re-run the same "
-              f"command to resume", file=sys.stderr)
+        print(f"tokenmill: interrupted {exc.when}; re-run the same command to resume", file=sys.stderr)
         return 128 + exc.signum
-    except KeyboardInterrupt as exc:
-        print("tokenmill: interrupted before any shard ran; re-run the same command to start again",
+    except KeyboardInterrupt as exc:  # before the run held the output: nothing written, no cost booked
+        print("tokenmill: interrupted before the job started (nothing written); re-run the same command to start",
               file=sys.stderr)
         return 128 + int(getattr(exc, "signum", signal.SIGINT))
     except JobSpecChanged as exc:
-        return _fail(str(exc), verbose, EXIT_OTHER_JOB)
+        return _fail(exc.cli_message, verbose, EXIT_OTHER_JOB)  # the flag, not the Python API's overwrite=True
     except JobLocked as exc:
         return _fail(str(exc), verbose, EXIT_LOCKED)
     except (StorageError, LeaseLost) as exc:

@@ -95,7 +95,16 @@ CLUSTER_SCHEMES = ("tcp", "tls", "ucx", "ws", "wss", "inproc")
 
 
 class JobSpecChanged(RuntimeError):
-    """The output folder holds a job with another spec or input; pass overwrite=True to replace it."""
+    """The output folder holds a job with another spec or input; pass overwrite=True to replace it.
+
+    Attributes:
+        cli_message: the message in a command-line user's words (`--overwrite` alone where the
+            Python message also names `overwrite=True`); the message itself when they agree.
+    """
+
+    def __init__(self, message: str, cli_message: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.cli_message = message if cli_message is None else cli_message
 
 
 class JobSpec(BaseModel):
@@ -792,7 +801,10 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
     first run. Planning also warns about null and repeated ids (`check_ids`).
 
     The caller must end the run with `finish_job` / `abort_job` and `JobPlan.close()`
-    (which gives the lease back); `run_job` does all of that.
+    (which gives the lease back); `run_job` does all of that. An interruption once the lease is
+    held (while planning: loading the tokenizer, tokenising) books the run's cost here (status
+    "interrupted", no rows, the wall time so far) and gives the lease back; one before it writes
+    nothing.
 
     Args:
         tokenizer: for planning (default: `job_tokenizer(spec)`, loaded only when planning).
@@ -804,6 +816,9 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         StorageError: the storage cannot be reached, denies access, or a bucket does not exist.
         JobLocked: another run holds the output's lease.
         JobSpecChanged: the output holds another job (other spec, input or model).
+        JobInterrupted: a KeyboardInterrupt once the lease was held (`shards_total` None: the job
+            was not planned yet); its `report` is the cost row booked for the run.
+        KeyboardInterrupt: an interruption before the lease was taken (nothing was written).
     """
     started_at = datetime.now(timezone.utc)
     so = spec.storage_options
@@ -826,11 +841,11 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         if spec.overwrite:
             manifest.clear_output(spec.output, so)
         elif previous is not None and previous.get("fingerprint") != digest:
-            raise JobSpecChanged(
-                f"{spec.output} already holds a job with a different spec or input "
-                f"({manifest.describe_change(previous, {**doc, **readable})}). Re-run with --overwrite "
-                f"(overwrite=True) to discard its outputs and start over, or choose another output."
-            )
+            what = (f"{spec.output} already holds a job with a different spec or input "
+                    f"({manifest.describe_change(previous, {**doc, **readable})}).")
+            fix = "to discard its outputs and start over, or choose another output."
+            raise JobSpecChanged(f"{what} Re-run with --overwrite (overwrite=True) {fix}",
+                                 cli_message=f"{what} Re-run with --overwrite {fix}")
         elif previous is None and (stray := manifest.part_files(spec.output, so)):
             shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
             raise JobSpecChanged(
@@ -850,6 +865,12 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             stats = PlanStats(**previous.get("plan", {}))
         done = done_shards(spec)
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):  # the run holds the output: it books its cost as every run does
+            plan = JobPlan(spec=spec, job_id=digest[:16], run_id=run_id, shards=[], pending=[], started_at=started_at,
+                           lease=lease)
+            booked = abort_job(plan, [], exc, model=spec.model, quantization=spec.quantization,
+                               device=job_device(plan, [], look_up=False))  # gives the lease back
+            raise JobInterrupted(0, None, int(getattr(exc, "signum", signal.SIGINT)), booked) from None
         lease.release(quick_options(so) if isinstance(exc, StorageError) and exc.endpoint_failed else so)
         raise
     pending = [s for s in shards if s.index not in done]
@@ -1427,16 +1448,21 @@ class JobInterrupted(KeyboardInterrupt):
 
     Attributes:
         shards_done: shards committed, this run and earlier ones.
-        shards_total: shards in the job.
+        shards_total: shards in the job; None when the run was interrupted while it was being
+            prepared (planned), before it knew them.
         signum: the signal that interrupted it (SIGINT for a plain KeyboardInterrupt).
         report: the run's partial cost report as booked under `_job/runs/` (status "interrupted":
             the wall time so far, the rows and tokens of the shards it committed, the output
             tokens it discarded), or None when it could not be booked.
+        when: where the run stopped, for messages: "after 1 of 4 shards", or "while preparing
+            the job, before any shard ran".
     """
 
-    def __init__(self, shards_done: int, shards_total: int, signum: int,
+    def __init__(self, shards_done: int, shards_total: Optional[int], signum: int,
                  report: Optional[CostReport] = None) -> None:
-        super().__init__(f"interrupted after {shards_done} of {shards_total} shards")
+        self.when = (f"after {shards_done} of {shards_total} shards" if shards_total is not None
+                     else "while preparing the job, before any shard ran")
+        super().__init__(f"interrupted {self.when}")
         self.shards_done, self.shards_total, self.signum = shards_done, shards_total, signum
         self.report = report
 

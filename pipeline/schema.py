@@ -27,7 +27,9 @@ from typing import Any, Optional, Sequence
 import polars as pl
 import pyarrow as pa
 
-from engine.config import SamplingParams, prompt_length_error, prompt_text_error
+from engine.config import (
+    SamplingParams, prompt_length_error, prompt_text_error, prompt_type_error, stop_strings_error,
+)
 from engine.structured.params import StructuredOutputsParams
 from engine.tokenizer import CHAT_ROLES, TOOL_ROLE, validate_messages
 
@@ -148,10 +150,10 @@ def _override(name: str, value: Any) -> Any:
             raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
         return float(value)
     if name == "stop":
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {value!r}")
+        value = [value] if isinstance(value, str) else value
+        problem = stop_strings_error(value)  # the engine's rule, in its words
+        if problem is not None:
+            raise ValueError(problem)
         return list(value)
     if name == "system":
         if not isinstance(value, str):
@@ -303,13 +305,12 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         prompt = row.get(PROMPT_COLUMN) if layout.has_prompt else None
-        if prompt is None:
-            what = "prompt and messages are both null" if layout.has_messages and layout.has_prompt else (
-                "messages is null" if layout.has_messages and not layout.has_prompt else "prompt is null")
-            raise ValueError(what)
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r}")
-        problem = prompt_text_error(prompt)  # the engine's rule: LLM.generate refuses the same prompts
+        if prompt is None and layout.has_messages:
+            raise ValueError("prompt and messages are both null" if layout.has_prompt else "messages is null")
+        problem = prompt_type_error(prompt)  # the engine's rules: LLM.generate refuses the same prompts
+        if problem is not None:
+            raise ValueError(problem)
+        problem = prompt_text_error(prompt)
         if problem is not None:
             raise ValueError(problem)
         if use_chat_template:

@@ -304,7 +304,7 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     another job (what --overwrite fixes); 3 only for an output another run holds."""
     import pytest
 
-    from pipeline import JobSpec, cache_llm
+    from pipeline import JobSpec, JobSpecChanged, cache_llm, run_job
     from pipeline.testing import FakeLLM
 
     inp = tmp_path / "in.parquet"
@@ -319,10 +319,21 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
         assert exc.value.code == 1, argv
         return capsys.readouterr().err
 
-    assert "argument --plan: invalid choice: 'bogus'" in usage_error(*run, "--plan", "bogus")
-    assert "argument --shard-size: invalid int value: 'x'" in usage_error(*run, "--shard-size", "x")
-    assert "run needs --input and --output" in usage_error("run", "--input", str(inp))
-    assert "invalid choice: 'frobnicate'" in usage_error("frobnicate")
+    # one line saying what is wrong and one saying where the options are, not run's 30-line usage first
+    plan = usage_error(*run, "--plan", "bogus").splitlines()
+    assert len(plan) == 2 and plan[0].startswith("tokenmill run: error: argument --plan: invalid choice: 'bogus'")
+    assert plan[1] == "see 'tokenmill run --help'"
+    assert usage_error(*run, "--shard-size", "x").splitlines() == [
+        "tokenmill run: error: argument --shard-size: invalid int value: 'x'", "see 'tokenmill run --help'"]
+    assert usage_error("run", "--output", str(out)).splitlines() == [  # the run command's error, not tokenmill's
+        "tokenmill run: error: the following arguments are required: --input (or a --spec file that sets it)",
+        "see 'tokenmill run --help'"]
+    assert usage_error("run", "--no-progress").splitlines()[0] == (
+        "tokenmill run: error: the following arguments are required: --input, --output (or a --spec file that "
+        "sets them)")
+    frob = usage_error("frobnicate").splitlines()
+    assert len(frob) == 2 and frob[0].startswith("tokenmill: error: argument command: invalid choice: 'frobnicate'")
+    assert frob[1] == "see 'tokenmill --help'"
     assert main(run + ["--shard-size", "0"]) == 1  # the same option, refused by the spec's validation
     assert capsys.readouterr().err.splitlines()[1] == "  --shard-size: Input should be greater than or equal to 1 (got 0)"
     assert not out.exists()
@@ -330,7 +341,12 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     assert main(run + ["--max-tokens", "3"]) == 0
     capsys.readouterr()
     assert main(run + ["--max-tokens", "4"]) == 2
-    assert "max_tokens: 3 -> 4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "max_tokens: 3 -> 4" in err and "overwrite=True" not in err  # the flag, not the Python API's words
+    assert err.rstrip().endswith("Re-run with --overwrite to discard its outputs and start over, or choose another "
+                                 "output.")
+    with pytest.raises(JobSpecChanged, match=r"Re-run with --overwrite \(overwrite=True\) to discard"):
+        run_job(spec_from_args(build_parser().parse_args(run + ["--max-tokens", "4"])))  # Python: both spellings
     assert main(run + ["--max-tokens", "4", "--output", str(inp)]) == 1  # an output that is a file: not 2
     assert capsys.readouterr().err.startswith(f"tokenmill: output {inp} is a file")
     assert main(run + ["--max-tokens", "4", "--overwrite"]) == 0

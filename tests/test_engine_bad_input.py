@@ -102,6 +102,41 @@ def test_bad_requests_through_iter_outputs_and_chat(small_llm):
     assert chats[1].outputs[0].finish_reason == "error" and "min_tokens" in chats[1].outputs[0].error
 
 
+def test_max_tokens_past_the_context_runs_to_its_end_and_warns_once_per_llm(small_llm):
+    """As vLLM's offline LLM does, a max_tokens past the room the prompt leaves is no error: the request
+    stops at the end of the context ("length"). The first such request says so (a job refuses the row
+    unless --truncate); later ones, in this call or the next, do not repeat it."""
+    import warnings
+
+    llm = small_llm
+    llm._warned_max_tokens = False  # the module's engine may have warned already in another test
+    ids = llm.tokenizer.encode("Four score and seven years ago our fathers brought forth on this continent " * 8)
+    prompt = ids[: MAX_MODEL_LEN - 5]
+    assert len(prompt) == MAX_MODEL_LEN - 5
+    p = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    want = (f"max_tokens=1000 is more than the context leaves after the prompt ({MAX_MODEL_LEN - 5} tokens of "
+            f"max_model_len={MAX_MODEL_LEN}, room for 5): such requests stop at the end of the context with "
+            f"finish_reason 'length' (said once per LLM)")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = llm.generate([prompt, prompt[:-1]], p, use_tqdm=False)
+        again = llm.generate([prompt], p, use_tqdm=False)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == [want]
+    assert [(o.error, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outs] == [
+        (None, "length", 5), (None, "length", 6)]
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_a_negative_seed_is_a_seed_and_minus_one_is_none_as_in_vllm(small_llm):
+    """Any integer seeds a request, negative ones too (the same tokens each time); -1 is vLLM's "no seed"."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-7).seed == -7 and SamplingParams(seed=-7).validate() is None
+    p = SamplingParams(temperature=0.9, max_tokens=6, seed=-7, ignore_eos=True)
+    first, again = (small_llm.generate(["Once upon a time"], p, use_tqdm=False)[0] for _ in range(2))
+    assert first.error is None and len(first.outputs[0].token_ids) == 6
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_a_single_string_is_one_prompt_not_one_per_character(small_llm):
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     one = small_llm.generate("Hello there", p, use_tqdm=False)
@@ -167,6 +202,35 @@ def test_blank_prompts_are_error_outputs_in_the_words_of_a_jobs_error_row(small_
                           use_chat_template=False, max_model_len=llm.max_model_len, vocab_size=llm.tokenizer.vocab_size)
             for p in ("   ", "\n\t ", "", long_text)]
     assert [r.error for r in rows] == ["prompt is empty", "prompt is empty", "prompt is empty", too_long]
+
+
+def test_a_null_or_int_prompt_and_an_empty_stop_string_read_the_same_through_the_api_and_a_job(small_llm, tmp_path):
+    """None, 12345 and stop="" give one message each, the same from LLM.generate (the error output) and from a
+    job on the same engine (the error row): engine.config's prompt_type_error and stop_strings_error decide both."""
+    import polars as pl
+
+    from pipeline import JobSpec, run_job
+
+    llm = small_llm
+    want = ["prompt is null", "prompt must be a string, got int 12345", "stop cannot contain an empty string ('')"]
+    p = SamplingParams(temperature=0, max_tokens=2)
+    outs = llm.generate([None, 12345, "Hi", "Hi"], [p, p, SamplingParams(temperature=0, max_tokens=2, stop=""), p],
+                        use_tqdm=False)
+    assert [o.error for o in outs] == [*want, None]
+    assert [o.outputs[0].finish_reason for o in outs[:3]] == ["error"] * 3
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pl.DataFrame({"id": [1, 3, 4], "prompt": [None, "Hi", "Hi"],
+                  "stop": [None, "", None]}).write_parquet(inp / "a.parquet")
+    pl.DataFrame({"id": [2], "prompt": [12345],
+                  "stop": pl.Series([None], dtype=pl.String)}).write_parquet(inp / "b.parquet")
+    report = run_job(JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, temperature=0,
+                             chat_template=False, progress=False), llm)
+    rows = pl.read_parquet(f"{tmp_path}/out/part-*.parquet").sort("id")
+    assert rows["error"].to_list() == [*want, None]
+    assert rows["finish_reason"].to_list()[:3] == ["error"] * 3
+    assert (report.rows_ok, report.rows_error) == (1, 3)
 
 
 def test_chat_refuses_unknown_roles_and_empty_contents_naming_the_message_like_a_job_row(small_llm):

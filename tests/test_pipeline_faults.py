@@ -192,6 +192,82 @@ def test_failed_and_interrupted_runs_book_their_cost(tmp_path):
     assert sorted(output_ids(spec.output)) == ids
 
 
+def test_ctrl_c_while_the_model_loads_books_and_prints_a_zero_token_cost_row(tmp_path, capsys, monkeypatch):
+    """README: every run books one row. Interrupted while `engine.LLM` loads (no shard run), the run's
+    row is booked and printed: interrupted, 0 rows and tokens, its wall time at the price per hour."""
+    import engine
+    import pipeline.job as job
+    from pipeline.cli import main
+    from pipeline.testing import FakeTokenizer
+
+    def load(model, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "LLM", load)
+    monkeypatch.setattr(job, "job_tokenizer", lambda spec: FakeTokenizer())  # planning without the real one
+    write_input(tmp_path / "in.parquet", 4)
+    out = tmp_path / "out"
+    rc = main(["run", "--input", str(tmp_path / "in.parquet"), "--output", str(out), "--no-progress",
+               "--seed", "424242", "--price-per-hour", "3600"])  # a seed no other test's engine has
+    captured = capsys.readouterr()
+    assert rc == 130
+    assert captured.err.splitlines()[-1] == ("tokenmill: interrupted after 0 of 1 shards; re-run the same command "
+                                             "to resume")
+    assert ("cost report (partial: interrupted after 0 of 1 shards; counts are this run's committed shards, "
+            "discarded_completion_tokens the output it abandoned)") in captured.out.splitlines()
+    m = read_metrics(str(out))
+    row = m.row(0, named=True)
+    assert m.height == 1 and row["status"] == "interrupted"
+    assert (row["rows_total"], row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (4, 0, 0, 0)
+    assert row["wall_s"] > 0 and row["cost_usd"] == pytest.approx(row["wall_s"])  # 3600 USD/h = 1 USD/s
+
+
+def test_ctrl_c_while_planning_books_its_cost_and_one_before_the_lease_writes_nothing(tmp_path, capsys, monkeypatch):
+    """Once the run holds the output's lease it books its cost however it ends, planning included (the
+    tokenizer loads, prompts are tokenised); an interruption before that (checking the options and
+    input) writes nothing, so the output stays free for the same command."""
+    import pipeline.job as job
+    from pipeline.cli import main
+
+    write_input(tmp_path / "in.parquet", 4)
+    spec = spec_for(tmp_path / "in.parquet", tmp_path / "out", plan="prefix", price_per_hour=3600.0)
+
+    def interrupt(*args, **kw):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as mp:
+        mp.setattr(job, "job_tokenizer", interrupt)
+        with pytest.raises(KeyboardInterrupt) as exc:  # not JobInterrupted: a bare one must fail here, not stop pytest
+            run_job(spec)
+        assert main(["run", "--input", spec.input, "--output", spec.output, "--no-progress", "--plan", "prefix",
+                     "--max-tokens", "2", "--shard-size", "3", "--shards-in-flight", "1",
+                     "--price-per-hour", "3600"]) == 130
+    assert isinstance(exc.value, JobInterrupted)
+    assert (exc.value.shards_done, exc.value.shards_total, exc.value.signum) == (0, None, signal.SIGINT)
+    assert str(exc.value) == "interrupted while preparing the job, before any shard ran"
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["tokenmill: interrupted while preparing the job, before any shard ran; "
+                                         "re-run the same command to resume"]
+    assert ("cost report (partial: interrupted while preparing the job, before any shard ran; counts are this "
+            "run's committed shards, discarded_completion_tokens the output it abandoned)") in captured.out.splitlines()
+    report = run_job(spec, FakeLLM())  # the lease was given back: the same job runs at once
+    m = read_metrics(spec.output)
+    assert m["status"].to_list() == ["interrupted", "interrupted", "ok"]
+    assert m.row(0, named=True) == exc.value.report.as_row()
+    assert m["completion_tokens"].to_list() == [0, 0, report.completion_tokens] and report.completion_tokens == 8
+    assert m["rows_ok"].to_list() == [0, 0, 4]
+    for row in m.head(2).iter_rows(named=True):
+        assert row["wall_s"] > 0 and row["cost_usd"] == pytest.approx(row["wall_s"])
+
+    fresh = spec.model_copy(update={"output": str(tmp_path / "fresh")})
+    with monkeypatch.context() as mp:
+        mp.setattr(job, "check_inputs", interrupt)
+        with pytest.raises(KeyboardInterrupt) as before:
+            run_job(fresh, FakeLLM())
+    assert not isinstance(before.value, JobInterrupted)
+    assert not (tmp_path / "fresh").exists()
+
+
 # ---------------------------------------------------------------- SIGINT / SIGTERM
 
 CHILD = textwrap.dedent("""

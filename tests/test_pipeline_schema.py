@@ -53,7 +53,9 @@ def test_good_prompt_row():
     ({"prompt": "hi", "temperature": -1.0}, "temperature"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "seed": 1.5}, "seed must be an integer"),
-    ({"prompt": "hi", "stop": [""]}, "stop must be"),
+    ({"prompt": "hi", "stop": [""]}, "stop cannot contain an empty string ('')"),
+    ({"prompt": "hi", "stop": ["a", 5]}, "stop must be a string or a list of strings, got int 5 in the list"),
+    ({"prompt": "hi", "stop": 5}, "stop must be a string or a list of strings, got int 5"),
     ({"prompt": "hi", "system": 7}, "system must be a string"),
 ])
 def test_bad_prompt_rows(row, message):

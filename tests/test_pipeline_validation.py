@@ -227,3 +227,21 @@ def test_a_kv_cache_budget_below_one_block_is_refused_before_anything_is_written
         LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory_bytes=block - 1)
     prepare_job(JobSpec(input=inp, output=str(out), progress=False, dtype="float32",
                         kv_cache_memory_bytes=block)).close()  # the minimum itself passes
+
+
+def test_negative_seeds_are_seeds_and_minus_one_is_no_seed_of_its_own_as_in_vllm(tmp_path):
+    """A job's --seed and a row's seed take any integer; a row seed of -1 (vLLM's "unseeded") is a null
+    seed: the row gets the one derived from --seed and its index, as a row without a seed does."""
+    from pipeline.job import row_seed
+
+    class Recording(FakeLLM):
+        def iter_outputs(self, prompts, sampling_params=None, use_tqdm=True):
+            self.seeds = [p.seed for p in sampling_params]
+            return super().iter_outputs(prompts, sampling_params, use_tqdm)
+
+    inp = write_input(tmp_path / "in.parquet", 4, seed=[None, -1, -7, 5])
+    llm = Recording()
+    report = run_job(JobSpec(input=inp, output=str(tmp_path / "out"), progress=False, max_tokens=2, temperature=0.8,
+                             seed=-3, plan="input"), llm)
+    assert llm.seeds == [row_seed(-3, 0), row_seed(-3, 1), -7, 5]
+    assert (report.rows_ok, report.rows_error) == (4, 0)
