@@ -23,9 +23,9 @@
  *   TM_W_Q8   int8 codes, a scale per (column, group of gs rows of K): w = q * s.
  *   TM_W_Q4   4-bit codes 0..15 with a scale and a min per group: w = q * s + m
  *             (GGUF Q4_0/Q4_1 and our int4; Q8 may carry a min too).
- * Quantized codes are widened and scaled in registers inside the micro-kernel and
- * never written to memory as floats (as llama.cpp's CPU kernels do), so a step reads
- * 1 (int8) or 0.5 (int4) bytes per weight plus the scales.
+ * int8 codes are widened and scaled in registers inside the micro-kernel and never
+ * written to memory as floats (as llama.cpp's CPU kernels do); codes are read in place,
+ * so a step reads 1 (int8) or 0.5 (int4) bytes per weight plus the scales.
  *
  * 4-bit weights take integer arithmetic instead (the Q4 x Q8 dot product of llama.cpp's CPU
  * backend): each call quantizes x to int8 per row and group of gs columns (qa = round(x / sa),
@@ -33,11 +33,11 @@
  * codes exactly in int32 within a group (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with VNNI, int
  * loops in plain C), and scales once per group:
  *     y[r, n] = sum_g  s[n, g] sa[r, g] (sum_{k in g} q[n, k] qa[r, k])  +  m[n, g] sx[r, g]
- * where sx[r, g] is the exact fp32 sum of the group's x (the min's term needs no rounding).
- * That is 32 multiply-adds per instruction pair where the fp32 path widens, converts and scales
- * every code first; the activations' rounding costs what llama.cpp's Q8_1 activations cost
- * (benchmarks.quality measures it). A row's codes, scales and sums depend on that row alone, so
- * the result stays batch-invariant.
+ * where sx[r, g] is the fp32 sum of the group's x (the min's term is not rounded to int8).
+ * One 256-bit vpmaddubsw does 32 multiplies where the fp32 path widens, converts and scales
+ * every code before its FMA; measured on SmolLM2 (benchmarks/results/quality_zen3_q4a8.txt),
+ * the activations' rounding costs +0.75% perplexity. A row's codes, scales and sums depend on
+ * that row alone, so the result stays batch-invariant.
  *
  * Packed quantized panel layout, per panel of TM_NR columns, per group g:
  *   float s[TM_NR]; float m[TM_NR] (if has_min); codes for the group's gs rows of K:
