@@ -158,6 +158,21 @@ def test_activation_quantization_is_round_half_even_per_row_and_group(lib, group
     assert (_signed(codes, lib)[:, 37:] == 0).all()
 
 
+@pytest.mark.parametrize("k", [8, 24, 37, 64])
+def test_activation_scale_finds_the_maximum_at_every_position(lib, k):
+    """The group's max |x| is found wherever it sits: in the 16- and 8-wide vector loops or the
+    scalar tail (row i holds its largest magnitude, of either sign, at column i); a NaN is skipped."""
+    x = torch.rand(k, k, generator=torch.Generator().manual_seed(k)) - 0.5
+    big = torch.where(torch.arange(k) % 2 == 0, 1000.0, -1000.0) * (1 + torch.arange(k) / 64)
+    x[torch.arange(k), torch.arange(k)] = big
+    codes, scales = cpu.quantize_act(x, 64, lib=lib)
+    assert torch.equal(scales[:, 0], big.abs() / 127)
+    assert torch.equal(_signed(codes, lib)[torch.arange(k), torch.arange(k)], torch.sign(big).to(torch.int64) * 127)
+    x[0, k - 1] = float("nan")
+    _, scales = cpu.quantize_act(x[:1].contiguous(), 64, lib=lib)
+    assert scales[0, 0] == big[0].abs() / 127
+
+
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("group", [8, 64])
 def test_w8a8_gemm_equals_the_grouped_integer_product(lib, m, n, k, group):

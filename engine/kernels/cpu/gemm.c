@@ -784,11 +784,9 @@ static void quantize_row_q4(const float *x, int64_t k, int64_t gs, int64_t ngk, 
     for (int64_t g = 0; g < ngk; ++g) {
         const int64_t k0 = g * gs, n = k - k0 < gs ? k - k0 : gs;
         const float *xg = x + k0;
-        float amax = 0.0f, sum = 0.0f;
-        for (int64_t i = 0; i < n; ++i) {
-            amax = fmaxf(amax, fabsf(xg[i]));
-            sum += xg[i];
-        }
+        const float amax = tm_absmax(xg, n);
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) sum += xg[i];
         sa[g] = amax / 127.0f;
         sx[g] = sum;
         /* through a volatile, as gemm_i8.c's quant_group: x * (127 / amax), never (x * 127) / amax */

@@ -72,8 +72,7 @@ typedef struct {
 } quant_ctx;
 
 static void quant_group(const float *x, int64_t n, unsigned char *q, float *scale_out) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    const float amax = tm_absmax(x, n);
     *scale_out = amax / 127.0f;
     /* through a volatile: with -fassociative-math the compiler could otherwise fold
      * x * (127 / amax) into (x * 127) / amax, whose rounding differs in the last bit */
@@ -215,7 +214,10 @@ typedef __m256 vff;
  * for activation rows a (stride lda bytes, scales sa with row stride ng) times one packed panel */
 TM_INLINE void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char *restrict a, int64_t lda,
                       const float *restrict sa, int64_t ng, const int8_t *restrict b, const int32_t *restrict comp,
-                      float *restrict tile) {
+                      float *restrict tile, const char *pf, int64_t pf_len) {
+    /* this tile's share of the next panel (pf_len bytes), spread evenly over the groups */
+    const int64_t pf_per_group = ((pf_len + ng - 1) / ng + 63) / 64 * 64;
+    int64_t pf_off = 0;
 #if !defined(TM_VNNI)
 #if defined(TM_AVX512)
     const __m512i ones = _mm512_set1_epi16(1);
@@ -228,6 +230,8 @@ TM_INLINE void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char 
     for (int r = 0; r < mr; ++r) facc[r][0] = facc[r][1] = VF_ZERO();
     for (int64_t g0 = 0, g = 0; g0 < kp; g0 += gs, ++g) {
         const int64_t g1 = g0 + gs < kp ? g0 + gs : kp;
+        for (const int64_t end = pf_off + pf_per_group; pf_off < end && pf_off < pf_len; pf_off += 64)
+            __builtin_prefetch(pf + pf_off, 0, 2);
         vi acc[TM_MR_I8][2];
 #pragma GCC unroll 12
         for (int r = 0; r < mr; ++r) acc[r][0] = acc[r][1] = VI_ZERO();
@@ -258,7 +262,9 @@ TM_INLINE void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char 
 #else
 static void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char *restrict a, int64_t lda,
                    const float *restrict sa, int64_t ng, const int8_t *restrict b, const int32_t *restrict comp,
-                   float *restrict tile) {
+                   float *restrict tile, const char *pf, int64_t pf_len) {
+    (void)pf;
+    (void)pf_len;
     float facc[TM_MR_I8][TM_NR];
     int32_t acc[TM_MR_I8][TM_NR];
     memset(facc, 0, sizeof facc);
@@ -296,7 +302,7 @@ typedef struct {
 
 #define I8_CASE(MR)                                                                                \
     case MR:                                                                                       \
-        ukr_i8(MR, c->kp, c->gs, a, c->lda, c->sa + r * c->ng, c->ng, codes, comp, tile);          \
+        ukr_i8(MR, c->kp, c->gs, a, c->lda, c->sa + r * c->ng, c->ng, codes, comp, tile, pf, pf_len); \
         break;
 
 static void i8_chunk(void *vctx, int64_t chunk) {
@@ -312,8 +318,14 @@ static void i8_chunk(void *vctx, int64_t chunk) {
         const int8_t *codes = (const int8_t *)(pp + TM_NR * 4 + c->ng * TM_NR * 4);
         const int64_t n0 = p * TM_NR;
         const int ncols = c->n - n0 < TM_NR ? (int)(c->n - n0) : TM_NR;
-        for (int64_t r = m0; r < m1; r += TM_MR_I8) {
+        /* each tile of this panel prefetches its share of the chunk's next panel (as gemm.c's
+         * gemm_chunk), so that panel's first tile finds it in cache instead of waiting on memory */
+        const int64_t ntiles = (m1 - m0 + TM_MR_I8 - 1) / TM_MR_I8;
+        const int64_t share = (c->pb + ntiles - 1) / ntiles;
+        for (int64_t r = m0, t = 0; r < m1; r += TM_MR_I8, ++t) {
             const int mr = m1 - r < TM_MR_I8 ? (int)(m1 - r) : TM_MR_I8;
+            const char *pf = pp + c->pb + t * share;
+            const int64_t pf_len = p + 1 < p1 ? share : 0;
             const unsigned char *a = c->a + r * c->lda;
             switch (mr) {
                 I8_CASE(1)

@@ -145,11 +145,7 @@ static void write_row(const float *src, void *cache, int64_t h, int64_t slot, in
         return;
     }
 #endif
-    float amax = 0.0f;
-    for (int64_t i = 0; i < d; ++i) { /* as fmaxf (a NaN is skipped), but vectorizable */
-        const float a = fabsf(src[i]);
-        amax = a > amax ? a : amax;
-    }
+    const float amax = tm_absmax(src, d);
     float scale = amax / 127.0f;
     if (scale < 1e-12f) scale = 1e-12f;
     for (int64_t i = 0; i < d; ++i) {

@@ -55,6 +55,34 @@ static inline float tm_expf(float x) {
     return p * u.f;
 }
 
+/* max |x[i]| over n floats, as a loop of fmaxf (a NaN is skipped; 0 for n == 0), 8 lanes at a time
+ * where AVX2 is there (vmaxps returns its second operand when either is a NaN) */
+static inline float tm_absmax(const float *x, int64_t n) {
+    float amax = 0.0f;
+    int64_t i = 0;
+#if defined(TM_AVX512) || defined(TM_AVX2)
+    if (n >= 8) {
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            m0 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m0);
+            m1 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8)), m1);
+        }
+        for (; i + 8 <= n; i += 8) m0 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m0);
+        m0 = _mm256_max_ps(m0, m1);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        amax = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; i < n; ++i) {
+        const float a = __builtin_fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
 /* SwiGLU's silu(g) * u, as tm_silu_mul and the gate/up GEMM's fused epilogue compute it */
 static inline float tm_silu_mul1(float g, float u) { return g / (1.0f + tm_expf(-g)) * u; }
 
