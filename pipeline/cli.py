@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -196,14 +197,25 @@ def _where_key(field: str, key: str, value: Any, key_sources: dict[str, dict[str
     return f"{field}.{key}: {_text(value)}" + (f" in {source}" if source else "")
 
 
+def _as_flag(name: str, value: Any) -> str:
+    """A field's value as the command line takes it: `--top-k 3`, `--stop a --stop 'b c'` (--stop
+    repeats), `--choice a,b`, `--no-progress`; a string that the shell would split or drop is quoted."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + name.replace("_", "-")
+    if name == "stop":
+        values = value if isinstance(value, list) else [value]
+        return " ".join(f"{flag} {shlex.quote(_text(v))}" for v in values)
+    if isinstance(value, list):
+        return f"{flag} {shlex.quote(','.join(_text(v) for v in value))}"
+    return f"{flag} {shlex.quote(_text(value))}"
+
+
 def _where_field(name: str, value: Any, sources: dict[str, str]) -> str:
     """A field as its source spelt it: `--top-k 3`, `top_k: 3 in job.yaml`."""
     source = sources.get(name)
-    flag = "--" + name.replace("_", "-")
     if source == "command line":
-        if isinstance(value, bool):
-            return flag if value else "--no-" + name.replace("_", "-")
-        return f"{flag} {','.join(value) if isinstance(value, list) else _text(value)}"
+        return _as_flag(name, value)
     return f"{name}: {_text(value)}" + (f" in {source}" if source else "")
 
 
@@ -217,8 +229,9 @@ def _collisions(spec: JobSpec, sources: dict[str, str], key_sources: dict[str, d
             lines.append(f"{mine}: {key} is also set by {_where_field(field, value, sources)}; give it once")
         else:  # the field's default (or the demo job's value)
             flag = "--" + field.replace("_", "-")
-            lines.append(f"{mine}: {key} has an option of its own, {flag} (here {_text(value)}); use "
-                         f"{flag} {_text(spec.sampling_options[key])}")
+            here = "not set here" if value in (None, [], "") else f"here {_text(value)}"
+            lines.append(f"{mine}: {key} has an option of its own, {flag} ({here}); use "
+                         f"{_as_flag(field, spec.sampling_options[key])}")
     for key, value in spec.engine_options.items():
         if key in ENGINE_FIELDS and key in sources and getattr(spec, key) != value:
             lines.append(f"{_where_key('engine_options', key, value, key_sources)}: {key} is also set by "
