@@ -230,8 +230,12 @@ def _collisions(spec: JobSpec, sources: dict[str, str], key_sources: dict[str, d
         else:  # the field's default (or the demo job's value)
             flag = "--" + field.replace("_", "-")
             here = "not set here" if value in (None, [], "") else f"here {_text(value)}"
-            lines.append(f"{mine}: {key} has an option of its own, {flag} ({here}); use "
-                         f"{_as_flag(field, spec.sampling_options[key])}")
+            given = spec.sampling_options[key]
+            if field == "stop":  # an empty stop string is refused: never suggest one
+                given = [v for v in (given if isinstance(given, list) else [given]) if v != ""]
+            use = (f"use {_as_flag(field, given)}" if given not in ([], "") else
+                   f"use {flag} TEXT (an empty stop string is refused)")
+            lines.append(f"{mine}: {key} has an option of its own, {flag} ({here}); {use}")
     for key, value in spec.engine_options.items():
         if key in ENGINE_FIELDS and key in sources and getattr(spec, key) != value:
             lines.append(f"{_where_key('engine_options', key, value, key_sources)}: {key} is also set by "

@@ -252,9 +252,13 @@ def test_colliding_sampling_and_engine_options_name_both_sources_and_the_paramet
     assert refused("--sampling-option", "top_k=5") == [
         "  --sampling-option top_k=5: top_k has an option of its own, --top-k (here -1); use --top-k 5"]
     # a list as the command line takes it: --stop repeats, each value shell-quoted; an unset default said so
+    # (an empty stop string, which --stop refuses too, is never suggested)
     assert refused("--sampling-option", 'stop=["END", "two words", ""]') == [
         "  --sampling-option stop=[\"END\", \"two words\", \"\"]: stop has an option of its own, --stop (not set "
-        "here); use --stop END --stop 'two words' --stop ''"]
+        "here); use --stop END --stop 'two words'"]
+    assert refused("--sampling-option", "stop=") == [
+        "  --sampling-option stop=: stop has an option of its own, --stop (not set here); use --stop TEXT (an empty "
+        "stop string is refused)"]
     assert refused("--sampling-option", "stop=", "--stop", "a b") == [
         "  --sampling-option stop=: stop is also set by --stop 'a b'; give it once"]
     assert refused("--sampling-option", "min_tokens=2", "--sampling-option", "min_tokens=3") == [
