@@ -777,6 +777,18 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
     }
 }
 
+/* sum of x[0 .. n), added in index order. Kept out of the vectorizer: with -fassociative-math
+ * its order can follow x's alignment (a peeled prologue), and x's address changes with a row's
+ * place in the batch and with a tensor-parallel shard's offset. (An 8-lane sum, fixed by n alone,
+ * flipped a greedy token of tests/test_tensor_parallel.py::test_quantized_weights_under_tp[int4],
+ * whose TP = 2 run adds the row-parallel halves in another order than TP = 1; the sequential sum
+ * is what that test was measured with, and a group is 32 adds.) */
+__attribute__((optimize("no-tree-vectorize"))) static float group_sum(const float *x, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += x[i];
+    return sum;
+}
+
 /* One row's int8 activation codes for Q4 weights, per group of gs columns (see the header):
  * sa = max|x| / 127, q = round(x / sa) (half to even) in [-127, 127], sx = the group's fp32 sum;
  * q [ngk * gs] is 0 past k, so the kernels may run whole 4-column blocks. */
@@ -785,10 +797,8 @@ static void quantize_row_q4(const float *x, int64_t k, int64_t gs, int64_t ngk, 
         const int64_t k0 = g * gs, n = k - k0 < gs ? k - k0 : gs;
         const float *xg = x + k0;
         const float amax = tm_absmax(xg, n);
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; ++i) sum += xg[i];
         sa[g] = amax / 127.0f;
-        sx[g] = sum;
+        sx[g] = group_sum(xg, n);
         /* through a volatile, as gemm_i8.c's quant_group: x * (127 / amax), never (x * 127) / amax */
         volatile float inv_v = amax > 0.0f ? 127.0f / amax : 0.0f;
         const float inv = inv_v;
