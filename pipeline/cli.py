@@ -231,10 +231,10 @@ def _collisions(spec: JobSpec, sources: dict[str, str], key_sources: dict[str, d
             flag = "--" + field.replace("_", "-")
             here = "not set here" if value in (None, [], "") else f"here {_text(value)}"
             given = spec.sampling_options[key]
+            use = f"use {_as_flag(field, given)}"
             if field == "stop":  # an empty stop string is refused: never suggest one
                 given = [v for v in (given if isinstance(given, list) else [given]) if v != ""]
-            use = (f"use {_as_flag(field, given)}" if given not in ([], "") else
-                   f"use {flag} TEXT (an empty stop string is refused)")
+                use = f"use {_as_flag(field, given)}" if given else f"use {flag} TEXT (an empty stop string is refused)"
             lines.append(f"{mine}: {key} has an option of its own, {flag} ({here}); {use}")
     for key, value in spec.engine_options.items():
         if key in ENGINE_FIELDS and key in sources and getattr(spec, key) != value:

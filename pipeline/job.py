@@ -674,12 +674,12 @@ def validate_spec(spec: JobSpec) -> None:
     """
     try:
         params = spec.sampling_params()
-    except TypeError:  # an unknown sampling_options key
+    except TypeError as exc:  # an unknown sampling_options key
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         unknown = sorted(k for k in spec.sampling_options if k not in names)
         # the keys a job field of its own sets (--top-k, --stop, ...) are not offered here
         known = sorted(names - set(SAMPLING_FIELDS))
-        raise ValueError(f"invalid sampling option: unknown {', '.join(map(repr, unknown)) or 'key'}; "
+        raise ValueError(f"invalid sampling option: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else exc}; "
                          f"known: {known} (the rest have options of their own: "
                          f"{', '.join(sorted(SAMPLING_FIELDS))})") from None
     problem = params.validate()

@@ -259,6 +259,8 @@ def test_colliding_sampling_and_engine_options_name_both_sources_and_the_paramet
     assert refused("--sampling-option", "stop=") == [
         "  --sampling-option stop=: stop has an option of its own, --stop (not set here); use --stop TEXT (an empty "
         "stop string is refused)"]
+    assert refused("--sampling-option", "top_k=") == [  # the empty-stop wording is for stop alone
+        "  --sampling-option top_k=: top_k has an option of its own, --top-k (here -1); use --top-k ''"]
     assert refused("--sampling-option", "stop=", "--stop", "a b") == [
         "  --sampling-option stop=: stop is also set by --stop 'a b'; give it once"]
     assert refused("--sampling-option", "min_tokens=2", "--sampling-option", "min_tokens=3") == [
