@@ -196,12 +196,49 @@ def test_w8a8_weight_quantization_and_error_bound():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 64, generator=g)
     q, s = quantize_w8a8(w)
-    assert q.dtype == torch.int8 and q.abs().max() == 127 and torch.allclose(s, w.abs().amax(1) / 127)
+    # codes in [-63, 63], each row's largest |w| at 63 (the kernels' vpmaddubsw bound is 64)
+    assert q.dtype == torch.int8 and torch.equal(q.abs().amax(1), torch.full((40,), 63, dtype=torch.int8))
+    assert torch.allclose(s, w.abs().amax(1) / 63)
     assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-7).all()
     # the whole layer: within int8 x int8 rounding of the float product
     x = torch.randn(8, 64, generator=g)
     rel = ((W8A8Linear.from_float(w)(x) - x @ w.t()).norm() / (x @ w.t()).norm()).item()
     assert 1e-4 < rel < 0.02
+
+
+def test_w8a8_gemm_is_exact_at_the_extreme_codes(lib):
+    """Every activation code at +-127 (bytes 255 and 1) against weight codes at +-64: the
+    products vpmaddubsw adds in int16 pairs reach 2 * 255 * 64 = 32640 without saturating, so the
+    int32 sums equal the exact integer product (a saturated pair would be off by thousands)."""
+    m, n, k, gs = 5, 37, 136, 64
+    g = torch.Generator().manual_seed(7)
+    sign_a = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+    sign_a[0] = 1.0  # a row of all +127 ...
+    qw = torch.where(torch.rand(n, k, generator=g) < 0.5, -64, 64).to(torch.int8)
+    qw[0] = 64  # ... times a column of all +64: the largest pair sums
+    qw[1] = -64
+    x = sign_a * 3.0  # every group's max |x| is 3: every code is +-127
+    layer = W8A8Linear(qw, torch.ones(n), group_size=gs, lib=lib)
+    codes, sa = cpu.quantize_act(x, gs, lib=lib)
+    qa = _signed(codes, lib)
+    assert set(qa[:, :k].unique().tolist()) == {-127, 127}
+    ref = torch.zeros(m, n, dtype=torch.float64)
+    for gi in range(sa.shape[1]):
+        cols = slice(gi * gs, min((gi + 1) * gs, k))
+        ref += (qa[:, cols] @ qw[:, cols].to(torch.int64).t()).double() * sa[:, gi].double()[:, None]
+    out = layer(x)
+    assert _rel(out, ref) < 1e-6
+    assert out[0, 0].item() == pytest.approx(3.0 * 64 * k, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [65, -65, -128, 127])
+def test_w8a8_weight_codes_outside_the_kernel_range_are_refused(lib, bad):
+    q = torch.zeros(6, 10, dtype=torch.int8)
+    q[4, 7] = bad
+    with pytest.raises(ValueError, match=rf"\[-64, 64\].*row 4 column 7 holds {bad}"):
+        W8A8Linear(q, torch.ones(6), group_size=8, lib=lib)
+    q[4, 7] = 64
+    W8A8Linear(q, torch.ones(6), group_size=8, lib=lib)  # the bound itself is accepted
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 17, 5), (3, 33, 64), (17, 1000, 130), (64, 4099, 72)])

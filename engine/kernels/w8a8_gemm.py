@@ -161,11 +161,13 @@ class W8A8TritonLinear(torch.nn.Module):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, group_size: int = 64,
                    dtype: torch.dtype = torch.float32) -> "W8A8TritonLinear":
-        """Quantize a float weight [out, in] per output channel: s = max|w_row| / 127, q = round(w / s)."""
-        w = weight.float()
-        s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, s, bias, group_size, dtype)
+        """Quantize a float weight [out, in] per output channel with the CPU layers' codes
+        (`engine.kernels.cpu.layers.quantize_w8a8`: s = max|w_row| / 63, q = round(w / s)), so that
+        both devices compute with the same weights."""
+        from .cpu.layers import quantize_w8a8
+
+        q, s = quantize_w8a8(weight.detach().to("cpu"))
+        return cls(q.to(weight.device), s.to(weight.device), bias, group_size, dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in] the codes represent."""

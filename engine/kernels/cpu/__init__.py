@@ -52,6 +52,7 @@ _SIGNATURES = {
     "tm_pack_q": (_I, [_I, _P, _P, _P, _I64, _I64, _I64, _P]),
     "tm_gemm_q": (_I, [_I, _I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I]),
     "tm_w8a8_act_offset": (_I, []),
+    "tm_w8a8_weight_max": (_I, []),
     "tm_quantize_act": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P]),
     "tm_pack_w8a8_size": (_I64, [_I64, _I64, _I64]),
     "tm_pack_w8a8": (_I, [_P, _I64, _P, _I64, _I64, _I64, _P]),
@@ -432,23 +433,43 @@ def quantize_act(x: torch.Tensor, group_size: int = W8A8_GROUP, codes: Optional[
 
 
 def act_offset(lib: Optional[ctypes.CDLL] = None) -> int:
-    """What a build adds to activation codes (128 where it uses VNNI's unsigned x signed dot, else 0)."""
+    """What a build adds to activation codes (128: the unsigned operand of vpdpbusd / vpmaddubsw)."""
     return _lib(lib).tm_w8a8_act_offset()
+
+
+def w8a8_weight_max(lib: Optional[ctypes.CDLL] = None) -> int:
+    """The largest |weight code| `pack_w8a8` accepts (64: vpmaddubsw's int16 pair sums of
+    255 x 64 products cannot saturate; see gemm_i8.c)."""
+    return _lib(lib).tm_w8a8_weight_max()
 
 
 def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP,
               lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """Pack int8 weight codes q [n, k] (per-row scales [n] float32) for `gemm_w8a8` with
-    activation groups of `group_size` columns."""
+    """Pack int8 weight codes q [n, k] in [-64, 64] (per-row scales [n] float32) for `gemm_w8a8`
+    with activation groups of `group_size` columns.
+
+    Raises:
+        ValueError: group_size not a positive multiple of 4; a code outside [-64, 64] (named by
+            row and column); scale not [n].
+    """
     lib = _lib(lib)
     _check2d("q", q, torch.int8)
     n, k = q.shape
     scale = scale.float().contiguous()
     if scale.shape != (n,):
         raise ValueError(f"scale must be [{n}], got {tuple(scale.shape)}")
-    buf = huge_empty(lib.tm_pack_w8a8_size(n, k, group_size))
-    if lib.tm_pack_w8a8(q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, group_size, buf.data_ptr()):
+    if group_size <= 0 or group_size % 4:
         raise ValueError(f"group_size must be a positive multiple of 4, got {group_size}")
+    wmax = lib.tm_w8a8_weight_max()
+    bad = ((q > wmax) | (q < -wmax)).nonzero()
+    if len(bad):
+        r, c = bad[0].tolist()
+        raise ValueError(f"W8A8 weight codes must lie in [-{wmax}, {wmax}] (see quantize_w8a8); row {r} column {c} "
+                         f"holds {int(q[r, c])}")
+    buf = huge_empty(lib.tm_pack_w8a8_size(n, k, group_size))
+    rc = lib.tm_pack_w8a8(q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, group_size, buf.data_ptr())
+    if rc:
+        raise ValueError(f"tm_pack_w8a8 refused the weight (code {rc})")
     return buf
 
 

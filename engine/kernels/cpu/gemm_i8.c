@@ -7,14 +7,21 @@
  * scales per token-group as llama.cpp's Q8 activation blocks; measured on SmolLM2 with
  * SmoothQuant smoothing: per-token scales cost +1.0-1.8% perplexity, groups of 64 +0.2%).
  *
- * Integer dot products by instruction set:
- *   VNNI (AVX512-VNNI, or AVX-VNNI on 256-bit vectors): vpdpbusd multiplies unsigned
- *     activation bytes by signed weight bytes and adds groups of 4 into int32 lanes. The
- *     activations are stored offset by +128 (u8 = q + 128); the offset's contribution,
- *     128 * sum_k qw[n, k], is subtracted per column in the epilogue.
- *   AVX2 (and AVX-512 without VNNI): vpmaddubsw on |qa| and qw carrying qa's sign
- *     (vpsign), then vpmaddwd with ones into int32. With codes in [-127, 127] a pair of
- *     products is at most 2 * 127 * 127 = 32258 and never saturates the int16 step.
+ * Integer dot products by instruction set. Activations are stored offset by +128
+ * (u8 = q + 128, in [1, 255]); the offset's contribution, 128 * sum_k qw[n, k], is
+ * subtracted per column and group in the epilogue.
+ *   VNNI (AVX512-VNNI, or AVX-VNNI on 256-bit vectors): vpdpbusd multiplies the unsigned
+ *     activation bytes by signed weight bytes and adds groups of 4 into int32 lanes.
+ *   AVX2 (and AVX-512 without VNNI): vpmaddubsw on the same unsigned bytes and the signed
+ *     weights, then vpmaddwd with ones into int32. vpmaddubsw adds each pair of products in
+ *     saturating int16, so the weights' codes are limited to [-64, 64] (tm_pack_w8a8 refuses
+ *     others): a pair is then at most 2 * 255 * 64 = 32640 < 32767 and never saturates.
+ *     This form takes 3 vector operations per 32 multiply-adds; the signed form (vpsign on
+ *     both operands so that codes in [-127, 127] fit) takes 4-5 and measured 1.1-1.2x fp32
+ *     per core on Zen 3 against this form's (see tests and README). Measured on SmolLM2
+ *     with SmoothQuant smoothing and groups of 64: weights in [-63, 63] give perplexity
+ *     +0.01% over fp32 and [-127, 127] +0.23% (benchmarks/quality.py): the smoothed weights'
+ *     rounding is not what limits W8A8 there.
  *   plain C: int32 loops.
  * All give the same int32 sums, so the paths agree up to the fp32 epilogue.
  *
@@ -50,17 +57,17 @@
 #define TM_MR_I8 4
 #endif
 
-#if defined(TM_VNNI) || !(defined(TM_AVX512) || defined(TM_AVX2))
-#define TM_ACT_OFFSET 128 /* unsigned codes: VNNI's operand, and the plain-C loops */
-#else
-#define TM_ACT_OFFSET 0 /* signed codes for the vpsign / vpmaddubsw form */
-#endif
+#define TM_ACT_OFFSET 128 /* unsigned activation codes: the u8 operand of vpdpbusd and vpmaddubsw */
+#define TM_W8A8_WMAX 64   /* largest |weight code|: no int16 saturation in vpmaddubsw (see above) */
 #define TM_MC_BYTES (256 * 1024)
 
 static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* The byte added to activation codes by this build (128 with VNNI and in plain C, 0 for vpmaddubsw). */
+/* The byte added to activation codes (128 in every build). */
 int tm_w8a8_act_offset(void) { return TM_ACT_OFFSET; }
+
+/* The largest |weight code| tm_pack_w8a8 accepts (64 in every build). */
+int tm_w8a8_weight_max(void) { return TM_W8A8_WMAX; }
 
 /* ---------------------------------------------------------------- activations */
 
@@ -133,10 +140,14 @@ int64_t tm_pack_w8a8_size(int64_t n, int64_t k, int64_t gs) {
     return cdiv(n, TM_NR) * panel_bytes(kp, gs);
 }
 
-/* int8 codes [n, k] (row stride ldq) and per-row scales [n] -> packed panels for activation
- * groups of gs columns (gs % 4 == 0). Returns 0, or -1 for a bad gs. */
+/* int8 codes [n, k] (row stride ldq) in [-64, 64] and per-row scales [n] -> packed panels for
+ * activation groups of gs columns (gs % 4 == 0). Returns 0, -1 for a bad gs, or -2 for a code
+ * outside [-64, 64] (nothing is written then). */
 int tm_pack_w8a8(const int8_t *q, int64_t ldq, const float *scale, int64_t n, int64_t k, int64_t gs, void *out) {
     if (gs <= 0 || gs % 4) return -1;
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t kk = 0; kk < k; ++kk)
+            if (q[r * ldq + kk] > TM_W8A8_WMAX || q[r * ldq + kk] < -TM_W8A8_WMAX) return -2;
     const int64_t kp = cdiv(k, 4) * 4, np = cdiv(n, TM_NR), pb = panel_bytes(kp, gs), ng = cdiv(kp, gs);
     for (int64_t p = 0; p < np; ++p) {
         char *dst = (char *)out + p * pb;
@@ -168,14 +179,8 @@ typedef __m512i vi;
 #if defined(TM_VNNI)
 #define VI_DOT(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
 #else
-#define VI_DOT(acc, a, b) \
-    _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(a), sign512(b, a)), ones))
-/* b with the sign of a applied (AVX-512BW has no vpsignb: negate where a < 0, zero where a == 0) */
-static inline __m512i sign512(__m512i b, __m512i a) {
-    const __mmask64 neg = _mm512_movepi8_mask(a), zero = _mm512_testn_epi8_mask(a, a);
-    b = _mm512_mask_sub_epi8(b, neg, _mm512_setzero_si512(), b);
-    return _mm512_maskz_mov_epi8(~zero, b);
-}
+/* a: unsigned activation bytes, b: signed weight bytes in [-64, 64] */
+#define VI_DOT(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), ones))
 #endif
 #elif defined(TM_AVX2)
 typedef __m256i vi;
@@ -186,8 +191,8 @@ typedef __m256i vi;
 #if defined(TM_VNNI)
 #define VI_DOT(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
 #else
-#define VI_DOT(acc, a, b) \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)), ones))
+/* a: unsigned activation bytes, b: signed weight bytes in [-64, 64] */
+#define VI_DOT(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones))
 #endif
 #endif
 
@@ -232,9 +237,14 @@ TM_INLINE void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char 
         const int64_t g1 = g0 + gs < kp ? g0 + gs : kp;
         for (const int64_t end = pf_off + pf_per_group; pf_off < end && pf_off < pf_len; pf_off += 64)
             __builtin_prefetch(pf + pf_off, 0, 2);
+        /* the int32 sums start at minus the offset's contribution (so no subtraction after) */
+        const vi c0 = VI_SUB(VI_ZERO(), VI_LOAD(comp + g * TM_NR)), c1 = VI_SUB(VI_ZERO(), VI_LOAD(comp + g * TM_NR + VLI));
         vi acc[TM_MR_I8][2];
 #pragma GCC unroll 12
-        for (int r = 0; r < mr; ++r) acc[r][0] = acc[r][1] = VI_ZERO();
+        for (int r = 0; r < mr; ++r) {
+            acc[r][0] = c0;
+            acc[r][1] = c1;
+        }
         for (int64_t kk = g0; kk < g1; kk += 4) {
             const int8_t *bk = b + kk * TM_NR;
             const vi b0 = VI_LOAD(bk), b1 = VI_LOAD(bk + VLI * 4);
@@ -245,12 +255,11 @@ TM_INLINE void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char 
                 acc[r][1] = VI_DOT(acc[r][1], x, b1);
             }
         }
-        const vi c0 = VI_LOAD(comp + g * TM_NR), c1 = VI_LOAD(comp + g * TM_NR + VLI);
 #pragma GCC unroll 12
         for (int r = 0; r < mr; ++r) {
             const vff sc = VF_SET1(sa[r * ng + g]);
-            facc[r][0] = VF_FMA(VI_CVT(VI_SUB(acc[r][0], c0)), sc, facc[r][0]);
-            facc[r][1] = VF_FMA(VI_CVT(VI_SUB(acc[r][1], c1)), sc, facc[r][1]);
+            facc[r][0] = VF_FMA(VI_CVT(acc[r][0]), sc, facc[r][0]);
+            facc[r][1] = VF_FMA(VI_CVT(acc[r][1]), sc, facc[r][1]);
         }
     }
 #pragma GCC unroll 12
