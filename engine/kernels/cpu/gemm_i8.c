@@ -9,7 +9,7 @@
  *
  * Integer dot products by instruction set. Activations are stored offset by +128
  * (u8 = q + 128, in [1, 255]); the offset's contribution, 128 * sum_k qw[n, k], is
- * subtracted per column and group in the epilogue.
+ * taken off by starting each group's int32 sums at its negation.
  *   VNNI (AVX512-VNNI, or AVX-VNNI on 256-bit vectors): vpdpbusd multiplies the unsigned
  *     activation bytes by signed weight bytes and adds groups of 4 into int32 lanes.
  *   AVX2 (and AVX-512 without VNNI): vpmaddubsw on the same unsigned bytes and the signed
