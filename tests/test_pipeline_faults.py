@@ -3,7 +3,7 @@
 Concurrent runs, failed and interrupted runs run in this process on a stand-in
 engine; SIGINT/SIGTERM go to a real `tokenmill run` process; the random kills
 are SIGKILLs of forked processes at seeded random times, each followed by a
-resume; the memory test runs 50 jobs on the real engine in this process.
+resume; the memory test runs 30 jobs on the real engine in this process.
 """
 from __future__ import annotations
 
@@ -394,20 +394,34 @@ def _rss_bytes() -> int:
     raise RuntimeError("no VmRSS")
 
 
-def test_memory_is_flat_over_50_consecutive_jobs(job_llm, s3_bucket, tmp_path):
+def test_memory_is_flat_over_30_consecutive_jobs(job_llm, s3_bucket, tmp_path):
+    """30 two-row jobs on the real engine and S3: after 10 warm-up jobs the RSS stays within 1% and no
+    thread is left behind per job.
+
+    The heap the session built before the loop (the engine, transformers, moto: close to a million
+    objects) is frozen first (`gc.freeze`), so the full collection after each job walks only what the
+    jobs allocated: it took about 1 s a job over the whole heap, more than the job itself. A leak is still
+    seen: what a job leaves reachable is new, unfrozen memory that no collection can free, and cyclic
+    garbage a job leaves is still collected before RSS is read. 20 measured jobs (was 40) keep a
+    leaked heartbeat thread per job over the thread bound below."""
     import gc
 
     write_input(tmp_path / "in.parquet", 2)
     io.write_bytes(f"s3://{s3_bucket}/in/a.parquet", (tmp_path / "in.parquet").read_bytes())
     rss = []
-    for i in range(50):
-        spec = JobSpec(input=f"s3://{s3_bucket}/in/", output=f"s3://{s3_bucket}/out", max_tokens=2,
-                       progress=False, plan="input")
-        report = run_job(spec)
-        assert report.rows_ok == 2
-        io.remove(spec.output)
-        gc.collect()
-        rss.append(_rss_bytes())
+    gc.collect()  # the garbage from before the loop is freed, not frozen
+    gc.freeze()
+    try:
+        for i in range(30):
+            spec = JobSpec(input=f"s3://{s3_bucket}/in/", output=f"s3://{s3_bucket}/out", max_tokens=2,
+                           progress=False, plan="input")
+            report = run_job(spec)
+            assert report.rows_ok == 2
+            io.remove(spec.output)
+            gc.collect()
+            rss.append(_rss_bytes())
+    finally:
+        gc.unfreeze()
     warm = rss[9]
     growth = (max(rss[10:]) - warm) / warm
     assert growth < 0.01, [f"{r / 2**20:.1f}" for r in rss]
