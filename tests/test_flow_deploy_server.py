@@ -93,7 +93,10 @@ def test_served_deployment_runs_to_completion(prefect_server, tmp_path):
     spec_file.write_text(
         f"spec:\n  input: {inp}\n  output: {out}\n  max_tokens: 2\n  progress: false\n"
         f"deployment:\n  name: nightly-test\n  cron: '0 2 * * *'\n  shard_retries: 0\n")
-    serve = subprocess.Popen([sys.executable, "-m", "flows.deploy", str(spec_file)], env=env, cwd=ROOT,
+    # the serving process looks for scheduled runs every second, not every 10 s (Prefect's default
+    # PREFECT_RUNNER_POLL_FREQUENCY): the run created below starts within a second of being scheduled
+    serve = subprocess.Popen([sys.executable, "-m", "flows.deploy", str(spec_file)],
+                             env={**env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         _wait("the deployment", lambda: _get(f"{api}/deployments/name/batch-generate/nightly-test")[0] == 200,
