@@ -157,6 +157,25 @@ def min_kv_cache_memory_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
 
 
 @functools.lru_cache(maxsize=4)
+def _w8a8_calibration(source_key, dtype: torch.dtype, device: str, seed: int,
+                      cpu_kernels: bool) -> dict[tuple[int, str], torch.Tensor]:
+    """SmoothQuant's calibration statistics of a model (`smoothquant.calibration_absmax` on a
+    dedicated fp32 engine), once per process and argument tuple.
+
+    The calibration generates 200 seeded tokens for each calibration prompt (tens of seconds on 2
+    cores) and its result is small (one vector per layer input, about 0.5 MB for SmolLM2-135M),
+    so it is kept apart from `_load_model`'s cache: a w8a8 model evicted from there (it keeps 4
+    models) is rebuilt from these same statistics, without calibrating again. Callers must not
+    modify the returned tensors (`smoothed_w8a8_copy` only reads them)."""
+    from .smoothquant import calibration_absmax
+
+    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    calib = LLM(_model_string(source_key), dtype=dtype_name, device=device, seed=seed, cpu_kernels=cpu_kernels,
+                kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
+    return calibration_absmax(calib)
+
+
+@functools.lru_cache(maxsize=4)
 def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantization: Optional[str] = None,
                 group_size: int = 32, cpu_kernels: bool = True, shard: TPShard = SINGLE,
                 with_tokenizer: bool = True) -> tuple[LlamaModel, Optional[Tokenizer]]:
@@ -189,12 +208,9 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
         # the same argument tuple as LLM.__init__'s float load, so both hit one cache entry
         base, tokenizer = _load_model(source, dtype, device, seed, None, 32, cpu_kernels, shard, with_tokenizer)
         if quantization == "w8a8":  # SmoothQuant, calibrated on text the fp32 model writes itself
-            from .smoothquant import calibration_absmax, smoothed_w8a8_copy
+            from .smoothquant import smoothed_w8a8_copy
 
-            dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-            calib = LLM(_model_string(source), dtype=dtype_name, device=device, seed=seed, cpu_kernels=cpu_kernels,
-                        kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
-            return smoothed_w8a8_copy(base, calibration_absmax(calib)), tokenizer
+            return smoothed_w8a8_copy(base, _w8a8_calibration(source, dtype, device, seed, cpu_kernels)), tokenizer
         gguf_path = source.path if quantization == "gguf" else None
         qmodel = quantized_copy(base, quantization, group_size, gguf_path)
         qmodel.ops = base.ops
