@@ -109,6 +109,26 @@ def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype) -> bo
     return cpu.available()
 
 
+def w8a8_unservable(cpu_kernels: bool, device: str, dtype: torch.dtype) -> Optional[str]:
+    """Why quantization="w8a8" cannot run with these resolved settings, or None when it can (the CPU
+    kernel library with fp32 on the CPU, or Triton on CUDA). The engine raises it at load, and a job
+    before anything is written under `_job/`."""
+    if device.startswith("cuda") or _cpu_kernels_serve(cpu_kernels, device, dtype):
+        return None
+    from .kernels import cpu
+
+    if device != "cpu":
+        why = f"device {device!r}"
+    elif dtype != torch.float32:
+        why = f"dtype {str(dtype).removeprefix('torch.')}"
+    elif not cpu_kernels:
+        why = "cpu_kernels=False"
+    else:
+        why = f"the CPU kernel library is unavailable ({cpu.why_unavailable()})"
+    return (f"quantization='w8a8' runs on the CPU kernels (fp32 on the CPU with cpu_kernels=True and the "
+            f"library built: see engine.kernels.cpu) or on CUDA (Triton); here: {why}")
+
+
 def make_attention_backend(attention_backend: str, kv_cache_dtype: str, cpu_kernels: bool, dtype: torch.dtype):
     """(attention backend, KV cache storage dtype) for resolved engine settings (the driver and
     every tensor-parallel worker build theirs here)."""
@@ -199,9 +219,9 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     if quantization is not None:
         from .quant import quantized_copy
 
-        if quantization == "w8a8" and not (use_c or device.startswith("cuda")):
-            raise ValueError("quantization='w8a8' runs on the CPU kernels (fp32 on the CPU, cpu_kernels=True and "
-                             "a C compiler: see engine.kernels.cpu) or on CUDA (Triton)")
+        problem = w8a8_unservable(cpu_kernels, device, dtype) if quantization == "w8a8" else None
+        if problem is not None:
+            raise ValueError(problem)
         if quantization == "w8a8" and shard.is_sharded:
             raise ValueError("quantization='w8a8' calibrates on the whole model in one process: it does not run "
                              "with tensor_parallel_size > 1 (int8, int4 and gguf do)")

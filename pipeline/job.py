@@ -737,6 +737,13 @@ def validate_spec(spec: JobSpec) -> None:
             check_tp_options(int(tp), kw.get("quantization"), method)
         except (ValueError, OSError, KeyError) as exc:
             raise ValueError(f"invalid engine option: {exc}") from None
+    if kw.get("quantization") == "w8a8" and not (spec.cluster is not None and device == "auto"):
+        from engine.llm import resolve_settings, w8a8_unservable
+
+        dev, dtype, _ = resolve_settings(config)
+        problem = w8a8_unservable(config.cpu_kernels, str(dev), dtype)
+        if problem is not None:
+            raise ValueError(f"invalid engine option: {problem}")
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
                          f"{spec.model!r} is a {source.kind} model (use int8 or int4)")

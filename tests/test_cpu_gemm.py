@@ -239,6 +239,10 @@ def test_w8a8_weight_codes_outside_the_kernel_range_are_refused(lib, bad):
         W8A8Linear(q, torch.ones(6), group_size=8, lib=lib)
     q[4, 7] = 64
     W8A8Linear(q, torch.ones(6), group_size=8, lib=lib)  # the bound itself is accepted
+    with pytest.raises(ValueError, match=r"scales must be finite; row 2 holds nan"):
+        W8A8Linear(q, torch.tensor([1, 1, float("nan"), 1, 1, 1]), group_size=8, lib=lib)
+    with pytest.raises(ValueError, match=r"q must be 2-D int8 codes \[out, in\], got torch.int8 of shape \(10,\)"):
+        W8A8Linear(q[0], torch.ones(1), group_size=8, lib=lib)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 17, 5), (3, 33, 64), (17, 1000, 130), (64, 4099, 72)])

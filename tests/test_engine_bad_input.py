@@ -284,3 +284,15 @@ def test_a_bad_thread_count_is_refused_by_name_before_any_pool_is_touched(n):
         LLM(num_threads=n)
     assert torch.get_num_threads() == before
     assert EngineConfig(model="smollm2-135m-instruct", num_threads=2).num_threads == 2
+
+
+@pytest.mark.parametrize("kw,why", [({"dtype": "bfloat16"}, "here: dtype bfloat16"),
+                                    ({"cpu_kernels": False}, "here: cpu_kernels=False")])
+def test_w8a8_where_it_cannot_run_says_which_setting_stops_it(kw, why):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: w8a8 runs there")
+    with pytest.raises(ValueError) as exc:
+        LLM("smollm2-135m-instruct", quantization="w8a8", device="cpu", **kw)
+    assert str(exc.value).startswith("quantization='w8a8' runs on the CPU kernels") and why in str(exc.value)

@@ -50,6 +50,24 @@ def test_bad_option_is_refused_before_anything_is_written_and_the_fix_runs(tmp_p
     assert report.rows_ok == 4 and parts(out) == ["part-00000.parquet"]
 
 
+@pytest.mark.parametrize("bad,why", [({"dtype": "bfloat16"}, "here: dtype bfloat16"),
+                                     ({"engine_options": {"cpu_kernels": False}}, "here: cpu_kernels=False")])
+def test_w8a8_where_it_cannot_run_is_refused_before_anything_is_written(tmp_path, bad, why):
+    """W8A8 on the CPU needs the kernel library with fp32: a job asking otherwise is told before its
+    manifest, so the corrected command runs without --overwrite (it used to fail at load, after)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: w8a8 runs there in any dtype")
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as exc:
+        prepare_job(JobSpec(input=inp, output=str(out), progress=False, quantization="w8a8", **bad))
+    assert str(exc.value).startswith("invalid engine option: quantization='w8a8' runs on the CPU kernels")
+    assert why in str(exc.value)
+    assert not out.exists()
+
+
 def test_cuda_device_without_cuda_is_refused_before_writing(tmp_path):
     import torch
 

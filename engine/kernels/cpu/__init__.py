@@ -450,7 +450,7 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP
 
     Raises:
         ValueError: group_size not a positive multiple of 4; a code outside [-64, 64] (named by
-            row and column); scale not [n].
+            row and column); scale not [n], or not finite (named by row).
     """
     lib = _lib(lib)
     _check2d("q", q, torch.int8)
@@ -460,6 +460,10 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP
         raise ValueError(f"scale must be [{n}], got {tuple(scale.shape)}")
     if group_size <= 0 or group_size % 4:
         raise ValueError(f"group_size must be a positive multiple of 4, got {group_size}")
+    bad_scale = (~torch.isfinite(scale)).nonzero()
+    if len(bad_scale):
+        r = int(bad_scale[0])
+        raise ValueError(f"W8A8 scales must be finite; row {r} holds {float(scale[r])}")
     wmax = lib.tm_w8a8_weight_max()
     bad = ((q > wmax) | (q < -wmax)).nonzero()
     if len(bad):

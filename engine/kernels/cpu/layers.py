@@ -228,6 +228,8 @@ class W8A8Linear(nn.Module):
         super().__init__()
         self.lib = lib
         self.group_size = group_size
+        if q.dim() != 2 or q.dtype != torch.int8:
+            raise ValueError(f"q must be 2-D int8 codes [out, in], got {q.dtype} of shape {tuple(q.shape)}")
         self.out_features, self.in_features = q.shape
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
