@@ -437,12 +437,6 @@ def act_offset(lib: Optional[ctypes.CDLL] = None) -> int:
     return _lib(lib).tm_w8a8_act_offset()
 
 
-def w8a8_weight_max(lib: Optional[ctypes.CDLL] = None) -> int:
-    """The largest |weight code| `pack_w8a8` accepts (64: vpmaddubsw's int16 pair sums of
-    255 x 64 products cannot saturate; see gemm_i8.c)."""
-    return _lib(lib).tm_w8a8_weight_max()
-
-
 def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP,
               lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """Pack int8 weight codes q [n, k] in [-64, 64] (per-row scales [n] float32) for `gemm_w8a8`
@@ -464,14 +458,13 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP
     if len(bad_scale):
         r = int(bad_scale[0])
         raise ValueError(f"W8A8 scales must be finite; row {r} holds {float(scale[r])}")
-    wmax = lib.tm_w8a8_weight_max()
-    bad = ((q > wmax) | (q < -wmax)).nonzero()
-    if len(bad):
-        r, c = bad[0].tolist()
-        raise ValueError(f"W8A8 weight codes must lie in [-{wmax}, {wmax}] (see quantize_w8a8); row {r} column {c} "
-                         f"holds {int(q[r, c])}")
     buf = huge_empty(lib.tm_pack_w8a8_size(n, k, group_size))
     rc = lib.tm_pack_w8a8(q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, group_size, buf.data_ptr())
+    if rc == -2:  # a code outside the kernels' range (tm_w8a8_weight_max): name the first one
+        wmax = lib.tm_w8a8_weight_max()
+        r, c = ((q > wmax) | (q < -wmax)).nonzero()[0].tolist()
+        raise ValueError(f"W8A8 weight codes must lie in [-{wmax}, {wmax}] (see quantize_w8a8); row {r} column {c} "
+                         f"holds {int(q[r, c])}")
     if rc:
         raise ValueError(f"tm_pack_w8a8 refused the weight (code {rc})")
     return buf

@@ -17,8 +17,8 @@
  *     saturating int16, so the weights' codes are limited to [-64, 64] (tm_pack_w8a8 refuses
  *     others): a pair is then at most 2 * 255 * 64 = 32640 < 32767 and never saturates.
  *     This form takes 3 vector operations per 32 multiply-adds; the signed form (vpsign on
- *     both operands so that codes in [-127, 127] fit) takes 4-5 and measured 1.1-1.2x fp32
- *     per core on Zen 3 against this form's (see tests and README). Measured on SmolLM2
+ *     both operands so that codes in [-127, 127] fit) took 4-5, and this one runs 1.5-1.7x
+ *     faster per core on Zen 3 (python -m benchmarks.w8a8_ab, results/w8a8_ab_zen3.txt). Measured on SmolLM2
  *     with SmoothQuant smoothing and groups of 64: weights in [-63, 63] give perplexity
  *     +0.01% over fp32 and [-127, 127] +0.23% (benchmarks/quality.py): the smoothed weights'
  *     rounding is not what limits W8A8 there.
