@@ -26,7 +26,8 @@ VARIANTS = [
                  marks=pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="no AVX2/FMA")),
     pytest.param("generic", id="generic"),
 ]
-SHAPES = [(1, 1, 1), (1, 17, 5), (3, 33, 64), (17, 100, 130), (13, 40, 576), (64, 96, 72)]
+# (300, 70, 1000): two row blocks of x, and K in slices with a remainder (AVX-512 192, AVX2 256 rows)
+SHAPES = [(1, 1, 1), (1, 17, 5), (3, 33, 64), (17, 100, 130), (13, 40, 576), (64, 96, 72), (300, 70, 1000)]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -39,6 +40,11 @@ def lib(request):
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _tol(k: int) -> float:
+    """fp32 sums of k products against float64: 1e-6 of the largest value up to k = 600, growing with k past it."""
+    return 1e-6 * max(1.0, k / 600)
 
 
 def test_builds_report_their_instruction_set():
@@ -55,17 +61,17 @@ def test_f32_gemm_matches_float64(lib, m, n, k):
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     ref = x.double() @ w.double().t()
     layer = CpuLinear(w, b, lib=lib)
-    assert _rel(layer(x), ref + b.double()) < 1e-6
+    assert _rel(layer(x), ref + b.double()) < _tol(k)
     # the residual add is fused: residual += x W^T + b
     r = torch.randn(m, n, generator=g)
     got = layer(x, residual=r.clone())
-    assert _rel(got, ref + b.double() + r.double()) < 1e-6
+    assert _rel(got, ref + b.double() + r.double()) < _tol(k)
     # strided operands: x and y as column slices of wider buffers
     xs = torch.randn(m, k + 7, generator=g)
     xs[:, 3:3 + k] = x
     ys = torch.full((m, n + 5), 7.0)
     cpu.gemm_f32(xs[:, 3:3 + k], layer.packed, n, None, ys[:, 2:2 + n], lib=lib)
-    assert _rel(ys[:, 2:2 + n], ref) < 1e-6
+    assert _rel(ys[:, 2:2 + n], ref) < _tol(k)
     assert (ys[:, :2] == 7).all() and (ys[:, 2 + n:] == 7).all()  # nothing written outside the slice
 
 
@@ -88,10 +94,10 @@ def test_quantized_gemm_matches_dequantized_weights(lib, m, n, k, scheme):
         assert 1e-5 < _rel(ref, exact) < 0.03
     else:
         ref = exact
-    assert _rel(CpuQuantLinear(q, lib=lib)(x), ref) < 1e-6
+    assert _rel(CpuQuantLinear(q, lib=lib)(x), ref) < _tol(k)
     # and the layer serves QuantLinear's contract (out / residual)
     r = torch.randn(m, n, generator=g)
-    assert _rel(CpuQuantLinear(q, lib=lib)(x, residual=r.clone()), ref + r.double()) < 1e-6
+    assert _rel(CpuQuantLinear(q, lib=lib)(x, residual=r.clone()), ref + r.double()) < _tol(k)
 
 
 @pytest.mark.parametrize("m,k", [(1, 5), (3, 64), (17, 130), (4, 257)])
@@ -275,7 +281,7 @@ def test_argmax_in_the_gemm_epilogue_equals_argmax_of_the_stored_logits(lib, m, 
     assert torch.equal(layer.argmax(x, limit, ban), cpu.argmax_rows(want, lib=lib))
 
 
-@pytest.mark.parametrize("m,k", [(1, 5), (3, 64), (17, 130), (64, 576)])
+@pytest.mark.parametrize("m,k", [(1, 5), (3, 64), (17, 130), (64, 576), (270, 1000)])
 @pytest.mark.parametrize("scheme", ["fp32", "fp32-bias", "int8", "int4-g32"])
 def test_swiglu_in_the_gate_up_epilogue_equals_silu_mul_of_the_stored_product(lib, m, k, scheme):
     """gate/up with SwiGLU in its epilogue: bit for bit silu_mul over the stored [m, 2 inter]

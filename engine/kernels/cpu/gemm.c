@@ -6,12 +6,15 @@
  * contiguously, so a panel streams from memory in one pass with no per-call packing
  * (the cost that makes a BLAS call slow at small M). A register-blocked micro-kernel
  * (Goto & van de Geijn 2008, "Anatomy of high-performance matrix multiplication";
- * the BLIS micro-kernel design) keeps an MR x TM_NR tile of y in registers across all
- * of K: each step loads one panel row (2 vectors) and broadcasts MR values of x, for
- * 2 * MR fused multiply-adds. Every row sums over k in one order whatever the tile's
- * height, so the GEMM is batch-invariant: a row's result does not depend on the other
- * rows of the call (see KSPLIT). Rows are taken in blocks that stay in L2 (TM_MC_BYTES), and the work
- * is cut into (row block, panel group) chunks handed out by the thread pool.
+ * the BLIS micro-kernel design) keeps an MR x TM_NR tile of y in registers across a
+ * slice of K: each step loads one panel row (2 vectors) and broadcasts MR values of x, for
+ * 2 * MR fused multiply-adds. fp32 panels are walked in K slices that stay in L1 while every
+ * tile of the row block runs over them (panel_rows), the tiles carrying their sums from slice
+ * to slice. Every row sums over k in one order whatever the tile's height, so the GEMM is
+ * batch-invariant: a row's result does not depend on the other rows of the call (see KSPLIT).
+ * Rows are taken in blocks of up to TM_MC_MAX (quantized kinds: also within TM_MC_BYTES of x
+ * in L2), and the work is cut into (row block, panel group) chunks handed out by the thread
+ * pool; each panel prefetches the next one while it runs (lane_group).
  *
  * The LM head of a step whose rows are all plain greedy can end in an argmax epilogue instead of
  * the store (tm_gemm_f32_argmax, tm_gemm_q_argmax): each tile's values, the ones the store would
@@ -85,7 +88,16 @@ typedef __m256 vf;
 #define TM_MR 4
 #endif
 #define TM_NR (2 * VL)
-#define TM_MC_BYTES (256 * 1024) /* a row block of x stays in L2 */
+#define TM_MC_BYTES (256 * 1024) /* quantized kinds: a row block of x stays in L2 */
+#define TM_MC_MAX 256            /* the tallest row block (rows of x per chunk) */
+/* fp32: the K slice of a panel that stays in L1 beside a tile's rows of x (see panel_rows): 192 rows
+ * of K with AVX-512 (L1 48 KB on the Xeons measured), 256 with AVX2 (32 KB on Zen 3) */
+#if defined(TM_AVX512)
+#define TM_KC_BYTES (24 * 1024)
+#else
+#define TM_KC_BYTES (16 * 1024)
+#endif
+#define TM_KC (TM_KC_BYTES / (TM_NR * (int)sizeof(float)))
 
 int tm_gemm_nr(void) { return TM_NR; }
 int tm_gemm_mr(void) { return TM_MR; }
@@ -248,60 +260,44 @@ static void argmax_tile(const float *tile, int mr, int ncols, int64_t n0, int64_
  * nothing there (these steps wait on memory, not on FMA latency). */
 #define KSPLIT(mr) 1
 
+/* tile [mr][TM_NR] = (tile if load, else 0) + rows a (stride lda) times k rows of panel b, the rows'
+ * sums running over k in order (one FMA chain per tile element; see KSPLIT). panel_rows calls it on
+ * one K slice at a time and carries the sums in the tile between slices: storing and reloading an
+ * fp32 value is exact, so the slices give the same bits as one pass over K. */
 TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
-                       float *restrict tile, const char *pf, int64_t pf_len) {
-    const int ks = KSPLIT(mr);
-    vf acc[4][TM_MR][2];
-#pragma GCC unroll 4
-    for (int s = 0; s < ks; ++s)
+                       float *restrict tile, const int load, const char *pf, int64_t pf_len) {
+    vf acc[TM_MR][2];
 #pragma GCC unroll 12
-        for (int r = 0; r < mr; ++r) acc[s][r][0] = acc[s][r][1] = V_ZERO();
-    /* this tile's share of the next panel (pf_len bytes), a line every pf_every steps of k, spread
-     * over the whole tile. Measured on a 2-core AVX2 machine, one pass over 30 layers' distinct
+    for (int r = 0; r < mr; ++r) {
+        acc[r][0] = load ? V_LOAD(tile + r * TM_NR) : V_ZERO();
+        acc[r][1] = load ? V_LOAD(tile + r * TM_NR + VL) : V_ZERO();
+    }
+    /* this call's share of the next panel (pf_len bytes): a line every pf_every steps of k, spread
+     * over the whole call. Measured on a 2-core AVX2 machine, one pass over 30 layers' distinct
      * weights (cold), builds alternated in one run, three runs: M = 32 9-35% faster than a burst of
      * a line per step at the tile's start, M = 64 mixed (+2 to +14%, once -10%), M >= 128 equal */
     const int64_t pf_lines = (pf_len + 63) / 64;
     const int64_t pf_every = pf_lines > 0 && k / pf_lines > 0 ? k / pf_lines : 1;
     int64_t pf_next = 0, pf_off = 0;
-    int64_t kk = 0;
-    for (; kk + ks <= k; kk += ks) {
+    for (int64_t kk = 0; kk < k; ++kk) {
         while (kk >= pf_next && pf_off < pf_len) {
             __builtin_prefetch(pf + pf_off, 0, 2);
             pf_off += 64;
             pf_next += pf_every;
         }
-#pragma GCC unroll 4
-        for (int s = 0; s < ks; ++s) {
-            const float *bk = b + (kk + s) * TM_NR;
-            const vf b0 = V_LOAD(bk), b1 = V_LOAD(bk + VL);
-#pragma GCC unroll 12
-            for (int r = 0; r < mr; ++r) {
-                const vf x = V_BCAST(a + r * lda + kk + s);
-                acc[s][r][0] = V_FMA(x, b0, acc[s][r][0]);
-                acc[s][r][1] = V_FMA(x, b1, acc[s][r][1]);
-            }
-        }
-    }
-    for (; kk < k; ++kk) {
         const float *bk = b + kk * TM_NR;
         const vf b0 = V_LOAD(bk), b1 = V_LOAD(bk + VL);
 #pragma GCC unroll 12
         for (int r = 0; r < mr; ++r) {
             const vf x = V_BCAST(a + r * lda + kk);
-            acc[0][r][0] = V_FMA(x, b0, acc[0][r][0]);
-            acc[0][r][1] = V_FMA(x, b1, acc[0][r][1]);
+            acc[r][0] = V_FMA(x, b0, acc[r][0]);
+            acc[r][1] = V_FMA(x, b1, acc[r][1]);
         }
     }
 #pragma GCC unroll 12
     for (int r = 0; r < mr; ++r) {
-        vf s0 = acc[0][r][0], s1 = acc[0][r][1];
-#pragma GCC unroll 4
-        for (int s = 1; s < ks; ++s) {
-            s0 = V_ADD(s0, acc[s][r][0]);
-            s1 = V_ADD(s1, acc[s][r][1]);
-        }
-        V_STORE(tile + r * TM_NR, s0);
-        V_STORE(tile + r * TM_NR + VL, s1);
+        V_STORE(tile + r * TM_NR, acc[r][0]);
+        V_STORE(tile + r * TM_NR + VL, acc[r][1]);
     }
 }
 
@@ -537,11 +533,14 @@ TM_INLINE void ukr_q4(const int has_min, const int mr, int64_t k, int64_t gs, co
        * sums differently for different tile heights, and a row's result depends on the batch */
 
 static void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
-                    float *restrict tile, const char *pf, int64_t pf_len) {
+                    float *restrict tile, const int load, const char *pf, int64_t pf_len) {
     (void)pf;
     (void)pf_len;
     float acc[TM_MR][TM_NR];
-    memset(acc, 0, sizeof acc);
+    if (load)
+        memcpy(acc, tile, sizeof(float) * mr * TM_NR);
+    else
+        memset(acc, 0, sizeof acc);
     for (int64_t kk = 0; kk < k; ++kk) {
         const float *bk = b + kk * TM_NR;
         for (int r = 0; r < mr; ++r) {
@@ -628,7 +627,7 @@ typedef struct {
     float *y;
     int64_t ldy;
     int64_t m, n, k, gs, panel_bytes;
-    int64_t mc, npanels, group, ngroups;
+    int64_t mc, kc, npanels, group, ngroups, lanes;
     int accumulate;
     /* greedy argmax instead of a store (tm_gemm_*_argmax): columns >= n_limit and each row's
      * nban banned columns (ban [m, nban], -1 = none) are skipped; every chunk keeps its rows'
@@ -651,9 +650,7 @@ typedef struct {
 
 #define UKR_CASE(MR)                                                                                   \
     case MR:                                                                                           \
-        if (c->kind == TM_W_F32)                                                                       \
-            ukr_f32(MR, c->k, a, c->ldx, (const float *)bp, tile, pf, pf_len);                         \
-        else if (c->kind == TM_W_Q8 && c->has_min)                                                     \
+        if (c->kind == TM_W_Q8 && c->has_min)                                                          \
             ukr_q8(1, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                               \
         else if (c->kind == TM_W_Q8)                                                                   \
             ukr_q8(0, MR, c->k, c->gs, a, c->ldx, bp, tile, pf, pf_len);                               \
@@ -663,8 +660,8 @@ typedef struct {
             ukr_q4(0, MR <= TM_MR_Q4 ? MR : 1, c->k, c->gs, qa, c->ldq, sa, sx, c->ng, bp, tile, pf, pf_len); \
         break;
 
-/* tile [mr][TM_NR] = rows r .. r + mr - 1 of x times panel bp; pf / pf_len: the share of the next
- * panel this tile prefetches */
+/* tile [mr][TM_NR] = rows r .. r + mr - 1 of x times quantized panel bp; pf / pf_len: the share of
+ * the next panel this tile prefetches */
 static void run_tile(const gemm_ctx *c, int mr, int64_t r, const char *bp, float *tile, const char *pf,
                      int64_t pf_len) {
     const float *a = c->x + r * c->ldx;
@@ -709,31 +706,106 @@ static inline void store_silu(float *restrict tg, float *restrict tu, int mr, in
     }
 }
 
-/* the gate panel's tiles of the row block first (kept in gbuf), then the up panel's, each
- * prefetching its share of the panel that follows it, as the plain GEMM walks its panels */
-#define TM_SILU_ROWS 256
+/* The panel group of the j-th chunk of a row block. T threads take chunks in turn from the pool's
+ * counter, so a thread's next chunk is usually j + T: chunk j goes to lane j % T, and each lane holds
+ * a run of adjacent groups, so that such a thread walks adjacent panels and the last panel of a
+ * chunk prefetches the first of the thread's next one (a chunk taken out of turn is still right,
+ * only not prefetched). Measured with benchmarks/gemm_ab.py on a 2-core Xeon (AVX-512), 30 layers
+ * of SmolLM2 shapes and the LM head, cold, with the K slices below: +1-4% at M = 32-128 over
+ * groups in order. */
+static inline int64_t lane_group(int64_t j, int64_t groups, int64_t lanes) {
+    if (lanes <= 1) return j;
+    const int64_t lane = j % lanes, pos = j / lanes;
+    int64_t start = 0;
+    for (int64_t l = 0; l < lane; ++l) start += (groups - l + lanes - 1) / lanes;
+    return start + pos;
+}
+
+#define F32_CASE(MR)                                                                                  \
+    case MR:                                                                                          \
+        ukr_f32(MR, kc, a, lda, b, tile, load, pf, pf_len);                                          \
+        break;
+
+static void f32_tile(int mr, int64_t kc, const float *a, int64_t lda, const float *b, float *tile, int load,
+                     const char *pf, int64_t pf_len) {
+    switch (mr) {
+        F32_CASE(1)
+        F32_CASE(2)
+        F32_CASE(3)
+        F32_CASE(4)
+#if TM_MR > 4
+        F32_CASE(5)
+        F32_CASE(6)
+#endif
+#if TM_MR > 6
+        F32_CASE(7)
+        F32_CASE(8)
+        F32_CASE(9)
+        F32_CASE(10)
+        F32_CASE(11)
+        F32_CASE(12)
+#endif
+        default:
+            break;
+    }
+}
+
+/* acc [m1 - m0][TM_NR] = rows m0 .. m1 - 1 of x times panel bp, over all of K; pf / pf_len: the next
+ * panel this chunk runs, prefetched in shares spread over the panel's micro-kernel calls.
+ *
+ * fp32 panels are walked in K slices of at most TM_KC rows (TM_KC_BYTES of the panel), each slice
+ * through every tile of the row block before the next: the slice is read from L2 (where the
+ * prefetch put it) by the first tile and stays in L1 for the others, where a whole panel
+ * (K x TM_NR floats, 72 KB at K = 576 with AVX-512) would be read from L2 by every tile (the loop
+ * order of Goto & van de Geijn's GEMM, with the weights as its packed B). The tiles carry their
+ * sums between slices (ukr_f32's load), so the result is bit for bit one pass over K. */
+static void panel_rows(const gemm_ctx *c, int64_t m0, int64_t m1, const char *bp, float *acc, const char *pf,
+                       int64_t pf_len) {
+    const int mrt = c->mr;
+    const int64_t ntiles = cdiv(m1 - m0, mrt);
+    if (c->kind != TM_W_F32) {
+        const int64_t share = (pf_len + ntiles - 1) / ntiles;
+        for (int64_t r = m0, t = 0; r < m1; r += mrt, ++t) {
+            const int64_t off = t * share, len = pf_len - off < share ? pf_len - off : share;
+            run_tile(c, m1 - r < mrt ? (int)(m1 - r) : mrt, r, bp, acc + (r - m0) * TM_NR, pf + off, len > 0 ? len : 0);
+        }
+        return;
+    }
+    const int64_t k = c->k, nkc = cdiv(k, c->kc);
+    if (k <= 0) {
+        memset(acc, 0, sizeof(float) * (size_t)(m1 - m0) * TM_NR);
+        return;
+    }
+    const int64_t share = (pf_len + ntiles * nkc - 1) / (ntiles * nkc);
+    int64_t off = 0;
+    for (int64_t k0 = 0; k0 < k; k0 += c->kc) {
+        const int64_t kc = k - k0 < c->kc ? k - k0 : c->kc;
+        const float *b = (const float *)bp + k0 * TM_NR;
+        for (int64_t r = m0; r < m1; r += mrt, off += share) {
+            const int64_t len = pf_len - off < share ? pf_len - off : share;
+            f32_tile(m1 - r < mrt ? (int)(m1 - r) : mrt, kc, c->x + r * c->ldx + k0, c->ldx, b,
+                     acc + (r - m0) * TM_NR, k0 > 0, pf + off, len > 0 ? len : 0);
+        }
+    }
+}
+
+/* SwiGLU: the gate panel's rows first (kept in gbuf, prefetching the up panel), then the up panel's
+ * (prefetching the next gate panel), then silu(gate) * up stored */
 static void gemm_chunk_silu(const gemm_ctx *c, int64_t chunk) {
-    const int64_t mb = chunk / c->ngroups, grp = chunk % c->ngroups;
+    const int64_t mb = chunk / c->ngroups, grp = lane_group(chunk % c->ngroups, c->ngroups, c->lanes);
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
     const int64_t up = c->silu_inter / TM_NR; /* panel offset of the up half */
-    float gbuf[TM_SILU_ROWS * TM_NR] __attribute__((aligned(64)));
-    float tu[TM_MR * TM_NR] __attribute__((aligned(64)));
-    const int mrt = c->mr;
-    const int64_t ntiles = (m1 - m0 + mrt - 1) / mrt;
-    const int64_t share = (c->panel_bytes + ntiles - 1) / ntiles;
+    float gbuf[TM_MC_MAX * TM_NR] __attribute__((aligned(64)));
+    float ubuf[TM_MC_MAX * TM_NR] __attribute__((aligned(64)));
     for (int64_t p = p0; p < p1; ++p) {
         const char *bg = c->w + p * c->panel_bytes, *bu = c->w + (p + up) * c->panel_bytes;
         const int64_t n0 = p * TM_NR;
         const int ncols = c->silu_inter - n0 < TM_NR ? (int)(c->silu_inter - n0) : TM_NR;
         const float *biasg = c->bias ? c->bias + n0 : NULL, *biasu = c->bias ? c->bias + c->silu_inter + n0 : NULL;
-        for (int64_t r = m0, t = 0; r < m1; r += mrt, ++t) /* gate: then prefetch the up panel */
-            run_tile(c, m1 - r < mrt ? (int)(m1 - r) : mrt, r, bg, gbuf + (r - m0) * TM_NR, bu + t * share, share);
-        for (int64_t r = m0, t = 0; r < m1; r += mrt, ++t) { /* up: then prefetch the next gate panel */
-            const int mr = m1 - r < mrt ? (int)(m1 - r) : mrt;
-            run_tile(c, mr, r, bu, tu, bg + c->panel_bytes + t * share, p + 1 < p1 ? share : 0);
-            store_silu(gbuf + (r - m0) * TM_NR, tu, mr, ncols, c->y + r * c->ldy + n0, c->ldy, biasg, biasu);
-        }
+        panel_rows(c, m0, m1, bg, gbuf, bu, c->panel_bytes);
+        panel_rows(c, m0, m1, bu, ubuf, bg + c->panel_bytes, p + 1 < c->npanels ? c->panel_bytes : 0);
+        store_silu(gbuf, ubuf, (int)(m1 - m0), ncols, c->y + m0 * c->ldy + n0, c->ldy, biasg, biasu);
     }
 }
 
@@ -743,10 +815,10 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
         gemm_chunk_silu(c, chunk);
         return;
     }
-    const int64_t mb = chunk / c->ngroups, grp = chunk % c->ngroups;
+    const int64_t mb = chunk / c->ngroups, grp = lane_group(chunk % c->ngroups, c->ngroups, c->lanes);
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
-    float tile[TM_MR * TM_NR] __attribute__((aligned(64)));
+    float acc[TM_MC_MAX * TM_NR] __attribute__((aligned(64)));
     float *bv = c->best_val ? c->best_val + grp * c->m : NULL;
     int64_t *bix = c->best_idx ? c->best_idx + grp * c->m : NULL;
     if (bv)
@@ -759,21 +831,13 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
         const int64_t n0 = p * TM_NR;
         const int ncols = c->n - n0 < TM_NR ? (int)(c->n - n0) : TM_NR;
         const float *bias = c->bias ? c->bias + n0 : NULL;
-        /* each tile of this panel prefetches its share of the next panel of the chunk, so the
-         * next panel's first tile finds it in cache instead of waiting on memory */
-        const int mrt = c->mr;
-        const int64_t ntiles = (m1 - m0 + mrt - 1) / mrt;
-        const int64_t share = (c->panel_bytes + ntiles - 1) / ntiles;
-        for (int64_t r = m0, t = 0; r < m1; r += mrt, ++t) {
-            const int mr = m1 - r < mrt ? (int)(m1 - r) : mrt;
-            const char *pf = bp + c->panel_bytes + t * share;
-            const int64_t pf_len = p + 1 < p1 ? share : 0;
-            run_tile(c, mr, r, bp, tile, pf, pf_len);
-            if (bv)
-                argmax_tile(tile, mr, ncols, n0, r, bias, c->n_limit, c->ban, c->nban, bv, bix);
-            else
-                store_tile(tile, mr, ncols, c->y + r * c->ldy + n0, c->ldy, bias, c->accumulate);
-        }
+        /* the panel's calls prefetch the next panel (past the chunk's end too: see lane_group), so
+         * that its first tile finds it in cache instead of waiting on memory */
+        panel_rows(c, m0, m1, bp, acc, bp + c->panel_bytes, p + 1 < c->npanels ? c->panel_bytes : 0);
+        if (bv)
+            argmax_tile(acc, (int)(m1 - m0), ncols, n0, m0, bias, c->n_limit, c->ban, c->nban, bv, bix);
+        else
+            store_tile(acc, (int)(m1 - m0), ncols, c->y + m0 * c->ldy + n0, c->ldy, bias, c->accumulate);
     }
 }
 
@@ -844,12 +908,20 @@ static int gemm_run(gemm_ctx *c) {
     }
     const int mrt = c->mr;
     const int threads = tm_get_num_threads();
-    int64_t mc = TM_MC_BYTES / ((int64_t)sizeof(float) * (c->k > 0 ? c->k : 1));
-    mc = mc < mrt ? mrt : mc - mc % mrt;
-    if (c->silu_inter && mc > TM_SILU_ROWS - TM_SILU_ROWS % mrt) mc = TM_SILU_ROWS - TM_SILU_ROWS % mrt;
+    /* row blocks: fp32 as tall as TM_MC_MAX allows (the K slices keep a block's share of x in L2,
+     * and each block reads every weight once more); quantized kinds also within TM_MC_BYTES of x.
+     * Blocks of equal height, multiples of the tile height. */
+    int64_t mcmax = TM_MC_MAX - TM_MC_MAX % mrt;
+    if (c->kind != TM_W_F32) {
+        const int64_t byk = TM_MC_BYTES / ((int64_t)sizeof(float) * (c->k > 0 ? c->k : 1));
+        if (byk < mcmax) mcmax = byk < mrt ? mrt : byk - byk % mrt;
+    }
+    int64_t mc = cdiv(cdiv(c->m, cdiv(c->m, mcmax)), mrt) * mrt;
+    if (mc > mcmax) mc = mcmax;
     if (mc > c->m) mc = c->m;
     const int64_t mblocks = cdiv(c->m, mc);
     c->mc = mc;
+    c->kc = TM_KC;
     c->npanels = c->silu_inter ? c->silu_inter / TM_NR : cdiv(c->n, TM_NR);
     /* about 4 chunks per thread: enough for the dynamic scheduling to even out speed
      * differences, few enough that a chunk's panels prefetch one another */
@@ -858,6 +930,7 @@ static int gemm_run(gemm_ctx *c) {
     if (per_mb > c->npanels) per_mb = c->npanels;
     c->group = cdiv(c->npanels, per_mb);
     c->ngroups = cdiv(c->npanels, c->group);
+    c->lanes = threads;
     tm_parallel_for(mblocks * c->ngroups, gemm_chunk, c);
     return 0;
 }
