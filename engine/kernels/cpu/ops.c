@@ -17,9 +17,13 @@
 
 static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* rows per chunk so that a chunk holds about 32k elements */
-static inline int64_t rows_per_chunk(int64_t cols) {
-    const int64_t r = 32768 / (cols > 0 ? cols : 1);
+/* rows per chunk: at most about 32k elements, and 2 chunks per thread where there are rows for it
+ * (64 rows of 576 in chunks of 56 left one thread 8 rows and the other 56: 60 RMSNorms of a batch-64
+ * decode step took 0.59-0.63 ms, in chunks of 16 rows 0.42-0.45, on a 2-core Xeon) */
+static inline int64_t rows_per_chunk(int64_t cols, int64_t rows) {
+    int64_t r = 32768 / (cols > 0 ? cols : 1);
+    const int64_t per = 2 * (int64_t)tm_get_num_threads(), even = (rows + per - 1) / per;
+    if (even < r) r = even;
     return r < 1 ? 1 : r;
 }
 
@@ -47,7 +51,7 @@ static void norm_chunk(void *vctx, int64_t chunk) {
 
 void tm_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t m, int64_t k,
                  float eps) {
-    norm_ctx c = {.x = x, .w = w, .y = y, .ldx = ldx, .ldy = ldy, .m = m, .k = k, .rpc = rows_per_chunk(k),
+    norm_ctx c = {.x = x, .w = w, .y = y, .ldx = ldx, .ldy = ldy, .m = m, .k = k, .rpc = rows_per_chunk(k, m),
                   .eps = eps};
     tm_parallel_for(cdiv(m, c.rpc), norm_chunk, &c);
 }
@@ -82,7 +86,7 @@ static void rope_chunk(void *vctx, int64_t chunk) {
 /* x: [t, heads * d] rows of stride ldx (e.g. the q and k heads at the start of a fused qkv row). */
 void tm_rope(float *x, int64_t ldx, int64_t t, int64_t heads, int64_t d, const int64_t *positions,
              const float *cos_t, const float *sin_t) {
-    rope_ctx c = {.x = x, .ldx = ldx, .t = t, .heads = heads, .d = d, .rpc = rows_per_chunk(heads * d),
+    rope_ctx c = {.x = x, .ldx = ldx, .t = t, .heads = heads, .d = d, .rpc = rows_per_chunk(heads * d, t),
                   .pos = positions, .cos_t = cos_t, .sin_t = sin_t};
     tm_parallel_for(cdiv(t, c.rpc), rope_chunk, &c);
 }
@@ -108,7 +112,7 @@ static void silu_chunk(void *vctx, int64_t chunk) {
 
 /* gu: [m, 2n] rows [gate | up] of stride ldg; out: [m, n] of stride ldo. */
 void tm_silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t m, int64_t n) {
-    silu_ctx c = {.gu = gu, .out = out, .ldg = ldg, .ldo = ldo, .m = m, .n = n, .rpc = rows_per_chunk(3 * n)};
+    silu_ctx c = {.gu = gu, .out = out, .ldg = ldg, .ldo = ldo, .m = m, .n = n, .rpc = rows_per_chunk(3 * n, m)};
     tm_parallel_for(cdiv(m, c.rpc), silu_chunk, &c);
 }
 

@@ -176,6 +176,7 @@ int tm_set_num_threads(int n) {
 }
 
 int tm_get_num_threads(void) {
+    if (tm_in_pool) return P.num_threads; /* inside a job, whose caller holds the lock: fixed until it ends */
     pthread_mutex_lock(&P.lock);
     if (!P.started) start_locked(detect_threads());
     const int r = P.num_threads;
