@@ -8,7 +8,10 @@ Measured in one run, on the same machine state:
    a peak below what a kernel reaches in the same run would be a wrong peak (an MFU over
    100%). **Bandwidth**: a large copy, bytes read + written / s.
 2. **Linear layers per M**: every linear layer of the model (the 120 decoder projections and
-   the LM head) run once on an [M, in] input, for M in 1, 8, 32, 64, 128, 1024: GFLOP/s and
+   the LM head) run once on an [M, in] input, for M in 1, 8, 32, 64, 128, 1024, each into the one
+   output buffer of its width (as the engine's step reuses its scratch; until 2026-12-03 every
+   layer had an output tensor of its own, whose first-touch stores cost our kernel 10-15% at
+   M = 128-1024 on a Xeon): GFLOP/s and
    its share of the peak; for M = 1 and 8 also the weight bytes streamed per second against
    the copy bandwidth (at small M a step is bound by reading the weights: the bandwidth
    bound is 2 M params / (weight bytes / bandwidth) FLOP/s).
@@ -117,13 +120,16 @@ def linear_flops(model: Any, num_tokens: int, num_logit_rows: int) -> float:
 
 def linear_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2) -> dict[int, dict[str, float]]:
     """Time all the model's linear layers on [M, in] inputs, for each M (weights as the engine holds
-    them: for the decoder a different matrix each call, so small M streams them from memory)."""
+    them: for the decoder a different matrix each call, so small M streams them from memory; outputs,
+    as in the engine's step, into one buffer per output width, written again by every layer of that
+    width: the step's qkv, attention-output and MLP scratch, not 121 tensors never seen before)."""
     layers = [lin for _, lin in model.linear_layers()]
     wbytes = sum(lin.weight_bytes() for lin in layers)
     out = {}
     for m in ms:
         xs = {k: torch.randn(m, k) for k in {lin.in_features for lin in layers}}
-        ys = [torch.empty(m, lin.out_features) for lin in layers]
+        ys_by_width = {n: torch.empty(m, n) for n in {lin.out_features for lin in layers}}
+        ys = [ys_by_width[lin.out_features] for lin in layers]
 
         def run() -> None:
             for lin, y in zip(layers, ys):
@@ -147,7 +153,8 @@ def torch_mm_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2) -
     out = {}
     for m in ms:
         xs = {k: torch.randn(m, k, generator=gen) for k, _ in shapes}
-        ys = [torch.empty(m, n) for _, n in shapes]
+        ys_by_width = {n: torch.empty(m, n) for n in {n for _, n in shapes}}  # as linear_sweep's
+        ys = [ys_by_width[n] for _, n in shapes]
 
         def run_in_out() -> None:
             for (k, _), w, y in zip(shapes, ws, ys):
