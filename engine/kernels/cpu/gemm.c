@@ -272,26 +272,29 @@ TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t
         acc[r][0] = load ? V_LOAD(tile + r * TM_NR) : V_ZERO();
         acc[r][1] = load ? V_LOAD(tile + r * TM_NR + VL) : V_ZERO();
     }
-    /* this call's share of the next panel (pf_len bytes): a line every pf_every steps of k, spread
-     * over the whole call. Measured on a 2-core AVX2 machine, one pass over 30 layers' distinct
-     * weights (cold), builds alternated in one run, three runs: M = 32 9-35% faster than a burst of
-     * a line per step at the tile's start, M = 64 mixed (+2 to +14%, once -10%), M >= 128 equal */
+    /* this call's share of the next panel (pf_len bytes), spread over the whole call: runs of seg
+     * steps of k, each after `per` prefetched lines, so that the steps' loop has no branch but its
+     * own. Runs of at least 16 steps: measured with benchmarks/gemm_ab.py on a 2-core Xeon (AVX-512),
+     * against a line every k / lines steps checked at every step: M = 32 +3-4%, M = 64 -1%,
+     * M = 128 +4-5%, M = 1024 +5-7% (runs of 8: about half of that; 64: M = 32 -12%). Earlier, on
+     * a 2-core AVX2 machine: spreading the lines over the tile beat a burst of a line per step at
+     * its start by 9-35% at M = 32. */
     const int64_t pf_lines = (pf_len + 63) / 64;
-    const int64_t pf_every = pf_lines > 0 && k / pf_lines > 0 ? k / pf_lines : 1;
-    int64_t pf_next = 0, pf_off = 0;
-    for (int64_t kk = 0; kk < k; ++kk) {
-        while (kk >= pf_next && pf_off < pf_len) {
-            __builtin_prefetch(pf + pf_off, 0, 2);
-            pf_off += 64;
-            pf_next += pf_every;
-        }
-        const float *bk = b + kk * TM_NR;
-        const vf b0 = V_LOAD(bk), b1 = V_LOAD(bk + VL);
+    const int64_t seg = pf_lines > 0 && k / pf_lines > 16 ? k / pf_lines : 16;
+    const int64_t per = (pf_lines * seg + k - 1) / (k > 0 ? k : 1);
+    int64_t kk = 0, off = 0;
+    while (kk < k) {
+        for (int64_t i = 0; i < per && off < pf_len; ++i, off += 64) __builtin_prefetch(pf + off, 0, 2);
+        const int64_t kend = kk + seg < k ? kk + seg : k;
+        for (; kk < kend; ++kk) {
+            const float *bk = b + kk * TM_NR;
+            const vf b0 = V_LOAD(bk), b1 = V_LOAD(bk + VL);
 #pragma GCC unroll 12
-        for (int r = 0; r < mr; ++r) {
-            const vf x = V_BCAST(a + r * lda + kk);
-            acc[r][0] = V_FMA(x, b0, acc[r][0]);
-            acc[r][1] = V_FMA(x, b1, acc[r][1]);
+            for (int r = 0; r < mr; ++r) {
+                const vf x = V_BCAST(a + r * lda + kk);
+                acc[r][0] = V_FMA(x, b0, acc[r][0]);
+                acc[r][1] = V_FMA(x, b1, acc[r][1]);
+            }
         }
     }
 #pragma GCC unroll 12
