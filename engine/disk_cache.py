@@ -1,0 +1,24 @@
+"""Where tokenmill keeps what it derives from slow-to-read inputs between processes.
+
+One folder per kind (`tokenizers` for GGUF tokenizers converted by transformers, `gguf` for
+GGUF indexes, see `engine.gguf_index`), under `$TOKENMILL_CACHE_DIR` if set, else
+`$XDG_CACHE_HOME/tokenmill` (default `~/.cache/tokenmill`). `TOKENMILL_NO_DISK_CACHE=1`
+turns these caches off: every process then derives everything again.
+
+Every entry in these folders is a pure function of its input file's bytes, written
+atomically and checked when read, so deleting any of them at any time is safe.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+def cache_root(kind: str) -> Optional[str]:
+    """Folder of the on-disk cache `kind` (not created here), or None when disk caches are off."""
+    if os.environ.get("TOKENMILL_NO_DISK_CACHE", "") not in ("", "0"):
+        return None
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
+    )
+    return os.path.join(root, kind)

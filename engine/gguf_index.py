@@ -1,0 +1,280 @@
+"""What the engine reads from a GGUF file's header, kept on disk so that a fresh process skips the parse.
+
+`gguf.GGUFReader` parses every metadata field when it opens a file, the tokenizer's vocabulary
+and merges included (49k + 49k strings for SmolLM2-135M: 2.6 s on this 2-core machine), and
+every fresh process paid it: each CLI run, Dask worker and served flow run. The engine reads
+only the tensor table and a few scalar fields (the model's shape, `general.name`), so
+`open_gguf_index` keeps those in one small JSON file per GGUF file (`cache_root("gguf")`,
+see `engine.disk_cache`) and, when that entry is valid, rebuilds the tensor table without
+parsing. The tensor data is never copied: every `GGUFTensor.data` is a view of a read-only
+memory map of the GGUF file at the recorded offset, the same array (dtype, shape, bytes) as
+`GGUFReader`'s.
+
+An entry is used only if all of these hold; otherwise it is ignored, the file is parsed and
+the entry rewritten (atomically: a temp file, then `os.replace`):
+
+- its format is `INDEX_FORMAT` and its checksum (sha256 of the entry's text) matches;
+- the GGUF file's resolved path, size and mtime (ns) are those it was written for;
+- the sha256 of the file's header (every byte before the tensor data: metadata and tensor
+  table, 1.8 MB for SmolLM2, hashed in about 2 ms) equals the recorded one, so the entry is
+  the parse of these very bytes;
+- every tensor lies inside the file.
+
+A cache folder that cannot be written (read-only, full, not a folder) costs only the parse.
+
+Left out of the index: metadata arrays longer than `MAX_ARRAY_LEN` items (the tokenizer's
+tokens, token types and merges) and fields whose strings are not UTF-8. The engine reads none
+of them; the tokenizer is converted by transformers from the file itself, once per file, and
+kept in its own disk cache (`engine.tokenizer`). Asking the index for one raises KeyError.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from .disk_cache import cache_root
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
+
+logger = logging.getLogger(__name__)
+
+#: Bump when the entry's layout or meaning changes; entries of another format are ignored.
+INDEX_FORMAT = 1
+
+#: Metadata arrays with more items than this are left out of the index (vocabularies, merges).
+MAX_ARRAY_LEN = 1024
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: the fields of `gguf.GGUFReader`'s `ReaderTensor`, same values.
+
+    Attributes:
+        name: GGUF tensor name, e.g. "blk.0.attn_q.weight".
+        tensor_type: its `gguf.GGMLQuantizationType` (F32, Q4_1, Q8_0, ...).
+        shape: uint64 [n_dims], GGML order (ne0, the innermost dimension, first): a [out, in]
+            matrix has shape [in, out].
+        n_elements: element count (product of `shape`).
+        n_bytes: bytes of its data in the file.
+        data_offset: absolute byte offset of its data in the file.
+        data: read-only view of the memory-mapped file. F16/F32/F64/I8/I16/I32/I64 tensors:
+            that dtype, shape `reversed(shape)`; quantized ones: uint8 [..., rows, bytes per row]
+            (what `gguf.quants.dequantize` takes).
+    """
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: np.ndarray
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    """A GGUF file's tensor table and metadata (all but long arrays), its data memory-mapped.
+
+    Attributes:
+        path: the file's resolved path.
+        metadata: field name -> value as `ReaderField.contents()` gives it (int, float, bool,
+            str, or a list of them), including GGUFReader's "GGUF.version", "GGUF.tensor_count"
+            and "GGUF.kv_count".
+        omitted: names of the fields left out (see the module docstring).
+        tensors: in file order.
+    """
+
+    path: str
+    metadata: dict[str, Any]
+    omitted: frozenset[str]
+    tensors: list[GGUFTensor]
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """The value of metadata field `key`, or `default` when the file has no such field.
+
+        Raises:
+            KeyError: the file has the field but the index left it out (a long array).
+        """
+        if key in self.omitted:
+            raise KeyError(f"{self.path}: GGUF field {key!r} is not kept by the GGUF index (an array longer "
+                           f"than {MAX_ARRAY_LEN} items, or not UTF-8); read it with gguf.GGUFReader")
+        return self.metadata.get(key, default)
+
+
+def open_gguf_index(path: str) -> GGUFIndex:
+    """The index of the GGUF file at `path`: from the disk cache when a valid entry exists,
+    else parsed with `gguf.GGUFReader` (and the entry written for the next process).
+
+    Raises:
+        OSError: `path` cannot be read.
+        ValueError: `path` is not a GGUF file `gguf.GGUFReader` can read.
+    """
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    entry = cache_entry_path(real)
+    if entry is not None:
+        index = _read_entry(entry, real, st)
+        if index is not None:
+            return index
+    index, text = _parse(real, st)
+    if entry is not None:
+        _write_entry(entry, text)
+    return index
+
+
+def cache_entry_path(real_path: str) -> Optional[str]:
+    """Where the index of the GGUF file at (resolved) `real_path` is kept, or None with disk caches off.
+    One entry per path: a stale entry is overwritten, never kept beside the new one."""
+    root = cache_root("gguf")
+    if root is None:
+        return None
+    digest = hashlib.sha256(real_path.encode()).hexdigest()[:20]
+    stem = os.path.splitext(os.path.basename(real_path))[0]
+    return os.path.join(root, f"{stem}-{digest}.json")
+
+
+# ---------------------------------------------------------------- building
+
+def _plain_dtypes() -> dict:
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    return {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
+            T.I32: np.int32, T.I64: np.int64}
+
+
+def _tensors(mm: np.memmap, byte_order: str, table: list) -> list[GGUFTensor]:
+    """GGUFTensors over memory map `mm` from rows [name, GGML type id, GGML-order dims, absolute
+    offset], exactly as `GGUFReader._build_tensors` derives them.
+
+    Raises:
+        ValueError: an unknown type id, or a tensor that does not lie inside the file.
+    """
+    import gguf
+    from gguf.quants import quant_shape_to_byte_shape
+
+    plain = _plain_dtypes()
+    out = []
+    for name, type_id, dims, offset in table:
+        if not isinstance(name, str) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"bad tensor row {name!r}")
+        ggml_type = gguf.GGMLQuantizationType(type_id)
+        shape = np.array(dims, dtype=np.uint64)
+        if shape.ndim != 1:
+            raise ValueError(f"tensor {name}: bad dims {dims!r}")
+        n_elements = int(np.prod(shape))
+        block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        n_bytes = n_elements * type_size // block_size
+        np_dims = tuple(reversed(shape.tolist()))
+        dtype = plain.get(ggml_type)
+        if dtype is None:
+            dtype, count, np_dims = np.uint8, n_bytes, quant_shape_to_byte_shape(np_dims, ggml_type)
+        else:
+            count = n_elements
+        end = offset + count * np.dtype(dtype).itemsize
+        if end > len(mm):
+            raise ValueError(f"tensor {name}: bytes [{offset}, {end}) lie past the end of the file ({len(mm)} bytes)")
+        arr = mm[offset:end].view(dtype)[:count]
+        arr = arr.view(arr.dtype.newbyteorder(byte_order)).reshape(np_dims)
+        out.append(GGUFTensor(name, ggml_type, shape, n_elements, n_bytes, offset, arr))
+    return out
+
+
+def _header_sha256(mm: np.memmap, header_bytes: int) -> str:
+    return hashlib.sha256(memoryview(mm[:header_bytes])).hexdigest()
+
+
+def _parse(real: str, st: os.stat_result) -> tuple[GGUFIndex, str]:
+    """Parse the file with `gguf.GGUFReader`: its index, and the text of its cache entry."""
+    import gguf
+
+    reader = gguf.GGUFReader(real)
+    metadata: dict[str, Any] = {}
+    omitted = []
+    for key, f in reader.fields.items():
+        if f.types and f.types[0] == gguf.GGUFValueType.ARRAY and len(f.data) > MAX_ARRAY_LEN:
+            omitted.append(key)
+            continue
+        try:
+            metadata[key] = f.contents()
+        except (UnicodeDecodeError, ValueError, IndexError):
+            omitted.append(key)
+    table = [[t.name, int(t.tensor_type), t.shape.tolist(), int(t.data_offset)] for t in reader.tensors]
+    header_bytes = int(reader.data_offset)
+    byte_order = reader.byte_order
+    del reader  # its parsed fields are the memory this index exists to not hold
+    mm = np.memmap(real, mode="r")
+    index = GGUFIndex(real, metadata, frozenset(omitted), _tensors(mm, byte_order, table))
+    body = json.dumps({
+        "format": INDEX_FORMAT, "path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+        "header_bytes": header_bytes, "header_sha256": _header_sha256(mm, header_bytes), "byte_order": byte_order,
+        "metadata": metadata, "omitted": omitted, "tensors": table,
+    })
+    return index, hashlib.sha256(body.encode()).hexdigest() + "\n" + body
+
+
+# ---------------------------------------------------------------- the disk cache
+
+def _read_entry(entry: str, real: str, st: os.stat_result) -> Optional[GGUFIndex]:
+    """The index kept in `entry` if it is valid for the file (see the module docstring), else None."""
+    try:
+        with open(entry, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        logger.warning("ignoring unreadable GGUF index %s: %s", entry, exc)
+        return None
+    try:
+        checksum, _, body = text.partition("\n")
+        if hashlib.sha256(body.encode()).hexdigest() != checksum:
+            raise ValueError("checksum mismatch")
+        d = json.loads(body)
+        if d["format"] != INDEX_FORMAT:
+            return None
+        if (d["path"], d["size"], d["mtime_ns"]) != (real, st.st_size, st.st_mtime_ns):
+            return None  # stale: the file changed since (or another file now has this name's hash)
+        mm = np.memmap(real, mode="r")
+        header_bytes = d["header_bytes"]
+        if not isinstance(header_bytes, int) or not 0 < header_bytes <= len(mm):
+            raise ValueError(f"bad header length {header_bytes!r}")
+        if _header_sha256(mm, header_bytes) != d["header_sha256"]:
+            return None  # the header's bytes changed under the same size and mtime
+        if d["byte_order"] not in ("I", "S"):
+            raise ValueError(f"bad byte order {d['byte_order']!r}")
+        metadata, omitted = d["metadata"], d["omitted"]
+        if not isinstance(metadata, dict) or not isinstance(omitted, list):
+            raise ValueError("bad metadata")
+        return GGUFIndex(real, metadata, frozenset(omitted), _tensors(mm, d["byte_order"], d["tensors"]))
+    except Exception as exc:  # noqa: BLE001 - a corrupt entry must never block loading: parse again
+        logger.warning("ignoring corrupt GGUF index %s: %s: %s", entry, type(exc).__name__, exc)
+        return None
+
+
+def _write_entry(entry: str, text: str) -> None:
+    """Write atomically (temp file + `os.replace`); a concurrent writer or an unwritable folder is not an error."""
+    folder = os.path.dirname(entry)
+    tmp: Optional[str] = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, entry)
+        tmp = None
+    except OSError as exc:
+        logger.warning("could not cache the GGUF index in %s: %s", entry, exc)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
