@@ -22,7 +22,8 @@ def parts(out) -> list[str]:
 
 
 BAD_OPTIONS = [
-    ({"quantization": "int9"}, "invalid engine option: quantization must be None|int8|int4|gguf|w8a8, got 'int9'"),
+    ({"quantization": "int9"}, "invalid engine option: quantization must be None or none|int8|int4|gguf|w8a8, got "
+                                  "'int9'"),
     ({"dtype": "fp8"}, "invalid engine option: dtype must be auto|float32|bfloat16|float16, got 'fp8'"),
     ({"model": "smollm-nope", "plan": "input"}, "unknown model 'smollm-nope': expected 'smollm2-135m-instruct', "
                                                 "a .gguf file"),
