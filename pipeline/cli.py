@@ -392,6 +392,16 @@ class _Parser(argparse.ArgumentParser):
         EXIT_REFUSED (raises SystemExit)."""
         self.exit(EXIT_REFUSED, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
+    def parse_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> argparse.Namespace:
+        """argparse's parse_args, except that arguments no parser knows are refused by the command they
+        follow (`tokenmill run --bogus`: `tokenmill run: error: ...`, `see 'tokenmill run --help'`), where
+        argparse has the top-level parser refuse them and point to `tokenmill --help`, which does not list
+        run's options (raises SystemExit)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            (getattr(ns, "command_parser", None) or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The `tokenmill` argument parser (run, demo, report); a usage error exits 1 (SystemExit)."""
@@ -409,13 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  f"output there; --no-overwrite resumes it) and print the report")
     p_demo.add_argument("--job", choices=sorted(DEMO_JOBS), default="labelling", help="which sample job")
     add_spec_options(p_demo)
-    p_demo.set_defaults(func=cmd_demo)
+    p_demo.set_defaults(func=cmd_demo, command_parser=p_demo)
     p_rep = sub.add_parser("report", parents=[common], help="print the cost report of a job (every run: --all)")
     p_rep.add_argument("url", help="the job's output URL")
     p_rep.add_argument("--all", action="store_true", help="every run, not just the latest")
     p_rep.add_argument("--storage-option", dest="storage_options", type=_kv, action="append", metavar="KEY=VALUE",
                        help="fsspec/s3fs option, as for run")
-    p_rep.set_defaults(func=cmd_report)
+    p_rep.set_defaults(func=cmd_report, command_parser=p_rep)
     return parser
 
 

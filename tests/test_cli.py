@@ -367,6 +367,27 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     assert exc.value.code == 0
 
 
+def test_an_unknown_flag_is_refused_by_the_command_it_follows(tmp_path, capsys):
+    """`tokenmill run --bogus` points to `tokenmill run --help`, which lists run's options, not to
+    `tokenmill --help` (argparse's top-level parser used to report it); exit 1 like every usage error."""
+    import pytest
+
+    def usage_error(*argv: str) -> list[str]:
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        assert exc.value.code == 1, argv
+        return capsys.readouterr().err.splitlines()
+
+    assert usage_error("run", "--bogus") == ["tokenmill run: error: unrecognized arguments: --bogus",
+                                             "see 'tokenmill run --help'"]
+    assert usage_error("run", "--input", "a", "--output", "b", "--bogus", "x") == [
+        "tokenmill run: error: unrecognized arguments: --bogus x", "see 'tokenmill run --help'"]
+    assert usage_error("demo", "--bogus") == ["tokenmill demo: error: unrecognized arguments: --bogus",
+                                              "see 'tokenmill demo --help'"]
+    assert usage_error("report", str(tmp_path), "--bogus") == [
+        "tokenmill report: error: unrecognized arguments: --bogus", "see 'tokenmill report --help'"]
+
+
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):
     from pipeline import JobSpec, cache_llm, read_metrics
     from pipeline.testing import FakeLLM
