@@ -1,6 +1,8 @@
 """Row validation: every bad row becomes a clear error, good rows become requests."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.config import SamplingParams
@@ -62,6 +64,22 @@ def test_bad_prompt_rows(row, message):
     r = req(row)
     assert r.prompt_token_ids is None and r.error is not None
     assert message in r.error
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("nan")), ("temperature", "hot"), ("temperature", True), ("temperature", -1),
+    ("top_p", float("nan")), ("top_p", "all"), ("max_tokens", "ten"), ("max_tokens", 2.5), ("seed", 1.5),
+    ("seed", "7"),
+])
+def test_a_bad_row_parameter_reads_as_the_api_words_it(field, value):
+    """A row's override and the API's SamplingParams are refused by one rule (`SamplingParams.validate`), in
+    the same words: a NaN temperature was `must be a finite number >= 0` from the API and `must be a number,
+    got float nan` from a job."""
+    api = dataclasses.replace(DEFAULTS, **{field: value}).validate()
+    assert api is not None and api.startswith(f"{field} must be ")
+    assert req({"prompt": "hi", field: value}).error == api
+    if field == "temperature" and value != value:
+        assert api == "temperature must be a finite number >= 0, got nan"
 
 
 def test_overrides_apply():
