@@ -285,7 +285,7 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
         overrides["structured_outputs"] = constraint
 
     messages_value = row.get(MESSAGES_COLUMN) if layout.has_messages else None
-    if messages_value is not None:
+    if messages_value is not None or (layout.has_messages and not layout.has_prompt):  # (None: `messages is null`)
         messages = parse_messages(messages_value, getattr(tokenizer, "chat_roles", MESSAGE_ROLES))
         if not use_chat_template:
             raise ValueError("messages rows need the chat template (chat_template is off or the model has none)")
@@ -294,8 +294,8 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         prompt = row.get(PROMPT_COLUMN) if layout.has_prompt else None
-        if prompt is None and layout.has_messages:
-            raise ValueError("prompt and messages are both null" if layout.has_prompt else "messages is null")
+        if prompt is None and layout.has_messages:  # a row needs one of them
+            raise ValueError("prompt and messages are both null")
         problem = prompt_type_error(prompt)  # the engine's rules: LLM.generate refuses the same prompts
         if problem is not None:
             raise ValueError(problem)

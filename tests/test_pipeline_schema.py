@@ -106,6 +106,29 @@ def test_messages_rows():
     assert "chat template" in no_template.error
 
 
+def test_a_row_without_a_prompt_or_a_conversation_names_what_it_lacks():
+    """README's words: a null cell is `prompt is null` or `messages is null` when the input has only that
+    column, and `prompt and messages are both null` when it has both (either one alone would do)."""
+    both = ("id", "prompt", "messages")
+    assert req({"prompt": None}).error == "prompt is null"
+    assert req({"messages": None}, ("id", "messages")).error == "messages is null"
+    assert req({"messages": "null"}, ("id", "messages")).error == "messages is null"  # JSON text null
+    assert req({"prompt": None, "messages": None}, both).error == "prompt and messages are both null"
+    assert req({"prompt": "hi", "messages": None}, both).error is None
+    assert req({"prompt": None, "messages": [{"role": "user", "content": "hi"}]}, both).error is None
+
+
+def test_a_null_conversation_reads_the_same_from_llm_chat_and_a_job():
+    """`LLM.chat` renders each conversation through `validate_messages`; a job's null `messages` cell is
+    refused by the same rule in the same words (it was `messages must be a non-empty list of {role,
+    content}, got NoneType` from the API and `messages is null` from a job)."""
+    from engine.tokenizer import validate_messages
+
+    with pytest.raises(ValueError) as api:
+        validate_messages(None)
+    assert str(api.value) == "messages is null" == req({"messages": None}, ("id", "messages")).error
+
+
 def test_raw_prompt_without_template():
     r = req({"prompt": "hi"}, use_chat_template=False, system_prompt="S")
     assert TOK.decode(r.prompt_token_ids) == "S\n\nhi"
