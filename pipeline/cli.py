@@ -13,7 +13,8 @@ Every JobSpec field is an option in kebab case (`--max-tokens`,
 Options override the fields of a `--spec` YAML/JSON file.
 
 Errors print in a few lines naming what failed and what to do (`--verbose`
-adds the traceback); a usage error prints `tokenmill run: error: ...` and
+adds the traceback), after the run's booked cost row on stdout when the run had
+started (headed `cost report (failed run: ...)`); a usage error prints `tokenmill run: error: ...` and
 `see 'tokenmill run --help'` (not the usage); warnings print as `tokenmill: warning: ...`. Ctrl-C or
 SIGTERM abandons the shards in flight (nothing partial is committed), books
 the run's cost, prints that partial cost report on stdout (headed `cost report
@@ -50,7 +51,7 @@ from pydantic import ValidationError
 
 from pipeline.cost import format_report
 from pipeline.job import (
-    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, read_metrics, run_job, spec_errors,
+    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, booked_report, read_metrics, run_job, spec_errors,
 )
 from pipeline.lease import JobLocked, LeaseLost
 from pipeline.storage import StorageError, mask_secrets
@@ -275,11 +276,26 @@ def _print_partial_report(exc: JobInterrupted) -> None:
         _silence_stdout()
 
 
+def _print_failed_report(exc: BaseException) -> None:
+    """The booked cost row of a run that failed once it held the output on stdout, headed as failed (its
+    error follows on stderr, from `main`); nothing when the run booked none (a closed stdout is let be)."""
+    report = booked_report(exc)
+    if report is None or report.status != "failed":
+        return
+    try:
+        _echo("\ncost report (failed run: counts are this run's committed shards, discarded_completion_tokens the "
+              "output it abandoned)")
+        _echo(format_report(report.as_row()))
+    except StdoutClosed:
+        _silence_stdout()
+
+
 def _run(spec: JobSpec) -> int:
-    if spec.cluster:
-        row = _run_on_cluster(spec)
-    else:
-        row = run_job(spec).as_row()
+    try:
+        row = _run_on_cluster(spec) if spec.cluster else run_job(spec).as_row()
+    except Exception as exc:  # a failed run: its booked row is printed as an interrupted run's is
+        _print_failed_report(exc)
+        raise
     _print_report(row)
     if row["rows_total"] == 0:
         _echo(f"\n0 rows in {spec.input}: nothing generated, no part files written   "

@@ -1299,7 +1299,9 @@ def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, 
               device_count: Optional[int] = None) -> Optional[CostReport]:
     """Book the cost of a run that ended with `exc` (status "interrupted" for KeyboardInterrupt and its
     subclasses, else "failed") and give the lease back. After a storage failure both use short
-    timeouts. Never raises: a row that cannot be booked is reported as a warning.
+    timeouts. Never raises: a row that cannot be booked is reported as a warning. The booked report
+    goes with `exc` (`booked_report(exc)`), so whoever catches what the caller re-raises (the CLI) can
+    show it.
 
     Returns:
         The booked report, or None when it could not be written.
@@ -1318,7 +1320,19 @@ def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, 
                       f"{(datetime.now(timezone.utc) - plan.started_at).total_seconds():.1f} s", stacklevel=2)
     finally:
         plan.close(quick=quick)
+    if report is not None:
+        with contextlib.suppress(AttributeError, TypeError):  # an exception that takes no attributes
+            exc.tokenmill_report = report  # type: ignore[attr-defined]
     return report
+
+
+def booked_report(exc: BaseException) -> Optional[CostReport]:
+    """The cost report booked for the run that `exc` ended (status "failed" or "interrupted"), as `run_job`
+    and the flow re-raise it: a `JobInterrupted`'s `report`, else what `abort_job` attached. None when the
+    run ended before it held the output's lease (nothing is booked then) or its row could not be written."""
+    if isinstance(exc, JobInterrupted):
+        return exc.report
+    return getattr(exc, "tokenmill_report", None)
 
 
 def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
