@@ -587,9 +587,10 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
 
     Args:
         tokenizer: the model's tokenizer (default: `job_tokenizer(spec)`); only prefix plans tokenise.
-        max_model_len: the engine's context length (default: the loaded engine's, else
-            `spec.max_model_len`); longer prompts will be error rows, so the plan's
-            statistics leave them out like every other bad row.
+        max_model_len: the engine's context length (default: the loaded engine's, else the one
+            the spec's engine will have, from the model's metadata: `planned_context_length`);
+            longer prompts will be error rows, so the plan's statistics leave them out like every
+            other bad row.
     """
     if spec.plan == "input":
         shards = plan_input_order(files, spec.shard_size, spec.limit)
@@ -598,7 +599,7 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
         tokenizer = job_tokenizer(spec)
     if max_model_len is None:
         loaded = _loaded_llm(spec)
-        max_model_len = getattr(loaded, "max_model_len", None) if loaded is not None else spec.max_model_len
+        max_model_len = getattr(loaded, "max_model_len", None) if loaded is not None else planned_context_length(spec)
     block_size = int(spec.engine_kwargs().get("block_size", EngineConfig.block_size))
     rows = TokenizedRows(files, tokenizer, spec.sampling_params(), id_column=spec.id_column,
                          system_prompt=spec.system_prompt, use_chat_template=use_chat_template(spec, tokenizer),
@@ -606,6 +607,26 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
                          truncate=spec.truncate)
     return plan_prefix(rows, files, spec.shard_size, spec.limit, block_size=block_size,
                        decode_heavy_first=spec.decode_heavy_first)
+
+
+def planned_context_length(spec: JobSpec) -> Optional[int]:
+    """The context length in tokens the spec's engine will have, before one is loaded: `engine.llm.
+    context_length` over the model's metadata (no weights read): `max_model_len` if given, at most the
+    model's own context, at most what an explicit `kv_cache_memory_bytes` holds. Not counted: a KV cache
+    sized from free memory, which only the loaded engine knows (and a cluster's budget when its workers
+    pick the device: their dtype decides a block's size). `spec.max_model_len` when the metadata cannot
+    be read; the engine checks every prompt again either way.
+    """
+    from engine.llm import context_length
+    from engine.weights import model_config, resolve_model
+
+    kw = spec.engine_kwargs()
+    if spec.cluster is not None and str(kw.get("device", "auto")) == "auto":
+        kw["kv_cache_memory_bytes"] = None
+    try:
+        return context_length(EngineConfig(model=spec.model, **kw), model_config(resolve_model(spec.model)))
+    except (ImportError, OSError, KeyError, ValueError, TypeError, RuntimeError):  # unreadable metadata
+        return spec.max_model_len
 
 
 def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> None:
