@@ -29,8 +29,9 @@ Exit codes, one meaning each (a script may act on them):
          manifest; `--overwrite` replaces it (and only this refusal is fixed by it)
     3    another run holds the output's lease; wait, or let its lease expire
     130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM
-    141  stdout was closed (`tokenmill report OUT | head -1`), quietly (128 + SIGPIPE, as a
-         shell reports a tool whose pipe closed)
+    141  stdout's reader went away before everything was written (a pipe into a `head` that has
+         exited), quietly (128 + SIGPIPE, as a shell reports a tool whose pipe closed); a short
+         output that fits in the pipe's buffer (`tokenmill report OUT | head -1`) usually exits 0
 """
 from __future__ import annotations
 
@@ -245,7 +246,8 @@ def _collisions(spec: JobSpec, sources: dict[str, str], key_sources: dict[str, d
 
 
 class StdoutClosed(Exception):
-    """The reader of stdout went away (`tokenmill report OUT | head -1`): the command ends quietly."""
+    """The reader of stdout went away before the command had written everything (a pipe into a `head`
+    that has exited): the command ends quietly."""
 
 
 def _echo(*parts: Any) -> None:

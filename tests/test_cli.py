@@ -179,7 +179,7 @@ def test_report_into_a_closed_pipe_exits_quietly(tmp_path):
 
     out = _fake_job(tmp_path)
     read_end, write_end = os.pipe()
-    os.close(read_end)  # `| head -1` already gone: the first write meets a closed pipe
+    os.close(read_end)  # a reader already gone (a `head` that has exited): the first write meets a closed pipe
     try:
         proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "report", out], stdout=write_end,
                               stderr=subprocess.PIPE, text=True, timeout=120,
