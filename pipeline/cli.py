@@ -136,18 +136,20 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
     that repeats an engine flag given too (`max_num_seqs=4` and `--max-num-seqs 3`) are refused.
 
     Raises:
-        SpecError: invalid fields or colliding options (each line names the file or option it came
-            from; a collision names both and the parameter).
+        SpecError: invalid fields or colliding options (each line names the file and line, or the
+            option, it came from; a collision names both and the parameter).
         ValueError, FileNotFoundError: an unreadable --spec file (named).
     """
     fields: dict[str, Any] = dict(base or {})
     sources: dict[str, str] = {}
     key_sources: dict[str, dict[str, str]] = {}  # dict field -> key -> where it was set
     problems: list[str] = []
+    lines: dict[str, int] = {}
     if getattr(args, "spec", None):
-        from pipeline.job import load_spec_file
+        from pipeline.job import load_spec_file, spec_field_lines
 
         from_file = load_spec_file(args.spec)[0]
+        lines = spec_field_lines(args.spec)
         fields.update(from_file)
         sources.update({k: str(args.spec) for k in from_file})
         for name in _DICT_FLAGS:
@@ -171,7 +173,7 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
     try:
         spec = JobSpec(**fields)
     except ValidationError as exc:
-        problems = spec_errors(exc, sources, flag_style=True) + problems
+        problems = spec_errors(exc, sources, flag_style=True, lines=lines) + problems
     else:
         problems += _collisions(spec, sources, key_sources)
     if problems:

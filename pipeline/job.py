@@ -428,30 +428,59 @@ def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return doc, rest
 
 
-def spec_errors(exc: ValidationError, sources: Optional[dict[str, str]] = None, flag_style: bool = False) -> list[str]:
+def spec_field_lines(path: str) -> dict[str, int]:
+    """The line (1-based) of each spec field's key in a YAML or JSON spec file (at the top level, or under
+    `spec:` when there is one), for messages; empty when the file cannot be read or parsed (its loader
+    says why)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            node = yaml.compose(f.read())  # JSON is YAML here: one parser gives both files' lines
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+
+    def keys(mapping: Any) -> dict[str, Any]:
+        if not isinstance(mapping, yaml.MappingNode):
+            return {}
+        return {str(k.value): (k, v) for k, v in mapping.value if isinstance(k, yaml.ScalarNode)}
+
+    top = keys(node)
+    fields = keys(top["spec"][1]) if "spec" in top else top
+    return {name: key.start_mark.line + 1 for name, (key, _) in fields.items()}
+
+
+def spec_errors(exc: ValidationError, sources: Optional[dict[str, str]] = None, flag_style: bool = False,
+                lines: Optional[dict[str, int]] = None) -> list[str]:
     """One line per problem of a JobSpec ValidationError: where the field came from, its name, what is wrong.
 
     Args:
         sources: field name -> where its value came from (a file name, "command line"); fields
             not in it are named without a source.
         flag_style: name fields as command-line options (`--max-tokens`) instead of `max_tokens`.
+        lines: field name -> its line in the spec file (`spec_field_lines`), for fields from a file:
+            `job.yaml:4: max_tokns: unknown option; ...`.
     """
     import difflib
 
-    lines = []
+    out = []
     for err in exc.errors():
         name = str(err["loc"][0]) if err.get("loc") else "?"
         shown = "--" + name.replace("_", "-") if flag_style and (sources or {}).get(name) == "command line" else name
-        where = f"{sources[name]}: " if sources and name in sources and sources[name] != "command line" else ""
+        source, where = (sources or {}).get(name), ""
+        if source != "command line":  # from a file (`job.yaml:4: `), or from where the caller knows
+            line = (lines or {}).get(name)
+            at = f"{source}:{line}" if source and line else source or (f"line {line}" if line else "")
+            where = f"{at}: " if at else ""
         if err.get("type") == "extra_forbidden":
             close = difflib.get_close_matches(name, list(JobSpec.model_fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            lines.append(f"{where}{shown}: unknown option{hint}")
+            out.append(f"{where}{shown}: unknown option{hint}")
         else:
             value = err.get("input")
             got = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
-            lines.append(f"{where}{shown}: {err.get('msg', 'invalid')}{got}")
-    return lines
+            out.append(f"{where}{shown}: {err.get('msg', 'invalid')}{got}")
+    return out
 
 
 # ---------------------------------------------------------------- the engine, once per process

@@ -104,12 +104,20 @@ def test_spec_file_errors_name_the_file_line_and_field(tmp_path, capsys):
     fields = tmp_path / "job.yaml"
     fields.write_text("input: in.parquet\noutput: out\nmax_token: 8\ntemperature: hot\n")
     assert main(["run", "--spec", str(fields), "--shard-size", "0"]) == 1
-    assert capsys.readouterr().err.splitlines() == [
+    assert capsys.readouterr().err.splitlines() == [  # file:line: field, as README's Reliability table says
         "tokenmill: invalid job options:",
-        f"  {fields}: temperature: Input should be a valid number, unable to parse string as a number (got 'hot')",
+        f"  {fields}:4: temperature: Input should be a valid number, unable to parse string as a number (got 'hot')",
         "  --shard-size: Input should be greater than or equal to 1 (got 0)",
-        f"  {fields}: max_token: unknown option; did you mean 'max_tokens'?",
+        f"  {fields}:3: max_token: unknown option; did you mean 'max_tokens'?",
     ]
+    nested = tmp_path / "nightly.yaml"  # fields under spec:, as flows.deploy reads them; JSON too
+    nested.write_text("# nightly\nspec:\n  input: in.parquet\n\n  output: out\n  max_tokns: 8\n")
+    as_json = tmp_path / "job.json"
+    as_json.write_text('{\n  "input": "in.parquet",\n  "output": "out",\n  "shard_size": -1\n}\n')
+    for path, line in ((nested, f"{nested}:6: max_tokns: unknown option; did you mean 'max_tokens'?"),
+                       (as_json, f"{as_json}:4: shard_size: Input should be greater than or equal to 1 (got -1)")):
+        assert main(["run", "--spec", str(path)]) == 1
+        assert capsys.readouterr().err.splitlines() == ["tokenmill: invalid job options:", f"  {line}"]
 
 
 def test_errors_are_short_unless_verbose(tmp_path, capsys):
