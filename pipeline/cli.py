@@ -28,6 +28,8 @@ Exit codes, one meaning each (a script may act on them):
     2    the output holds another job: a changed spec or input, or part files without a
          manifest; `--overwrite` replaces it (and only this refusal is fixed by it)
     3    another run holds the output's lease; wait, or let its lease expire
+    4    done, but every row of the job is an error row (nothing generated): the job is complete and
+         booked, and a re-run resumes nothing and exits 4 again; stderr names the most common error
     130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM
     141  stdout's reader went away before everything was written (a pipe into a `head` that has
          exited), quietly (128 + SIGPIPE, as a shell reports a tool whose pipe closed); a short
@@ -52,7 +54,8 @@ from pydantic import ValidationError
 
 from pipeline.cost import format_report
 from pipeline.job import (
-    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, booked_report, read_metrics, run_job, spec_errors,
+    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, booked_report, done_shards, read_metrics, run_job,
+    spec_errors,
 )
 from pipeline.lease import JobLocked, LeaseLost
 from pipeline.storage import StorageError, mask_secrets
@@ -306,7 +309,41 @@ def _run(spec: JobSpec) -> int:
               f"metrics: tokenmill report {spec.output}")
     else:
         _echo(f"\noutputs: {spec.output}/part-*.parquet   metrics: tokenmill report {spec.output}")
+    nothing = _every_row_an_error(spec, row)
+    if nothing is not None:
+        print(f"tokenmill: {nothing}", file=sys.stderr)
+        return EXIT_ALL_ERRORS
     return 0
+
+
+def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
+    """The stderr line for a finished job whose every row is an error row (this run's and the shards
+    earlier runs committed), naming the most common error of its first part file; None when any row of
+    the job has a generation, or the job has no rows."""
+    if row["rows_ok"] or not row["rows_total"]:
+        return None
+    import polars as pl
+
+    from pipeline import io
+
+    try:
+        done = done_shards(spec)
+    except StorageError:  # the job is done and booked: say nothing rather than fail it now
+        return None
+    if not done or any(r.counts.rows_ok for r in done.values()):
+        return None
+    rows = sum(r.counts.rows_error for r in done.values())
+    first = io.join(spec.output, f"part-{min(done):05d}.parquet")
+    why = ""
+    try:
+        errors = io.read_parquet(first, spec.storage_options)["error"].drop_nulls()
+        if errors.len():
+            top, count = errors.value_counts(sort=True).row(0)
+            why = f"; the most common error of {first.rsplit('/', 1)[-1]} ({count} of its {errors.len()} rows): {top}"
+    except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
+        pass
+    return (f"every row of the job is an error row ({rows} rows, nothing generated){why}; see the error column "
+            f"of {spec.output}/part-*.parquet (exit {EXIT_ALL_ERRORS})")
 
 
 def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
@@ -399,6 +436,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 EXIT_REFUSED = 1  # a bad option or input, a failure (see the module docstring)
 EXIT_OTHER_JOB = 2  # the output holds another job: --overwrite replaces it
 EXIT_LOCKED = 3  # another run holds the output's lease
+EXIT_ALL_ERRORS = 4  # done, but every row of the job is an error row: nothing was generated
 
 
 class _Parser(argparse.ArgumentParser):

@@ -396,6 +396,36 @@ def test_an_unknown_flag_is_refused_by_the_command_it_follows(tmp_path, capsys):
         "tokenmill report: error: unrecognized arguments: --bogus", "see 'tokenmill report --help'"]
 
 
+def test_a_job_whose_every_row_is_an_error_row_exits_4_naming_the_most_common_error(tmp_path, capsys):
+    """Exit 4: the job ran to the end and is booked, but nothing was generated (every row an error row: a
+    job-level mistake such as a context too small for every prompt). A re-run resumes nothing and says
+    the same; one good row, or an empty input, is exit 0."""
+    from pipeline import JobSpec, cache_llm, read_metrics
+    from pipeline.testing import FakeLLM
+
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 12}), FakeLLM())  # a key no other test uses
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3, 4], "prompt": ["", "   ", None, ""]}).write_parquet(inp)
+    out = tmp_path / "out"
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=12",
+           "--shard-size", "2", "--plan", "input"]
+    for _ in range(2):  # the run, then a re-run that finds every shard done
+        assert main(run) == 4
+        captured = capsys.readouterr()
+        assert "cost report" in captured.out
+        assert captured.err.splitlines()[-1] == (
+            f"tokenmill: every row of the job is an error row (4 rows, nothing generated); the most common error "
+            f"of part-00000.parquet (2 of its 2 rows): prompt is empty; see the error column of {out}/part-*.parquet "
+            f"(exit 4)")
+    assert read_metrics(str(out))["status"].to_list() == ["ok", "ok"]  # done and booked, not failed
+
+    pl.DataFrame({"id": [1, 2], "prompt": ["", "Say yes."]}).write_parquet(inp)
+    assert main(run + ["--overwrite"]) == 0
+    assert "error row" not in capsys.readouterr().err
+    pl.DataFrame({"id": [], "prompt": []}, schema={"id": pl.Int64, "prompt": pl.String}).write_parquet(inp)
+    assert main(run + ["--overwrite"]) == 0
+
+
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):
     from pipeline import JobSpec, cache_llm, read_metrics
     from pipeline.testing import FakeLLM
