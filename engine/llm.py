@@ -176,6 +176,20 @@ def min_kv_cache_memory_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
                           model_cfg.head_dim, cfg.block_size)
 
 
+def block_size_error(cfg: EngineConfig, model_cfg: ModelConfig) -> Optional[str]:
+    """The rule that a KV block fits in the context: None when `cfg.block_size` is at most the context
+    (`cfg.max_model_len`, at most the model's own), else the error message naming both. `LLM` refuses
+    such a config when it sizes its cache, a job before it writes anything (from the model's metadata)."""
+    trained = model_cfg.max_position_embeddings
+    length = min(cfg.max_model_len or trained, trained)
+    if cfg.block_size <= length:
+        return None
+    context = (f"the context (max_model_len={length} tokens)" if length < trained
+               else f"the model's context ({length} tokens)")
+    return (f"block_size={cfg.block_size} is larger than {context}: a KV block holds block_size tokens of one "
+            f"sequence (16 is the usual size)")
+
+
 def context_length(cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: Optional[int] = None) -> int:
     """The context length in tokens (`LLM.max_model_len`) of an engine with `cfg` over a model of shape
     `model_cfg`: `cfg.max_model_len`, at most the model's trained context (`max_position_embeddings`), at
@@ -441,10 +455,9 @@ class LLM:
             else:  # the ranks of a CPU engine share one memory
                 budget = min(int(_available_memory_bytes() * cfg.kv_cache_memory_fraction),
                              _CPU_KV_DEFAULT_CAP) // shard.world_size
-        max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        if bs > max_len:
-            raise ValueError(f"block_size={bs} is larger than the model's context ({max_len} tokens): a KV block "
-                             f"holds block_size tokens of one sequence (16 is the usual size)")
+        problem = block_size_error(cfg, mcfg)
+        if problem is not None:
+            raise ValueError(problem)
         num_blocks = budget // per_block
         if num_blocks < 1:
             given = "" if cfg.kv_cache_memory_bytes is not None else " (the default share of free memory)"

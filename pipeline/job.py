@@ -764,6 +764,7 @@ def validate_spec(spec: JobSpec) -> None:
         source = resolve_model(spec.model)
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from None
+    _check_block_size(config, source)
     if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
         _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
     draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(
@@ -797,6 +798,25 @@ def validate_spec(spec: JobSpec) -> None:
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
                          f"{spec.model!r} is a {source.kind} model (use int8 or int4)")
+
+
+def _check_block_size(config: EngineConfig, source: Any) -> None:
+    """Refuse a KV block larger than the context (`--max-model-len 8` with block_size 16) before anything
+    is written, in the engine's words (`engine.llm.block_size_error`, from the model's metadata); the
+    engine would refuse it only at load, after the run's manifest.
+
+    Raises:
+        ValueError: naming block_size and the context.
+    """
+    from engine.llm import block_size_error
+    from engine.weights import model_config
+
+    try:
+        problem = block_size_error(config, model_config(source))
+    except (ImportError, OSError, KeyError, ValueError):  # unreadable metadata: the engine checks it at load
+        return
+    if problem is not None:
+        raise ValueError(f"invalid engine option: {problem}")
 
 
 def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:

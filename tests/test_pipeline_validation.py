@@ -35,6 +35,11 @@ BAD_OPTIONS = [
     ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|int8|fp8_e4m3"),
     ({"num_threads": -1}, "invalid engine option: num_threads must be a positive integer or None"),
     ({"num_threads": 0}, "invalid engine option: num_threads must be a positive integer or None"),
+    # the engine refused it only at load, after the manifest was written: the fix then needed --overwrite
+    ({"max_model_len": 8}, "invalid engine option: block_size=16 is larger than the context (max_model_len=8 "
+                           "tokens): a KV block holds block_size tokens of one sequence"),
+    ({"engine_options": {"block_size": 16384}}, "invalid engine option: block_size=16384 is larger than the "
+                                                "model's context (8192 tokens)"),
 ]
 
 
