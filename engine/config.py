@@ -44,7 +44,7 @@ class EngineConfig:
         num_threads: CPU threads of both PyTorch's pool and the C kernel library's
             (None: TOKENMILL_NUM_THREADS, else the CPUs this process may use; see
             `engine.threads`).
-        quantization: None (weights as loaded) | "int8" (weight-only,
+        quantization: None or "none" (weights as loaded) | "int8" (weight-only,
             per-output-channel) | "int4" (weight-only, groups of
             `quant_group_size` with scale and min) | "gguf" (keep a GGUF
             file's own quantized blocks) | "w8a8" (int8 weights per output
@@ -145,7 +145,7 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
             raise ValueError(f"max_model_len must be an integer > 1, got {self.max_model_len!r}")
         if self.quantization not in (None, "none", "int8", "int4", "gguf", "w8a8"):
-            raise ValueError(f"quantization must be None|int8|int4|gguf|w8a8, got {self.quantization!r}")
+            raise ValueError(f"quantization must be None or none|int8|int4|gguf|w8a8, got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
         if self.structured_outputs_backend not in ("llguidance", "xgrammar"):

@@ -176,6 +176,44 @@ def min_kv_cache_memory_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
                           model_cfg.head_dim, cfg.block_size)
 
 
+def block_size_error(cfg: EngineConfig, model_cfg: ModelConfig) -> Optional[str]:
+    """The rule that a KV block fits in the context: None when `cfg.block_size` is at most the context
+    (`cfg.max_model_len`, at most the model's own), else the error message naming both. `LLM` refuses
+    such a config when it sizes its cache, a job before it writes anything (from the model's metadata)."""
+    trained = model_cfg.max_position_embeddings
+    length = min(cfg.max_model_len or trained, trained)
+    if cfg.block_size <= length:
+        return None
+    context = (f"the context (max_model_len={length} tokens)" if length < trained
+               else f"the model's context ({length} tokens)")
+    return (f"block_size={cfg.block_size} is larger than {context}: a KV block holds block_size tokens of one "
+            f"sequence (16 is the usual size)")
+
+
+def context_length(cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: Optional[int] = None) -> int:
+    """The context length in tokens (`LLM.max_model_len`) of an engine with `cfg` over a model of shape
+    `model_cfg`: `cfg.max_model_len`, at most the model's trained context (`max_position_embeddings`), at
+    most what its KV cache holds (`num_blocks` x block_size: a sequence never needs more blocks than the
+    pool has), and without chunked prefill at most the token budget (`max_num_batched_tokens`).
+
+    Args:
+        num_blocks: the KV cache's blocks. None: those an explicit `cfg.kv_cache_memory_bytes` buys
+            (`min_kv_cache_memory_bytes` is one block); with no budget given the cache is a share of
+            the free memory, unknown before the engine sizes it, and this bound is left out.
+
+    Cheap when `num_blocks` is given or no budget is: no weights are read, nothing is allocated, so a
+    job plans with the context its engine will have before it loads one.
+    """
+    length = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    if num_blocks is None and cfg.kv_cache_memory_bytes is not None:
+        num_blocks = cfg.kv_cache_memory_bytes // min_kv_cache_memory_bytes(cfg, model_cfg)
+    if num_blocks is not None:
+        length = min(length, num_blocks * cfg.block_size)
+    if not cfg.enable_chunked_prefill:
+        length = min(length, cfg.max_num_batched_tokens)
+    return length
+
+
 @functools.lru_cache(maxsize=4)
 def _w8a8_calibration(source_key, dtype: torch.dtype, device: str, seed: int,
                       cpu_kernels: bool) -> dict[tuple[int, str], torch.Tensor]:
@@ -417,10 +455,9 @@ class LLM:
             else:  # the ranks of a CPU engine share one memory
                 budget = min(int(_available_memory_bytes() * cfg.kv_cache_memory_fraction),
                              _CPU_KV_DEFAULT_CAP) // shard.world_size
-        max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        if bs > max_len:
-            raise ValueError(f"block_size={bs} is larger than the model's context ({max_len} tokens): a KV block "
-                             f"holds block_size tokens of one sequence (16 is the usual size)")
+        problem = block_size_error(cfg, mcfg)
+        if problem is not None:
+            raise ValueError(problem)
         num_blocks = budget // per_block
         if num_blocks < 1:
             given = "" if cfg.kv_cache_memory_bytes is not None else " (the default share of free memory)"
@@ -428,8 +465,7 @@ class LLM:
                 f"kv_cache_memory_bytes={budget}{given} is smaller than one KV block ({per_block} bytes: "
                 f"block_size={bs} tokens x {mcfg.num_layers} layers x K and V)"
             )
-        # a sequence may never need more blocks than the whole pool holds
-        self.max_model_len = min(max_len, num_blocks * bs)
+        self.max_model_len = context_length(cfg, mcfg, num_blocks)  # (a job plans with the same function)
         shape = self.backend.cache_shape(num_blocks, bs, kv_heads, mcfg.head_dim)
         self.kv_cache = KVCache(mcfg, num_blocks, bs, kv_dtype, self.device, shape)
         self.kv_bytes_per_token = per_block // bs  # K and V, all layers, scales included (one rank's share)
@@ -443,8 +479,6 @@ class LLM:
                 finish_sharded_quantization(self.model, source, self.dtype, str(self.device), cfg.seed, quant,
                                             cfg.cpu_kernels, shard, True, tp_group)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, tp=tp_group, workers=self.workers)
-        if not cfg.enable_chunked_prefill:
-            self.max_model_len = min(self.max_model_len, cfg.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids,
                                cpu_kernels=_cpu_kernels_serve(cfg.cpu_kernels, str(self.device), self.dtype))
         self.spec = None

@@ -198,8 +198,8 @@ def validate_messages(messages: Any, roles: Sequence[str] = (*CHAT_ROLES, TOOL_R
     each content a string that is not empty or all blank.
 
     The one rule for conversations: `LLM.chat` and a job's `messages` rows both apply it, so both refuse
-    the same conversations in the same words (`messages[1].role must be one of ['system', 'user',
-    'assistant'], got 'wizard'`, `messages[0].content is empty`).
+    the same conversations in the same words (`messages is null`, `messages[1].role must be one of
+    ['system', 'user', 'assistant'], got 'wizard'`, `messages[0].content is empty`).
 
     Args:
         roles: the roles accepted (`Tokenizer.chat_roles` for a model's template).
@@ -207,6 +207,8 @@ def validate_messages(messages: Any, roles: Sequence[str] = (*CHAT_ROLES, TOOL_R
     Raises:
         ValueError: naming the index of the bad message, the field and the bad value.
     """
+    if messages is None:  # a null `messages` cell reads the same as LLM.chat([None]), as `prompt is null` does
+        raise ValueError("messages is null")
     if not isinstance(messages, (list, tuple)) or not messages:
         got = "an empty list" if isinstance(messages, (list, tuple)) else type(messages).__name__
         raise ValueError(f"messages must be a non-empty list of {{role, content}}, got {got}")

@@ -58,7 +58,7 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
     from pydantic import ValidationError
 
     from flows.batch_generate import refuse_inline_secrets
-    from pipeline.job import spec_errors
+    from pipeline.job import spec_errors, spec_field_lines
 
     fields, rest = load_spec_file(path)
     unknown = sorted(set(rest) - {"deployment"})
@@ -74,7 +74,8 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
     try:
         spec = JobSpec(**fields)
     except ValidationError as exc:
-        raise ValueError(f"{path}: invalid job spec:\n  " + "\n  ".join(spec_errors(exc))) from None
+        problems = spec_errors(exc, lines=spec_field_lines(path))  # `line 4: max_tokns: unknown option; ...`
+        raise ValueError(f"{path}: invalid job spec:\n  " + "\n  ".join(problems)) from None
     refuse_inline_secrets(spec)
     if name:
         dep["name"] = name

@@ -14,6 +14,7 @@ from pipeline.job import (
     ShardResult,
     WindowRun,
     abort_job,
+    booked_report,
     cache_llm,
     done_shards,
     finish_job,
@@ -31,7 +32,7 @@ from pipeline.storage import StorageError
 
 __all__ = [
     "CostReport", "JobInterrupted", "JobLocked", "JobPlan", "JobSpec", "JobSpecChanged", "LeaseLost", "ShardResult",
-    "StorageError", "TokenCounts", "WindowRun", "abort_job", "cache_llm", "cost_report", "done_shards", "finish_job",
+    "StorageError", "TokenCounts", "WindowRun", "abort_job", "booked_report", "cache_llm", "cost_report", "done_shards", "finish_job",
     "format_report", "get_llm", "plan_windows", "prepare_job", "read_metrics", "run_job", "run_shards", "run_window",
     "validate_spec",
 ]

@@ -13,7 +13,8 @@ Every JobSpec field is an option in kebab case (`--max-tokens`,
 Options override the fields of a `--spec` YAML/JSON file.
 
 Errors print in a few lines naming what failed and what to do (`--verbose`
-adds the traceback); a usage error prints `tokenmill run: error: ...` and
+adds the traceback), after the run's booked cost row on stdout when the run had
+started (headed `cost report (failed run: ...)`); a usage error prints `tokenmill run: error: ...` and
 `see 'tokenmill run --help'` (not the usage); warnings print as `tokenmill: warning: ...`. Ctrl-C or
 SIGTERM abandons the shards in flight (nothing partial is committed), books
 the run's cost, prints that partial cost report on stdout (headed `cost report
@@ -27,9 +28,12 @@ Exit codes, one meaning each (a script may act on them):
     2    the output holds another job: a changed spec or input, or part files without a
          manifest; `--overwrite` replaces it (and only this refusal is fixed by it)
     3    another run holds the output's lease; wait, or let its lease expire
+    4    done, but every row of the job is an error row (nothing generated): the job is complete and
+         booked, and a re-run resumes nothing and exits 4 again; stderr names the most common error
     130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM
-    141  stdout was closed (`tokenmill report OUT | head -1`), quietly (128 + SIGPIPE, as a
-         shell reports a tool whose pipe closed)
+    141  stdout's reader went away before everything was written (a pipe into a `head` that has
+         exited), quietly (128 + SIGPIPE, as a shell reports a tool whose pipe closed); a short
+         output that fits in the pipe's buffer (`tokenmill report OUT | head -1`) usually exits 0
 """
 from __future__ import annotations
 
@@ -50,7 +54,8 @@ from pydantic import ValidationError
 
 from pipeline.cost import format_report
 from pipeline.job import (
-    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, read_metrics, run_job, spec_errors,
+    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, booked_report, done_shards, read_metrics, run_job,
+    spec_errors,
 )
 from pipeline.lease import JobLocked, LeaseLost
 from pipeline.storage import StorageError, mask_secrets
@@ -134,18 +139,20 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
     that repeats an engine flag given too (`max_num_seqs=4` and `--max-num-seqs 3`) are refused.
 
     Raises:
-        SpecError: invalid fields or colliding options (each line names the file or option it came
-            from; a collision names both and the parameter).
+        SpecError: invalid fields or colliding options (each line names the file and line, or the
+            option, it came from; a collision names both and the parameter).
         ValueError, FileNotFoundError: an unreadable --spec file (named).
     """
     fields: dict[str, Any] = dict(base or {})
     sources: dict[str, str] = {}
     key_sources: dict[str, dict[str, str]] = {}  # dict field -> key -> where it was set
     problems: list[str] = []
+    lines: dict[str, int] = {}
     if getattr(args, "spec", None):
-        from pipeline.job import load_spec_file
+        from pipeline.job import load_spec_file, spec_field_lines
 
         from_file = load_spec_file(args.spec)[0]
+        lines = spec_field_lines(args.spec)
         fields.update(from_file)
         sources.update({k: str(args.spec) for k in from_file})
         for name in _DICT_FLAGS:
@@ -169,7 +176,7 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
     try:
         spec = JobSpec(**fields)
     except ValidationError as exc:
-        problems = spec_errors(exc, sources, flag_style=True) + problems
+        problems = spec_errors(exc, sources, flag_style=True, lines=lines) + problems
     else:
         problems += _collisions(spec, sources, key_sources)
     if problems:
@@ -244,7 +251,8 @@ def _collisions(spec: JobSpec, sources: dict[str, str], key_sources: dict[str, d
 
 
 class StdoutClosed(Exception):
-    """The reader of stdout went away (`tokenmill report OUT | head -1`): the command ends quietly."""
+    """The reader of stdout went away before the command had written everything (a pipe into a `head`
+    that has exited): the command ends quietly."""
 
 
 def _echo(*parts: Any) -> None:
@@ -275,18 +283,67 @@ def _print_partial_report(exc: JobInterrupted) -> None:
         _silence_stdout()
 
 
+def _print_failed_report(exc: BaseException) -> None:
+    """The booked cost row of a run that failed once it held the output on stdout, headed as failed (its
+    error follows on stderr, from `main`); nothing when the run booked none (a closed stdout is let be)."""
+    report = booked_report(exc)
+    if report is None or report.status != "failed":
+        return
+    try:
+        _echo("\ncost report (failed run: counts are this run's committed shards, discarded_completion_tokens the "
+              "output it abandoned)")
+        _echo(format_report(report.as_row()))
+    except StdoutClosed:
+        _silence_stdout()
+
+
 def _run(spec: JobSpec) -> int:
-    if spec.cluster:
-        row = _run_on_cluster(spec)
-    else:
-        row = run_job(spec).as_row()
+    try:
+        row = _run_on_cluster(spec) if spec.cluster else run_job(spec).as_row()
+    except Exception as exc:  # a failed run: its booked row is printed as an interrupted run's is
+        _print_failed_report(exc)
+        raise
     _print_report(row)
     if row["rows_total"] == 0:
         _echo(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
               f"metrics: tokenmill report {spec.output}")
     else:
         _echo(f"\noutputs: {spec.output}/part-*.parquet   metrics: tokenmill report {spec.output}")
+    nothing = _every_row_an_error(spec, row)
+    if nothing is not None:
+        print(f"tokenmill: {nothing}", file=sys.stderr)
+        return EXIT_ALL_ERRORS
     return 0
+
+
+def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
+    """The stderr line for a finished job whose every row is an error row (this run's and the shards
+    earlier runs committed), naming the most common error of its first part file; None when any row of
+    the job has a generation, or the job has no rows."""
+    if row["rows_ok"] or not row["rows_total"]:
+        return None
+    import polars as pl
+
+    from pipeline import io
+
+    try:
+        done = done_shards(spec)
+    except StorageError:  # the job is done and booked: say nothing rather than fail it now
+        return None
+    if not done or any(r.counts.rows_ok for r in done.values()):
+        return None
+    rows = sum(r.counts.rows_error for r in done.values())
+    first = io.join(spec.output, f"part-{min(done):05d}.parquet")
+    why = ""
+    try:
+        errors = io.read_parquet(first, spec.storage_options)["error"].drop_nulls()
+        if errors.len():
+            top, count = errors.value_counts(sort=True).row(0)
+            why = f"; the most common error of {first.rsplit('/', 1)[-1]} ({count} of its {errors.len()} rows): {top}"
+    except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
+        pass
+    return (f"every row of the job is an error row ({rows} rows, nothing generated){why}; see the error column "
+            f"of {spec.output}/part-*.parquet (exit {EXIT_ALL_ERRORS})")
 
 
 def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
@@ -379,6 +436,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 EXIT_REFUSED = 1  # a bad option or input, a failure (see the module docstring)
 EXIT_OTHER_JOB = 2  # the output holds another job: --overwrite replaces it
 EXIT_LOCKED = 3  # another run holds the output's lease
+EXIT_ALL_ERRORS = 4  # done, but every row of the job is an error row: nothing was generated
 
 
 class _Parser(argparse.ArgumentParser):
@@ -391,6 +449,16 @@ class _Parser(argparse.ArgumentParser):
         without the usage (`run`'s lists every option: 30 lines over a one-line mistake), then exit
         EXIT_REFUSED (raises SystemExit)."""
         self.exit(EXIT_REFUSED, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
+
+    def parse_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> argparse.Namespace:
+        """argparse's parse_args, except that arguments no parser knows are refused by the command they
+        follow (`tokenmill run --bogus`: `tokenmill run: error: ...`, `see 'tokenmill run --help'`), where
+        argparse has the top-level parser refuse them and point to `tokenmill --help`, which does not list
+        run's options (raises SystemExit)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            (getattr(ns, "command_parser", None) or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -409,13 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  f"output there; --no-overwrite resumes it) and print the report")
     p_demo.add_argument("--job", choices=sorted(DEMO_JOBS), default="labelling", help="which sample job")
     add_spec_options(p_demo)
-    p_demo.set_defaults(func=cmd_demo)
+    p_demo.set_defaults(func=cmd_demo, command_parser=p_demo)
     p_rep = sub.add_parser("report", parents=[common], help="print the cost report of a job (every run: --all)")
     p_rep.add_argument("url", help="the job's output URL")
     p_rep.add_argument("--all", action="store_true", help="every run, not just the latest")
     p_rep.add_argument("--storage-option", dest="storage_options", type=_kv, action="append", metavar="KEY=VALUE",
                        help="fsspec/s3fs option, as for run")
-    p_rep.set_defaults(func=cmd_report)
+    p_rep.set_defaults(func=cmd_report, command_parser=p_rep)
     return parser
 
 

@@ -428,30 +428,59 @@ def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return doc, rest
 
 
-def spec_errors(exc: ValidationError, sources: Optional[dict[str, str]] = None, flag_style: bool = False) -> list[str]:
+def spec_field_lines(path: str) -> dict[str, int]:
+    """The line (1-based) of each spec field's key in a YAML or JSON spec file (at the top level, or under
+    `spec:` when there is one), for messages; empty when the file cannot be read or parsed (its loader
+    says why)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            node = yaml.compose(f.read())  # JSON is YAML here: one parser gives both files' lines
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+
+    def keys(mapping: Any) -> dict[str, Any]:
+        if not isinstance(mapping, yaml.MappingNode):
+            return {}
+        return {str(k.value): (k, v) for k, v in mapping.value if isinstance(k, yaml.ScalarNode)}
+
+    top = keys(node)
+    fields = keys(top["spec"][1]) if "spec" in top else top
+    return {name: key.start_mark.line + 1 for name, (key, _) in fields.items()}
+
+
+def spec_errors(exc: ValidationError, sources: Optional[dict[str, str]] = None, flag_style: bool = False,
+                lines: Optional[dict[str, int]] = None) -> list[str]:
     """One line per problem of a JobSpec ValidationError: where the field came from, its name, what is wrong.
 
     Args:
         sources: field name -> where its value came from (a file name, "command line"); fields
             not in it are named without a source.
         flag_style: name fields as command-line options (`--max-tokens`) instead of `max_tokens`.
+        lines: field name -> its line in the spec file (`spec_field_lines`), for fields from a file:
+            `job.yaml:4: max_tokns: unknown option; ...`.
     """
     import difflib
 
-    lines = []
+    out = []
     for err in exc.errors():
         name = str(err["loc"][0]) if err.get("loc") else "?"
         shown = "--" + name.replace("_", "-") if flag_style and (sources or {}).get(name) == "command line" else name
-        where = f"{sources[name]}: " if sources and name in sources and sources[name] != "command line" else ""
+        source, where = (sources or {}).get(name), ""
+        if source != "command line":  # from a file (`job.yaml:4: `), or from where the caller knows
+            line = (lines or {}).get(name)
+            at = f"{source}:{line}" if source and line else source or (f"line {line}" if line else "")
+            where = f"{at}: " if at else ""
         if err.get("type") == "extra_forbidden":
             close = difflib.get_close_matches(name, list(JobSpec.model_fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            lines.append(f"{where}{shown}: unknown option{hint}")
+            out.append(f"{where}{shown}: unknown option{hint}")
         else:
             value = err.get("input")
             got = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
-            lines.append(f"{where}{shown}: {err.get('msg', 'invalid')}{got}")
-    return lines
+            out.append(f"{where}{shown}: {err.get('msg', 'invalid')}{got}")
+    return out
 
 
 # ---------------------------------------------------------------- the engine, once per process
@@ -587,9 +616,10 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
 
     Args:
         tokenizer: the model's tokenizer (default: `job_tokenizer(spec)`); only prefix plans tokenise.
-        max_model_len: the engine's context length (default: the loaded engine's, else
-            `spec.max_model_len`); longer prompts will be error rows, so the plan's
-            statistics leave them out like every other bad row.
+        max_model_len: the engine's context length (default: the loaded engine's, else the one
+            the spec's engine will have, from the model's metadata: `planned_context_length`);
+            longer prompts will be error rows, so the plan's statistics leave them out like every
+            other bad row.
     """
     if spec.plan == "input":
         shards = plan_input_order(files, spec.shard_size, spec.limit)
@@ -598,7 +628,7 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
         tokenizer = job_tokenizer(spec)
     if max_model_len is None:
         loaded = _loaded_llm(spec)
-        max_model_len = getattr(loaded, "max_model_len", None) if loaded is not None else spec.max_model_len
+        max_model_len = getattr(loaded, "max_model_len", None) if loaded is not None else planned_context_length(spec)
     block_size = int(spec.engine_kwargs().get("block_size", EngineConfig.block_size))
     rows = TokenizedRows(files, tokenizer, spec.sampling_params(), id_column=spec.id_column,
                          system_prompt=spec.system_prompt, use_chat_template=use_chat_template(spec, tokenizer),
@@ -606,6 +636,26 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
                          truncate=spec.truncate)
     return plan_prefix(rows, files, spec.shard_size, spec.limit, block_size=block_size,
                        decode_heavy_first=spec.decode_heavy_first)
+
+
+def planned_context_length(spec: JobSpec) -> Optional[int]:
+    """The context length in tokens the spec's engine will have, before one is loaded: `engine.llm.
+    context_length` over the model's metadata (no weights read): `max_model_len` if given, at most the
+    model's own context, at most what an explicit `kv_cache_memory_bytes` holds. Not counted: a KV cache
+    sized from free memory, which only the loaded engine knows (and a cluster's budget when its workers
+    pick the device: their dtype decides a block's size). `spec.max_model_len` when the metadata cannot
+    be read; the engine checks every prompt again either way.
+    """
+    from engine.llm import context_length
+    from engine.weights import model_config, resolve_model
+
+    kw = spec.engine_kwargs()
+    if spec.cluster is not None and str(kw.get("device", "auto")) == "auto":
+        kw["kv_cache_memory_bytes"] = None
+    try:
+        return context_length(EngineConfig(model=spec.model, **kw), model_config(resolve_model(spec.model)))
+    except (ImportError, OSError, KeyError, ValueError, TypeError, RuntimeError):  # unreadable metadata
+        return spec.max_model_len
 
 
 def _refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> None:
@@ -714,6 +764,7 @@ def validate_spec(spec: JobSpec) -> None:
         source = resolve_model(spec.model)
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from None
+    _check_block_size(config, source)
     if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
         _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
     draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(
@@ -747,6 +798,25 @@ def validate_spec(spec: JobSpec) -> None:
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
                          f"{spec.model!r} is a {source.kind} model (use int8 or int4)")
+
+
+def _check_block_size(config: EngineConfig, source: Any) -> None:
+    """Refuse a KV block larger than the context (`--max-model-len 8` with block_size 16) before anything
+    is written, in the engine's words (`engine.llm.block_size_error`, from the model's metadata); the
+    engine would refuse it only at load, after the run's manifest.
+
+    Raises:
+        ValueError: naming block_size and the context.
+    """
+    from engine.llm import block_size_error
+    from engine.weights import model_config
+
+    try:
+        problem = block_size_error(config, model_config(source))
+    except (ImportError, OSError, KeyError, ValueError):  # unreadable metadata: the engine checks it at load
+        return
+    if problem is not None:
+        raise ValueError(f"invalid engine option: {problem}")
 
 
 def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:
@@ -1299,7 +1369,9 @@ def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, 
               device_count: Optional[int] = None) -> Optional[CostReport]:
     """Book the cost of a run that ended with `exc` (status "interrupted" for KeyboardInterrupt and its
     subclasses, else "failed") and give the lease back. After a storage failure both use short
-    timeouts. Never raises: a row that cannot be booked is reported as a warning.
+    timeouts. Never raises: a row that cannot be booked is reported as a warning. The booked report
+    goes with `exc` (`booked_report(exc)`), so whoever catches what the caller re-raises (the CLI) can
+    show it.
 
     Returns:
         The booked report, or None when it could not be written.
@@ -1318,7 +1390,19 @@ def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, 
                       f"{(datetime.now(timezone.utc) - plan.started_at).total_seconds():.1f} s", stacklevel=2)
     finally:
         plan.close(quick=quick)
+    if report is not None:
+        with contextlib.suppress(AttributeError, TypeError):  # an exception that takes no attributes
+            exc.tokenmill_report = report  # type: ignore[attr-defined]
     return report
+
+
+def booked_report(exc: BaseException) -> Optional[CostReport]:
+    """The cost report booked for the run that `exc` ended (status "failed" or "interrupted"), as `run_job`
+    and the flow re-raise it: a `JobInterrupted`'s `report`, else what `abort_job` attached. None when the
+    run ended before it held the output's lease (nothing is booked then) or its row could not be written."""
+    if isinstance(exc, JobInterrupted):
+        return exc.report
+    return getattr(exc, "tokenmill_report", None)
 
 
 def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -127,28 +126,18 @@ class RowRequest:
     error: Optional[str] = None
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _override(name: str, value: Any) -> Any:
-    """Check one per-row override value's type; return the value, or raise ValueError."""
+    """One per-row override value, as the row's SamplingParams takes it; raise ValueError for a bad one.
+
+    The sampling parameters (`max_tokens`, `seed`, `temperature`, `top_p`) are only normalised here:
+    a whole float is an integer count or seed (a Parquet float column). Whether the value is valid is
+    `SamplingParams.validate`'s rule, which the API applies too, so both refuse the same values in the
+    same words (a NaN temperature: `temperature must be a finite number >= 0, got nan`).
+    """
     if name == "max_tokens" or name == "seed":
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not _is_int(value):
-            raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-        if name == "max_tokens" and value < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {value!r}")
-        return value
+        return int(value) if isinstance(value, float) and value.is_integer() else value
     if name in ("temperature", "top_p"):
-        if not _is_num(value) or math.isnan(value):
-            raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-        return float(value)
+        return value
     if name == "stop":
         value = [value] if isinstance(value, str) else value
         problem = stop_strings_error(value)  # the engine's rule, in its words
@@ -296,7 +285,7 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
         overrides["structured_outputs"] = constraint
 
     messages_value = row.get(MESSAGES_COLUMN) if layout.has_messages else None
-    if messages_value is not None:
+    if messages_value is not None or (layout.has_messages and not layout.has_prompt):  # (None: `messages is null`)
         messages = parse_messages(messages_value, getattr(tokenizer, "chat_roles", MESSAGE_ROLES))
         if not use_chat_template:
             raise ValueError("messages rows need the chat template (chat_template is off or the model has none)")
@@ -305,8 +294,8 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         prompt = row.get(PROMPT_COLUMN) if layout.has_prompt else None
-        if prompt is None and layout.has_messages:
-            raise ValueError("prompt and messages are both null" if layout.has_prompt else "messages is null")
+        if prompt is None and layout.has_messages:  # a row needs one of them
+            raise ValueError("prompt and messages are both null")
         problem = prompt_type_error(prompt)  # the engine's rules: LLM.generate refuses the same prompts
         if problem is not None:
             raise ValueError(problem)

@@ -104,12 +104,20 @@ def test_spec_file_errors_name_the_file_line_and_field(tmp_path, capsys):
     fields = tmp_path / "job.yaml"
     fields.write_text("input: in.parquet\noutput: out\nmax_token: 8\ntemperature: hot\n")
     assert main(["run", "--spec", str(fields), "--shard-size", "0"]) == 1
-    assert capsys.readouterr().err.splitlines() == [
+    assert capsys.readouterr().err.splitlines() == [  # file:line: field, as README's Reliability table says
         "tokenmill: invalid job options:",
-        f"  {fields}: temperature: Input should be a valid number, unable to parse string as a number (got 'hot')",
+        f"  {fields}:4: temperature: Input should be a valid number, unable to parse string as a number (got 'hot')",
         "  --shard-size: Input should be greater than or equal to 1 (got 0)",
-        f"  {fields}: max_token: unknown option; did you mean 'max_tokens'?",
+        f"  {fields}:3: max_token: unknown option; did you mean 'max_tokens'?",
     ]
+    nested = tmp_path / "nightly.yaml"  # fields under spec:, as flows.deploy reads them; JSON too
+    nested.write_text("# nightly\nspec:\n  input: in.parquet\n\n  output: out\n  max_tokns: 8\n")
+    as_json = tmp_path / "job.json"
+    as_json.write_text('{\n  "input": "in.parquet",\n  "output": "out",\n  "shard_size": -1\n}\n')
+    for path, line in ((nested, f"{nested}:6: max_tokns: unknown option; did you mean 'max_tokens'?"),
+                       (as_json, f"{as_json}:4: shard_size: Input should be greater than or equal to 1 (got -1)")):
+        assert main(["run", "--spec", str(path)]) == 1
+        assert capsys.readouterr().err.splitlines() == ["tokenmill: invalid job options:", f"  {line}"]
 
 
 def test_errors_are_short_unless_verbose(tmp_path, capsys):
@@ -179,7 +187,7 @@ def test_report_into_a_closed_pipe_exits_quietly(tmp_path):
 
     out = _fake_job(tmp_path)
     read_end, write_end = os.pipe()
-    os.close(read_end)  # `| head -1` already gone: the first write meets a closed pipe
+    os.close(read_end)  # a reader already gone (a `head` that has exited): the first write meets a closed pipe
     try:
         proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "report", out], stdout=write_end,
                               stderr=subprocess.PIPE, text=True, timeout=120,
@@ -365,6 +373,57 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
+
+
+def test_an_unknown_flag_is_refused_by_the_command_it_follows(tmp_path, capsys):
+    """`tokenmill run --bogus` points to `tokenmill run --help`, which lists run's options, not to
+    `tokenmill --help` (argparse's top-level parser used to report it); exit 1 like every usage error."""
+    import pytest
+
+    def usage_error(*argv: str) -> list[str]:
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        assert exc.value.code == 1, argv
+        return capsys.readouterr().err.splitlines()
+
+    assert usage_error("run", "--bogus") == ["tokenmill run: error: unrecognized arguments: --bogus",
+                                             "see 'tokenmill run --help'"]
+    assert usage_error("run", "--input", "a", "--output", "b", "--bogus", "x") == [
+        "tokenmill run: error: unrecognized arguments: --bogus x", "see 'tokenmill run --help'"]
+    assert usage_error("demo", "--bogus") == ["tokenmill demo: error: unrecognized arguments: --bogus",
+                                              "see 'tokenmill demo --help'"]
+    assert usage_error("report", str(tmp_path), "--bogus") == [
+        "tokenmill report: error: unrecognized arguments: --bogus", "see 'tokenmill report --help'"]
+
+
+def test_a_job_whose_every_row_is_an_error_row_exits_4_naming_the_most_common_error(tmp_path, capsys):
+    """Exit 4: the job ran to the end and is booked, but nothing was generated (every row an error row: a
+    job-level mistake such as a context too small for every prompt). A re-run resumes nothing and says
+    the same; one good row, or an empty input, is exit 0."""
+    from pipeline import JobSpec, cache_llm, read_metrics
+    from pipeline.testing import FakeLLM
+
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 12}), FakeLLM())  # a key no other test uses
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3, 4], "prompt": ["", "   ", None, ""]}).write_parquet(inp)
+    out = tmp_path / "out"
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=12",
+           "--shard-size", "2", "--plan", "input"]
+    for _ in range(2):  # the run, then a re-run that finds every shard done
+        assert main(run) == 4
+        captured = capsys.readouterr()
+        assert "cost report" in captured.out
+        assert captured.err.splitlines()[-1] == (
+            f"tokenmill: every row of the job is an error row (4 rows, nothing generated); the most common error "
+            f"of part-00000.parquet (2 of its 2 rows): prompt is empty; see the error column of {out}/part-*.parquet "
+            f"(exit 4)")
+    assert read_metrics(str(out))["status"].to_list() == ["ok", "ok"]  # done and booked, not failed
+
+    pl.DataFrame({"id": [1, 2], "prompt": ["", "Say yes."]}).write_parquet(inp)
+    assert main(run + ["--overwrite"]) == 0
+    assert "error row" not in capsys.readouterr().err
+    pl.DataFrame({"id": [], "prompt": []}, schema={"id": pl.Int64, "prompt": pl.String}).write_parquet(inp)
+    assert main(run + ["--overwrite"]) == 0
 
 
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):

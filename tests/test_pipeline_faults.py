@@ -21,7 +21,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline import JobSpec, done_shards, io, read_metrics, run_job
+from pipeline import JobSpec, booked_report, done_shards, io, read_metrics, run_job
 from pipeline.job import JobInterrupted
 from pipeline.lease import JobLocked, Lease, lease_dir
 from pipeline.testing import FakeLLM
@@ -163,8 +163,9 @@ def test_failed_and_interrupted_runs_book_their_cost(tmp_path):
         if n == 4:
             raise RuntimeError("engine exploded")
 
-    with pytest.raises(RuntimeError, match="engine exploded"):
+    with pytest.raises(RuntimeError, match="engine exploded") as failed:
         run_job(spec, FakeLLM(on_output=explode))
+    booked = booked_report(failed.value)  # the row booked for the failed run, for the CLI to print
 
     def interrupt(n):
         if n == 4:
@@ -180,7 +181,8 @@ def test_failed_and_interrupted_runs_book_their_cost(tmp_path):
 
     m = read_metrics(spec.output)
     assert m["status"].to_list() == ["failed", "interrupted", "ok"]
-    assert m.row(1, named=True) == partial.as_row()
+    assert m.row(0, named=True) == booked.as_row() and m.row(1, named=True) == partial.as_row()
+    assert booked_report(exc.value) is partial
     assert m["error"].to_list() == ["engine exploded", None, None]
     assert m["rows_ok"].to_list() == [3, 3, 3] and m["rows_skipped"].to_list() == [0, 3, 6]
     assert m["completion_tokens"].to_list() == [6, 6, 6]
@@ -220,6 +222,38 @@ def test_ctrl_c_while_the_model_loads_books_and_prints_a_zero_token_cost_row(tmp
     assert m.height == 1 and row["status"] == "interrupted"
     assert (row["rows_total"], row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (4, 0, 0, 0)
     assert row["wall_s"] > 0 and row["cost_usd"] == pytest.approx(row["wall_s"])  # 3600 USD/h = 1 USD/s
+
+
+def test_a_run_that_fails_while_the_model_loads_prints_its_failed_cost_row(tmp_path, capsys, monkeypatch):
+    """README: `tokenmill run` prints the row it booked, however the run ends. A load failure books a
+    `failed` row (0 rows and tokens, its wall time); the CLI prints that row on stdout, headed as failed,
+    before the error on stderr, as it prints an interrupted run's (it used to print only the error)."""
+    import engine
+    import pipeline.job as job
+    from pipeline.cli import main
+    from pipeline.testing import FakeTokenizer
+
+    def load(model, **kw):
+        raise ValueError("cannot load the weights: bad magic")
+
+    monkeypatch.setattr(engine, "LLM", load)
+    monkeypatch.setattr(job, "job_tokenizer", lambda spec: FakeTokenizer())  # planning without the real one
+    write_input(tmp_path / "in.parquet", 4)
+    out = tmp_path / "out"
+    rc = main(["run", "--input", str(tmp_path / "in.parquet"), "--output", str(out), "--no-progress",
+               "--seed", "424243", "--price-per-hour", "3600"])  # a seed no other test's engine has
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert captured.err.splitlines()[-1] == "tokenmill: cannot load the weights: bad magic"
+    lines = captured.out.splitlines()
+    head = lines.index("cost report (failed run: counts are this run's committed shards, "
+                       "discarded_completion_tokens the output it abandoned)")
+    row = read_metrics(str(out)).row(0, named=True)
+    assert row["status"] == "failed" and row["error"] == "cannot load the weights: bad magic"
+    assert (row["rows_total"], row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (4, 0, 0, 0)
+    printed = dict(line.split(None, 1) for line in lines[head + 3:] if line.strip())  # past the table's header
+    assert printed["run_id"] == row["run_id"] and printed["status"] == "failed"
+    assert printed["error"] == "cannot load the weights: bad magic"
 
 
 def test_ctrl_c_while_planning_books_its_cost_and_one_before_the_lease_writes_nothing(tmp_path, capsys, monkeypatch):

@@ -1,6 +1,8 @@
 """Row validation: every bad row becomes a clear error, good rows become requests."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.config import SamplingParams
@@ -64,6 +66,22 @@ def test_bad_prompt_rows(row, message):
     assert message in r.error
 
 
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("nan")), ("temperature", "hot"), ("temperature", True), ("temperature", -1),
+    ("top_p", float("nan")), ("top_p", "all"), ("max_tokens", "ten"), ("max_tokens", 2.5), ("seed", 1.5),
+    ("seed", "7"),
+])
+def test_a_bad_row_parameter_reads_as_the_api_words_it(field, value):
+    """A row's override and the API's SamplingParams are refused by one rule (`SamplingParams.validate`), in
+    the same words: a NaN temperature was `must be a finite number >= 0` from the API and `must be a number,
+    got float nan` from a job."""
+    api = dataclasses.replace(DEFAULTS, **{field: value}).validate()
+    assert api is not None and api.startswith(f"{field} must be ")
+    assert req({"prompt": "hi", field: value}).error == api
+    if field == "temperature" and value != value:
+        assert api == "temperature must be a finite number >= 0, got nan"
+
+
 def test_overrides_apply():
     r = req({"prompt": "hi", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "x",
              "system": "be brief"})
@@ -86,6 +104,29 @@ def test_messages_rows():
     assert "messages is null" in req({"messages": None}, cols).error
     no_template = req({"messages": [{"role": "user", "content": "hi"}]}, cols, use_chat_template=False)
     assert "chat template" in no_template.error
+
+
+def test_a_row_without_a_prompt_or_a_conversation_names_what_it_lacks():
+    """README's words: a null cell is `prompt is null` or `messages is null` when the input has only that
+    column, and `prompt and messages are both null` when it has both (either one alone would do)."""
+    both = ("id", "prompt", "messages")
+    assert req({"prompt": None}).error == "prompt is null"
+    assert req({"messages": None}, ("id", "messages")).error == "messages is null"
+    assert req({"messages": "null"}, ("id", "messages")).error == "messages is null"  # JSON text null
+    assert req({"prompt": None, "messages": None}, both).error == "prompt and messages are both null"
+    assert req({"prompt": "hi", "messages": None}, both).error is None
+    assert req({"prompt": None, "messages": [{"role": "user", "content": "hi"}]}, both).error is None
+
+
+def test_a_null_conversation_reads_the_same_from_llm_chat_and_a_job():
+    """`LLM.chat` renders each conversation through `validate_messages`; a job's null `messages` cell is
+    refused by the same rule in the same words (it was `messages must be a non-empty list of {role,
+    content}, got NoneType` from the API and `messages is null` from a job)."""
+    from engine.tokenizer import validate_messages
+
+    with pytest.raises(ValueError) as api:
+        validate_messages(None)
+    assert str(api.value) == "messages is null" == req({"messages": None}, ("id", "messages")).error
 
 
 def test_raw_prompt_without_template():

@@ -22,7 +22,8 @@ def parts(out) -> list[str]:
 
 
 BAD_OPTIONS = [
-    ({"quantization": "int9"}, "invalid engine option: quantization must be None|int8|int4|gguf|w8a8, got 'int9'"),
+    ({"quantization": "int9"}, "invalid engine option: quantization must be None or none|int8|int4|gguf|w8a8, got "
+                                  "'int9'"),
     ({"dtype": "fp8"}, "invalid engine option: dtype must be auto|float32|bfloat16|float16, got 'fp8'"),
     ({"model": "smollm-nope", "plan": "input"}, "unknown model 'smollm-nope': expected 'smollm2-135m-instruct', "
                                                 "a .gguf file"),
@@ -34,6 +35,11 @@ BAD_OPTIONS = [
     ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|int8|fp8_e4m3"),
     ({"num_threads": -1}, "invalid engine option: num_threads must be a positive integer or None"),
     ({"num_threads": 0}, "invalid engine option: num_threads must be a positive integer or None"),
+    # the engine refused it only at load, after the manifest was written: the fix then needed --overwrite
+    ({"max_model_len": 8}, "invalid engine option: block_size=16 is larger than the context (max_model_len=8 "
+                           "tokens): a KV block holds block_size tokens of one sequence"),
+    ({"engine_options": {"block_size": 16384}}, "invalid engine option: block_size=16384 is larger than the "
+                                                "model's context (8192 tokens)"),
 ]
 
 

@@ -289,6 +289,7 @@ def test_planned_order_beats_input_order_on_the_real_model(llm, tmp_path):
     """A KV pool of 7 blocks (a row needs 6) and one sequence at a time: in input order each instruction's blocks are
     evicted by the other's before they are used again; planned, each is computed about once."""
     from engine import LLM
+    from pipeline.job import planned_context_length
 
     block_bytes = llm.kv_cache.bytes_per_block(llm.model_config, 16, llm.dtype)
     inp = tmp_path / "in.parquet"
@@ -298,8 +299,11 @@ def test_planned_order_beats_input_order_on_the_real_model(llm, tmp_path):
         # a fresh engine (the weights are shared) for each run: no cached blocks from the other run
         small = LLM("smollm2-135m-instruct", kv_cache_memory_bytes=7 * block_bytes, max_num_seqs=1)
         out = tmp_path / plan
-        report = run_job(JobSpec(input=str(inp), output=str(out), max_tokens=4, shard_size=5, progress=False,
-                                 plan=plan), small)
+        spec = JobSpec(input=str(inp), output=str(out), max_tokens=4, shard_size=5, progress=False, plan=plan)
+        # a job that plans before its engine loads takes the context this engine has: 7 blocks of 16
+        assert planned_context_length(spec.model_copy(update={"kv_cache_memory_bytes": 7 * block_bytes})) == \
+            small.max_model_len == 7 * 16
+        report = run_job(spec, small)
         runs[plan] = (report, read_parts(out).sort("id"))
     (r_in, df_in), (r_pl, df_pl) = runs["input"], runs["prefix"]
     assert r_pl.cached_tokens > r_in.cached_tokens
@@ -310,6 +314,45 @@ def test_planned_order_beats_input_order_on_the_real_model(llm, tmp_path):
     assert r_in.prefix_cache_hit_rate < 0.9 * r_pl.ideal_prefix_hit_rate
     assert df_pl["generation"].to_list() == df_in["generation"].to_list()  # greedy: same text per id
     assert df_pl["error"].null_count() == 10
+
+
+def test_a_plan_made_before_the_engine_loads_knows_the_models_context(tmp_path):
+    """`tokenmill run` plans before it loads the model, so the plan takes the context from the model's
+    metadata (`planned_context_length`): prompts longer than it are error rows and count in no statistic.
+    It used to count them when --max-model-len was not given (a trial's report: ideal 0.007 against an
+    achieved 0.48).
+
+    dummy:llama-tiny-4kv has a 2,048-token context; FakeTokenizer: one token per byte, the template 22.
+    Good rows: 42 tokens, the first block (16) shared, the second (16) and the last 10 their own; a
+    1,022-token row shares nothing; two rows of 2,122 tokens do not fit.
+    """
+    from pipeline.job import plan_job, planned_context_length
+    from pipeline.testing import FakeTokenizer
+
+    inp = tmp_path / "in.parquet"
+    good = ["S" * 18 + f"-{i}" for i in range(4)]  # 22 + 20 = 42 tokens
+    pl.DataFrame({"id": list(range(7)), "prompt": [good[0], "L" * 2100, good[1], good[2], "M" * 2100, good[3],
+                                                   "N" * 1000]}).write_parquet(inp)
+    files = io.list_input_files(str(inp))
+    spec = JobSpec(input=str(inp), output=str(tmp_path / "out"), model="dummy:llama-tiny-4kv", max_tokens=2)
+    assert planned_context_length(spec) == 2048
+    _, stats = plan_job(spec, files, FakeTokenizer())
+    assert (stats.prompt_tokens, stats.distinct_tokens) == (4 * 42 + 1022, 16 + 4 * (16 + 10) + 1022)
+    _, explicit = plan_job(spec, files, FakeTokenizer(), max_model_len=2048)  # what a loaded engine would say
+    assert stats.ideal_hit_rate == explicit.ideal_hit_rate == pytest.approx(1 - 1142 / 1190)
+
+    shorter = spec.model_copy(update={"max_model_len": 512})  # the option, within the model's context
+    assert planned_context_length(shorter) == 512
+    assert plan_job(shorter, files, FakeTokenizer())[1].prompt_tokens == 4 * 42
+    assert planned_context_length(spec.model_copy(update={"max_model_len": 4096})) == 2048  # capped by the model
+    from engine.config import EngineConfig
+    from engine.llm import min_kv_cache_memory_bytes
+    from engine.weights import dummy_config
+
+    block = min_kv_cache_memory_bytes(EngineConfig(model=spec.model), dummy_config("llama-tiny-4kv"))
+    budget = spec.model_copy(update={"kv_cache_memory_bytes": 3 * block})  # 3 blocks of 16: a 48-token context
+    assert planned_context_length(budget) == 48
+    assert plan_job(budget, files, FakeTokenizer())[1].prompt_tokens == 4 * 42
 
 
 def test_ideal_hit_rate_leaves_out_error_rows(tmp_path):

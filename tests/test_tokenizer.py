@@ -220,6 +220,7 @@ ROLES = "['system', 'user', 'assistant']"  # SmolLM2's ChatML template has no to
 @pytest.mark.parametrize(
     "messages, problem",
     [
+        (None, "messages is null"),  # a job's null `messages` cell says the same
         ("hello", "messages must be a non-empty list of {role, content}, got str"),
         ({"role": "user", "content": "hi"}, "messages must be a non-empty list of {role, content}, got dict"),
         ([], "messages must be a non-empty list of {role, content}, got an empty list"),
