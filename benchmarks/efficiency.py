@@ -14,7 +14,8 @@ Measured in one run, on the same machine state:
    M = 128-1024 on a Xeon): GFLOP/s and
    its share of the peak; for M = 1 and 8 also the weight bytes streamed per second against
    the copy bandwidth (at small M a step is bound by reading the weights: the bandwidth
-   bound is 2 M params / (weight bytes / bandwidth) FLOP/s).
+   bound is 2 M params / (weight bytes / bandwidth) FLOP/s); for larger M the roofline,
+   min(peak, that bound at the best read rate of the run), and the share of it reached.
 3. **End to end** on the ``in99-out64`` workload (64 prompts of about 99 tokens, 64 new tokens
    each, greedy, EOS ignored): linear FLOPs of the tokens run (2 x tokens x decoder weights
    + 2 x sampled rows x LM head) / wall / peak.
@@ -389,6 +390,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"linear layers ({len(model.linear_layers())} of them, {(body + head) / 1e6:.1f} M weights, "
           f"{wbytes / 1e6:.0f} MB as held):")
     rows = {}
+    # the fastest the weights were read in this run: the copy's read half, or a small-M sweep (which
+    # can beat it where the last-level cache holds part of the weights between passes)
+    best_read = max(bw / 2, max(r["weight_gbps"] for r in sweep.values()))
     for mm, r in sweep.items():
         line = f"  M={mm:<5} {r['gflops']:7.1f} GFLOP/s = {100 * r['gflops'] / peak:5.1f}% of peak"
         line += f" (torch.mm on the same shapes {mkl[mm]:6.1f}: {r['gflops'] / mkl[mm]:.2f}x)"
@@ -398,6 +402,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             line += (f"; weights streamed at {r['weight_gbps']:.1f} GB/s = {100 * r['weight_gbps'] / (bw / 2):.0f}% "
                      f"of the copy's read rate ({bw / 2:.1f} GB/s); bandwidth bound {bound:.0f} GFLOP/s")
             row["bandwidth_bound_gflops"] = bound
+        else:
+            # the roofline (Williams, Waterman & Patterson 2009): 2 M FLOPs per weight read, at the best
+            # read rate of the run, or the peak, whichever is lower
+            bound = 2.0 * mm * (body + head) / (wbytes / (best_read * 1e9)) / 1e9
+            roof = min(peak, bound)
+            line += (f"; roofline {roof:.0f} ({'the peak' if roof == peak else 'reading the weights'}; weights "
+                     f"read at {best_read:.1f} GB/s bound it at {bound:.0f}): {100 * r['gflops'] / roof:.0f}% of it")
+            row["bandwidth_bound_gflops"], row["roofline_gflops"] = bound, roof
         rows[mm] = row
         print(line, flush=True)
     report["linear"] = rows
