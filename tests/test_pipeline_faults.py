@@ -194,23 +194,29 @@ def test_failed_and_interrupted_runs_book_their_cost(tmp_path):
     assert sorted(output_ids(spec.output)) == ids
 
 
-def test_ctrl_c_while_the_model_loads_books_and_prints_a_zero_token_cost_row(tmp_path, capsys, monkeypatch):
-    """README: every run books one row. Interrupted while `engine.LLM` loads (no shard run), the run's
-    row is booked and printed: interrupted, 0 rows and tokens, its wall time at the price per hour."""
+def _run_cli_with_a_failing_model_load(tmp_path, monkeypatch, exc: BaseException, seed: str) -> int:
+    """`tokenmill run` over 4 rows of tmp_path/in.parquet into tmp_path/out, `engine.LLM` raising `exc`
+    (planning with a fake tokenizer); a seed no other test's engine has, 3600 USD/h (1 USD/s). Its exit code."""
     import engine
     import pipeline.job as job
     from pipeline.cli import main
     from pipeline.testing import FakeTokenizer
 
     def load(model, **kw):
-        raise KeyboardInterrupt
+        raise exc
 
     monkeypatch.setattr(engine, "LLM", load)
     monkeypatch.setattr(job, "job_tokenizer", lambda spec: FakeTokenizer())  # planning without the real one
     write_input(tmp_path / "in.parquet", 4)
+    return main(["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), "--no-progress",
+                 "--seed", seed, "--price-per-hour", "3600"])
+
+
+def test_ctrl_c_while_the_model_loads_books_and_prints_a_zero_token_cost_row(tmp_path, capsys, monkeypatch):
+    """README: every run books one row. Interrupted while `engine.LLM` loads (no shard run), the run's
+    row is booked and printed: interrupted, 0 rows and tokens, its wall time at the price per hour."""
     out = tmp_path / "out"
-    rc = main(["run", "--input", str(tmp_path / "in.parquet"), "--output", str(out), "--no-progress",
-               "--seed", "424242", "--price-per-hour", "3600"])  # a seed no other test's engine has
+    rc = _run_cli_with_a_failing_model_load(tmp_path, monkeypatch, KeyboardInterrupt(), "424242")
     captured = capsys.readouterr()
     assert rc == 130
     assert captured.err.splitlines()[-1] == ("tokenmill: interrupted after 0 of 1 shards; re-run the same command "
@@ -228,20 +234,9 @@ def test_a_run_that_fails_while_the_model_loads_prints_its_failed_cost_row(tmp_p
     """README: `tokenmill run` prints the row it booked, however the run ends. A load failure books a
     `failed` row (0 rows and tokens, its wall time); the CLI prints that row on stdout, headed as failed,
     before the error on stderr, as it prints an interrupted run's (it used to print only the error)."""
-    import engine
-    import pipeline.job as job
-    from pipeline.cli import main
-    from pipeline.testing import FakeTokenizer
-
-    def load(model, **kw):
-        raise ValueError("cannot load the weights: bad magic")
-
-    monkeypatch.setattr(engine, "LLM", load)
-    monkeypatch.setattr(job, "job_tokenizer", lambda spec: FakeTokenizer())  # planning without the real one
-    write_input(tmp_path / "in.parquet", 4)
     out = tmp_path / "out"
-    rc = main(["run", "--input", str(tmp_path / "in.parquet"), "--output", str(out), "--no-progress",
-               "--seed", "424243", "--price-per-hour", "3600"])  # a seed no other test's engine has
+    rc = _run_cli_with_a_failing_model_load(tmp_path, monkeypatch, ValueError("cannot load the weights: bad magic"),
+                                            "424243")
     captured = capsys.readouterr()
     assert rc == 1
     assert captured.err.splitlines()[-1] == "tokenmill: cannot load the weights: bad magic"
