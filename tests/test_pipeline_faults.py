@@ -303,8 +303,10 @@ CHILD = textwrap.dedent("""
     import sys
     from pipeline import JobSpec, cache_llm
     from pipeline.testing import FakeLLM
-    if sys.argv[1] == "fake":
-        cache_llm(JobSpec(input="-", output="-"), FakeLLM(delay_s=0.15))
+    import time
+    if sys.argv[1] == "fake":  # past the first shard's 3 outputs it stalls, so the signal always finds it mid-job
+        cache_llm(JobSpec(input="-", output="-"),
+                  FakeLLM(delay_s=0.15, on_output=lambda n: n >= 3 and time.sleep(60)))
     from pipeline.cli import main
     sys.exit(main(sys.argv[2:]))
 """)
