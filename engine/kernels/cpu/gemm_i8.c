@@ -309,6 +309,23 @@ typedef struct {
     int accumulate;
 } i8_ctx;
 
+/* y rows [r, r + rows), columns [n0, n0 + ncols) from an fp32 tile [rows][TM_NR]: tile * sw (+ bias) (+ y).
+ * One copy (noinline) for every path, so that the compiler's contraction of these operations is the
+ * same wherever a row was computed. */
+static __attribute__((noinline)) void store_rows(const i8_ctx *c, const float *tile, int64_t r, int rows, int64_t n0,
+                                                 int ncols, const float *sw) {
+    for (int i = 0; i < rows; ++i) {
+        float *yr = c->y + (r + i) * c->ldy + n0;
+        const float *t = tile + i * TM_NR;
+        for (int j = 0; j < ncols; ++j) {
+            float v = t[j] * sw[j];
+            if (c->bias) v += c->bias[n0 + j];
+            if (c->accumulate) v += yr[j];
+            yr[j] = v;
+        }
+    }
+}
+
 #define I8_CASE(MR)                                                                                \
     case MR:                                                                                       \
         ukr_i8(MR, c->kp, c->gs, a, c->lda, c->sa + r * c->ng, c->ng, codes, comp, tile, pf, pf_len); \
@@ -348,16 +365,7 @@ static void i8_chunk(void *vctx, int64_t chunk) {
                 default:
                     break;
             }
-            for (int i = 0; i < mr; ++i) {
-                float *yr = c->y + (r + i) * c->ldy + n0;
-                const float *t = tile + i * TM_NR;
-                for (int j = 0; j < ncols; ++j) {
-                    float v = t[j] * sw[j];
-                    if (c->bias) v += c->bias[n0 + j];
-                    if (c->accumulate) v += yr[j];
-                    yr[j] = v;
-                }
-            }
+            store_rows(c, tile, r, mr, n0, ncols, sw);
         }
     }
 }
