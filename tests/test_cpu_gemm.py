@@ -320,6 +320,24 @@ def test_w8a8_amx_path_is_exact_at_the_extreme_codes_and_on_two_threads():
     assert got[0, 0].item() == pytest.approx(64 * x[0].sum().item(), rel=1e-6)  # column 0: all +64
 
 
+@AMX
+def test_w8a8_amx_equals_a_build_without_amx():
+    """The native build compiled without AMX (-mno-amx-tile -mno-amx-int8, as for a CPU that lacks it)
+    compiles, has no AMX path, and its AVX-512 VNNI kernel gives the AMX path's bits."""
+    noamx = cpu.library("native-noamx")
+    if noamx is None:
+        pytest.skip(cpu.why_unavailable("native-noamx"))
+    assert not cpu.w8a8_amx(True, lib=noamx)
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(70, 300, generator=g), torch.randn(200, 300, generator=g), torch.randn(200, generator=g)
+    q, s = quantize_w8a8(w)
+    blocks = cpu.w8a8_amx_blocks()
+    with _amx(True):
+        got = W8A8Linear(q, s, b)(x)
+    assert cpu.w8a8_amx_blocks() - blocks == 4 * 7  # 64 of the 70 rows on tiles, 7 panels
+    assert torch.equal(got, W8A8Linear(q, s, b, lib=noamx)(x))
+
+
 def test_w8a8_amx_switch_and_environment():
     """TOKENMILL_AMX=0 keeps a fresh process off the tiles; builds without AVX-512 never claim them."""
     assert not cpu.w8a8_amx(True, lib=cpu.library("generic"))
