@@ -26,11 +26,11 @@
  *     C[16 rows][16 int32] += A[16 rows][64 unsigned bytes] . B[16 rows of 4 k x 16 columns, signed],
  *     16 x 16 x 64 multiply-adds per instruction (Intel 64 and IA-32 Architectures Software
  *     Developer's Manual, vol. 1, "Programming with Intel AMX", and vol. 2: LDTILECFG, TILELOADD,
- *     TDPBUSD, TILESTORED; Optimization Reference Manual, the Intel AMX chapter, for the 2 x 2 blocking
- *     of C tiles). A panel's code rows are already B's layout, so both operands are tile-loaded in
- *     place: B = 16 code rows (64 k) at a stride of TM_NR * 4 bytes, their first 64 bytes for columns
- *     0-15, the next 64 for 16-31; A = 16 activation rows of 64 bytes at a stride of kp. A block is 32
- *     rows x one panel: C tiles 2 x 2, two A and two B tiles (all eight). With gs = 64 a group is one
+ *     TDPBUSD, TILESTORED; and the Intel AMX chapter of the Optimization Reference Manual). A panel's
+ *     code rows are already B's layout, so both operands are tile-loaded in place: B = 16 code rows
+ *     (64 k) at a stride of TM_NR * 4 bytes, their first 64 bytes for columns 0-15, the next 64 for
+ *     16-31; A = 16 activation rows of 64 bytes at a stride of kp. A block is 32 rows x one panel:
+ *     C tiles 2 x 2, two A and two B tiles (all eight; each loaded tile feeds two TDPBUSD). With gs = 64 a group is one
  *     TDPBUSD per C tile; its int32 sums are stored (TILESTORED) and scaled by the same vector steps
  *     as the VNNI kernel (the offset's comp subtracted, converted, one fma with the row's scale into
  *     the running fp32 sum, group after group), so both paths give the same bits and a row's result
@@ -42,16 +42,22 @@
  *     (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once); each chunk loads the tile
  *     configuration on the thread that runs it (the pool's workers and the caller) and releases it
  *     after. TOKENMILL_AMX=0 or tm_w8a8_amx(0) keeps the vpdpbusd path.
- *     Measured on a 2-core Xeon VM (AMX-INT8, AVX512-VNNI), python -m benchmarks.w8a8_ab OLD.so NEW.so
- *     --threads 2 --m 16,32,64,128 (quantization included, interleaved, niced on a shared machine),
- *     the sum over SmolLM2-135M's four decoder projections, AMX / vpdpbusd: M = 16: 1.21, 32: 1.24,
- *     64: 1.32, 128: 1.49 (per shape 1.06-1.58; results/w8a8_amx_xeon.txt). 16x the multiply-adds
- *     per instruction do not make 16x here: each 64 k of int32 sums must leave the tiles for the fp32
- *     group scaling, and per 32 x 32 x 64 block the 4 tile stores and 64 vector conversions and fmas
- *     took ~40 + ~50 ns against ~22 ns of TDPBUSD and did not overlap with the tile work (in a
- *     microbenchmark and in every order tried: the sums of several groups stored before one fp32
- *     pass with the running sums in registers; a signed copy of the activations and TDPBSSD, so that
- *     no offset is subtracted): ~130 ns a block, against ~280 ns for vpdpbusd, on one core.
+ *     The next panel's rows of y are prefetched for writing: where y outgrows the caches (the LM
+ *     head) a block's rows came out in one burst of write-allocate misses.
+ *     Measured on a 2-core Xeon VM (AMX-INT8, AVX512-VNNI; shared, the runs niced, another job on
+ *     about one core), python -m benchmarks.w8a8_ab OLD.so NEW.so --threads 2 --m 16,32,64,128
+ *     (activation quantization included, interleaved), sum over SmolLM2-135M's four decoder
+ *     projections, AMX / vpdpbusd: M = 16: 1.33, 32: 1.60, 64: 1.73, 128: 1.82 (per shape 1.28-1.86;
+ *     LM head 1.02-2.28); --threads 1: 1.37, 1.65, 1.84, 1.86 (benchmarks/results/w8a8_amx_xeon.txt,
+ *     with a noisier run). Fewer than 16 rows would leave a tile part empty, so M = 16 is the
+ *     threshold: the GEMM alone on one core, M = 16, ran 1.6-2.1x faster on the four projections.
+ *     16x the multiply-adds per instruction do not make 16x here: each 64 k of int32 sums must leave
+ *     the tiles for the fp32 group scaling, and per 32 x 32 x 64 block the 4 tile stores (~20 ns)
+ *     and 64 vector conversions and fmas (~40-50 ns) cost more than the 4 TDPBUSD (~22 ns) and did
+ *     not overlap with the tile work, in a microbenchmark and in every order tried (the sums of
+ *     several groups stored before one fp32 pass with the running sums in registers; a signed copy
+ *     of the activations and TDPBSSD, so that no offset is subtracted): ~130 ns a block in L2,
+ *     against ~290 ns for vpdpbusd, on one core.
  *   plain C: int32 loops.
  * All give the same int32 sums, so the paths agree up to the fp32 epilogue (and the AVX-512 and
  * AMX paths in it).
