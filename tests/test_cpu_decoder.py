@@ -39,6 +39,27 @@ def test_driver_equals_the_python_layer_loop_bit_for_bit(quantization, kv):
     assert [o.outputs[0].logprobs for o in on] == [o.outputs[0].logprobs for o in off]  # exact floats
 
 
+@pytest.mark.skipif(not (cpu.available() and cpu.w8a8_amx()), reason="no AMX path for W8A8 here")
+def test_w8a8_driver_gives_the_same_tokens_on_amx_tiles():
+    """The driver's W8A8 layers (decoder.c calls tm_gemm_w8a8) with and without the AMX path: the same
+    tokens and logprobs (exact floats); prefill chunks of up to 48 rows ran on the tiles."""
+    llm = LLM("smollm2-135m-instruct", speculative=None, quantization="w8a8", enable_prefix_caching=False,
+              max_num_batched_tokens=48, kv_cache_memory_bytes=64 << 20)
+    p = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    was = cpu.w8a8_amx()
+    try:
+        cpu.w8a8_amx(False)
+        off = _run(llm, True, p)
+        blocks = cpu.w8a8_amx_blocks()
+        cpu.w8a8_amx(True)
+        on = _run(llm, True, p)
+    finally:
+        cpu.w8a8_amx(was)
+    assert llm.model._c_decoder is not None and cpu.w8a8_amx_blocks() > blocks
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert [o.outputs[0].logprobs for o in on] == [o.outputs[0].logprobs for o in off]
+
+
 def test_driver_steps_aside_for_a_hook_and_for_a_swapped_layer():
     llm = LLM("smollm2-135m-instruct", speculative=None, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

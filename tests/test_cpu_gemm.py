@@ -6,7 +6,11 @@ AVX2 (+ AVX-VNNI where present), AVX2 without VNNI (the vpmaddubsw W8A8 path) an
 on odd shapes (M = 1, 3, 17; K and N not multiples of the vector width)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -249,6 +253,103 @@ def test_w8a8_weight_codes_outside_the_kernel_range_are_refused(lib, bad):
         W8A8Linear(q, torch.tensor([1, 1, float("nan"), 1, 1, 1]), group_size=8, lib=lib)
     with pytest.raises(ValueError, match=r"q must be 2-D int8 codes \[out, in\], got torch.int8 of shape \(10,\)"):
         W8A8Linear(q[0], torch.ones(1), group_size=8, lib=lib)
+
+
+AMX = pytest.mark.skipif(not (cpu.available() and cpu.w8a8_amx()),
+                         reason="no AMX path for W8A8 here (no AMX-INT8, no tile grant from Linux, or TOKENMILL_AMX=0)")
+
+
+@contextlib.contextmanager
+def _amx(on: bool):
+    """The native build's W8A8 GEMM with its AMX path on or off, restored after."""
+    was = cpu.w8a8_amx()
+    cpu.w8a8_amx(on)
+    try:
+        yield
+    finally:
+        cpu.w8a8_amx(was)
+
+
+@AMX
+@pytest.mark.parametrize("m", [1, 3, 17, 40, 64])
+@pytest.mark.parametrize("n,k,group", [(33, 64, 64), (70, 130, 64), (100, 576, 64), (47, 1000, 64), (1000, 300, 128),
+                                       (61, 200, 256)])
+def test_w8a8_amx_path_equals_the_vpdpbusd_path_bit_for_bit(m, n, k, group):
+    """The AMX tiles (TDPBUSD) and the AVX-512 VNNI kernel compute the same exact int32 group sums and
+    the same fp32 operations in the same order, so W8A8Linear gives the same bits either way, with a
+    bias and with a residual; N short of a panel, K short of 64 (the group's tail by vpdpbusd), one
+    group or several, rows beyond the last whole 16 (by vpdpbusd). The tiles ran: for every whole 16
+    rows, one block per panel and call."""
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    layer = W8A8Linear.from_float(w, b, group)
+    r = torch.randn(m, n, generator=g)
+    with _amx(False):
+        want, want_r = layer(x), layer(x, residual=r.clone())
+    blocks = cpu.w8a8_amx_blocks()
+    with _amx(True):
+        got, got_r = layer(x), layer(x, residual=r.clone())
+    assert torch.equal(got, want) and torch.equal(got_r, want_r)
+    assert cpu.w8a8_amx_blocks() - blocks == 2 * (m // 16) * -(-n // cpu.nr())
+
+
+@AMX
+def test_w8a8_amx_path_is_exact_at_the_extreme_codes_and_on_two_threads():
+    """Codes at +-127 x +-64 (the largest int32 group sums) and a call split over the pool's threads:
+    still the same bits as the vpdpbusd path, and the integer product."""
+    m, n, k, gs = 48, 130, 200, 64
+    g = torch.Generator().manual_seed(9)
+    x = torch.where(torch.rand(m, k, generator=g) < 0.5, -3.0, 3.0)
+    qw = torch.where(torch.rand(n, k, generator=g) < 0.5, -64, 64).to(torch.int8)
+    qw[0] = 64
+    layer = W8A8Linear(qw, torch.ones(n), group_size=gs)
+    cpu.set_num_threads(2)
+    try:
+        with _amx(False):
+            want = layer(x)
+        with _amx(True):
+            got = layer(x)
+    finally:
+        cpu.set_num_threads(0)
+    assert torch.equal(got, want)
+    codes, sa = cpu.quantize_act(x, gs)
+    qa = _signed(codes, None)[:, :k]
+    ref = sum(((qa[:, c0:c0 + gs] @ qw[:, c0:c0 + gs].to(torch.int64).t()).double() * sa[:, c0 // gs].double()[:, None])
+              for c0 in range(0, k, gs))
+    assert _rel(got, ref) < 1e-6
+    assert got[0, 0].item() == pytest.approx(64 * x[0].sum().item(), rel=1e-6)  # column 0: all +64
+
+
+@AMX
+def test_w8a8_amx_equals_a_build_without_amx():
+    """The native build compiled without AMX (-mno-amx-tile -mno-amx-int8, as for a CPU that lacks it)
+    compiles, has no AMX path, and its AVX-512 VNNI kernel gives the AMX path's bits."""
+    noamx = cpu.library("native-noamx")
+    if noamx is None:
+        pytest.skip(cpu.why_unavailable("native-noamx"))
+    assert not cpu.w8a8_amx(True, lib=noamx)
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(70, 300, generator=g), torch.randn(200, 300, generator=g), torch.randn(200, generator=g)
+    q, s = quantize_w8a8(w)
+    blocks = cpu.w8a8_amx_blocks()
+    with _amx(True):
+        got = W8A8Linear(q, s, b)(x)
+    assert cpu.w8a8_amx_blocks() - blocks == 4 * 7  # 64 of the 70 rows on tiles, 7 panels
+    assert torch.equal(got, W8A8Linear(q, s, b, lib=noamx)(x))
+
+
+def test_w8a8_amx_switch_and_environment():
+    """TOKENMILL_AMX=0 keeps a fresh process off the tiles; builds without AVX-512 never claim them."""
+    assert not cpu.w8a8_amx(True, lib=cpu.library("generic"))
+    code = "from engine.kernels import cpu; print(cpu.w8a8_amx())"
+    env = {**os.environ, "TOKENMILL_AMX": "0"}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "False"
+    env.pop("TOKENMILL_AMX")
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    with _amx(True):
+        possible = cpu.w8a8_amx()
+    assert on.stdout.strip() == str(possible)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 17, 5), (3, 33, 64), (17, 1000, 130), (64, 4099, 72)])

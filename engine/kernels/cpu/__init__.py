@@ -5,7 +5,8 @@ What it holds (see each C file's header for the algorithm and its source):
 - `gemm.c`: linear layers over weights packed once at load time into panels of
   `nr()` output features; fp32, int8 codes dequantized in registers, and 4-bit codes
   times int8 activations in integer arithmetic (`gemm_q4_reference` is its definition).
-- `gemm_i8.c`: W8A8 (int8 weights x int8 per-token activations, int32 sums).
+- `gemm_i8.c`: W8A8 (int8 weights x int8 per-token activations, int32 sums), on AMX
+  tiles where the CPU has them (`w8a8_amx`).
 - `ops.c`: RMSNorm, RoPE, SiLU x up, and the KV-cache write (fp32 and int8 rows).
 - `attention.c`: paged decode attention reading KV blocks in place.
 - `pool.c`: the persistent thread pool all of them share (dynamic chunks, spin then sleep).
@@ -17,7 +18,9 @@ last dimension and may have a larger row stride (views into a fused buffer).
 
 Environment: TOKENMILL_CPU_KERNELS=0 disables the library (PyTorch paths run),
 TOKENMILL_NUM_THREADS sets the pool's threads (default: the CPUs this process may
-use), TOKENMILL_SPIN_US how long idle workers spin before sleeping (default 50).
+use), TOKENMILL_SPIN_US how long idle workers spin before sleeping (default 50),
+TOKENMILL_AMX=0 keeps the W8A8 GEMM off AMX tiles (default: on where the CPU has
+AMX-INT8 and Linux grants the process the tile state; the results are the same bits).
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ _SIGNATURES = {
     "tm_pack_w8a8_size": (_I64, [_I64, _I64, _I64]),
     "tm_pack_w8a8": (_I, [_P, _I64, _P, _I64, _I64, _I64, _P]),
     "tm_gemm_w8a8": (_I, [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I]),
+    "tm_w8a8_amx": (_I, [_I]),
+    "tm_w8a8_amx_blocks": (_I64, []),
     "tm_rms_norm": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _F]),
     "tm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
     "tm_silu_mul": (None, [_P, _I64, _P, _I64, _I64, _I64]),
@@ -468,6 +473,21 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP
     if rc:
         raise ValueError(f"tm_pack_w8a8 refused the weight (code {rc})")
     return buf
+
+
+def w8a8_amx(enable: Optional[bool] = None, lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Whether `gemm_w8a8` runs its blocks of 16 rows on AMX tiles (TDPBUSD; gemm_i8.c's header),
+    after turning that on or off for this process when `enable` is given. On needs a build for a CPU
+    with AMX-INT8 and Linux's grant of the tile state; otherwise this stays False. Either way the
+    results are the same bits (the vpdpbusd path computes the same int32 sums and fp32 operations).
+    Until set, on where possible unless TOKENMILL_AMX=0."""
+    return bool(_lib(lib).tm_w8a8_amx(-1 if enable is None else int(bool(enable))))
+
+
+def w8a8_amx_blocks(lib: Optional[ctypes.CDLL] = None) -> int:
+    """Blocks of 16 activation rows x one weight panel (`nr()` columns) that `gemm_w8a8` has computed
+    on AMX tiles in this process (a count for tests that the path ran)."""
+    return int(_lib(lib).tm_w8a8_amx_blocks())
 
 
 def gemm_w8a8(codes: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, n: int,

@@ -8,7 +8,8 @@ kernel, compiler or machine builds anew. Where no compiler is found or the build
 fails, `load()` returns None, a warning says why once, and callers keep their
 PyTorch paths.
 
-Variants (for tests on one machine): "native" (what the engine uses), "avx2"
+Variants (for tests on one machine): "native" (what the engine uses), "native-noamx"
+(`-mno-amx-tile -mno-amx-int8`: the native build as for a CPU without AMX), "avx2"
 (`-mno-avx512f`, the AVX2 + FMA path), "avx2-novnni" (also without AVX-VNNI) and
 "generic" (`-DTM_GENERIC`, plain C).
 
@@ -41,6 +42,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fass
          "-fno-signed-zeros", "-fPIC", "-shared", "-pthread")
 VARIANTS = {
     "native": (),
+    "native-noamx": ("-mno-amx-tile", "-mno-amx-int8"),
     "avx2": ("-mno-avx512f",),
     "avx2-novnni": ("-mno-avx512f", "-mno-avxvnni"),
     "generic": ("-DTM_GENERIC",),

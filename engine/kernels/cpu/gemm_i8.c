@@ -22,8 +22,45 @@
  *     with SmoothQuant smoothing and groups of 64: weights in [-63, 63] give perplexity
  *     +0.01% over fp32 and [-127, 127] +0.23% (benchmarks/quality.py): the smoothed weights'
  *     rounding is not what limits W8A8 there.
+ *   AMX (AMX-TILE + AMX-INT8: Xeon since Sapphire Rapids): TDPBUSD is vpdpbusd's product on tiles,
+ *     C[16 rows][16 int32] += A[16 rows][64 unsigned bytes] . B[16 rows of 4 k x 16 columns, signed],
+ *     16 x 16 x 64 multiply-adds per instruction (Intel 64 and IA-32 Architectures Software
+ *     Developer's Manual, vol. 1, "Programming with Intel AMX", and vol. 2: LDTILECFG, TILELOADD,
+ *     TDPBUSD, TILESTORED; and the Intel AMX chapter of the Optimization Reference Manual). A panel's
+ *     code rows are already B's layout, so both operands are tile-loaded in place: B = 16 code rows
+ *     (64 k) at a stride of TM_NR * 4 bytes, their first 64 bytes for columns 0-15, the next 64 for
+ *     16-31; A = 16 activation rows of 64 bytes at a stride of kp. A block is 32 rows x one panel:
+ *     C tiles 2 x 2, two A and two B tiles (all eight; each loaded tile feeds two TDPBUSD). With gs = 64 a group is one
+ *     TDPBUSD per C tile; its int32 sums are stored (TILESTORED) and scaled by the same vector steps
+ *     as the VNNI kernel (the offset's comp subtracted, converted, one fma with the row's scale into
+ *     the running fp32 sum, group after group), so both paths give the same bits and a row's result
+ *     does not depend on which path its batch took. Pipelined: the lower C tiles of group g - 1 are
+ *     stored while the upper ones of g compute, and g - 1 is scaled after g's tiles are issued. Used
+ *     for gs a multiple of 64 (the engine's 64) on the whole 16-row tiles of a call of 16 rows or
+ *     more (the rest and smaller calls: vpdpbusd), where the build has AMX (__AMX_TILE__,
+ *     __AMX_INT8__ with AVX512-VNNI), the CPU reports it and Linux grants the process the tile state
+ *     (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once); each chunk loads the tile
+ *     configuration on the thread that runs it (the pool's workers and the caller) and releases it
+ *     after. TOKENMILL_AMX=0 or tm_w8a8_amx(0) keeps the vpdpbusd path.
+ *     The next panel's rows of y are prefetched for writing: where y outgrows the caches (the LM
+ *     head) a block's rows came out in one burst of write-allocate misses.
+ *     Measured on a 2-core Xeon VM (AMX-INT8, AVX512-VNNI; shared, the runs niced, another job on
+ *     about one core), python -m benchmarks.w8a8_ab OLD.so NEW.so --threads 2 --m 16,32,64,128
+ *     (activation quantization included, interleaved), sum over SmolLM2-135M's four decoder
+ *     projections, AMX / vpdpbusd: M = 16: 1.33, 32: 1.60, 64: 1.73, 128: 1.82 (per shape 1.28-1.86;
+ *     LM head 1.02-2.28); --threads 1: 1.37, 1.65, 1.84, 1.86 (benchmarks/results/w8a8_amx_xeon.txt,
+ *     with a noisier run). Fewer than 16 rows would leave a tile part empty, so M = 16 is the
+ *     threshold: the GEMM alone on one core, M = 16, ran 1.6-2.1x faster on the four projections.
+ *     16x the multiply-adds per instruction do not make 16x here: each 64 k of int32 sums must leave
+ *     the tiles for the fp32 group scaling, and per 32 x 32 x 64 block the 4 tile stores (~20 ns)
+ *     and 64 vector conversions and fmas (~40-50 ns) cost more than the 4 TDPBUSD (~22 ns) and did
+ *     not overlap with the tile work, in a microbenchmark and in every order tried (the sums of
+ *     several groups stored before one fp32 pass with the running sums in registers; a signed copy
+ *     of the activations and TDPBSSD, so that no offset is subtracted): ~130 ns a block in L2,
+ *     against ~290 ns for vpdpbusd, on one core.
  *   plain C: int32 loops.
- * All give the same int32 sums, so the paths agree up to the fp32 epilogue.
+ * All give the same int32 sums, so the paths agree up to the fp32 epilogue (and the AVX-512 and
+ * AMX paths in it).
  *
  * Layouts:
  *   activations: [m, kp] bytes (kp = k rounded up to 4), from tm_quantize_act; scales
@@ -296,6 +333,197 @@ static void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char *re
 }
 #endif
 
+/* ---------------------------------------------------------------- AMX tiles (see the header) */
+
+#if defined(TM_AVX512) && defined(TM_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__x86_64__) && defined(__linux__)
+#define TM_AMX 1
+#endif
+
+#define TM_AMX_MIN_M 16 /* rows in whole tiles of 16; the rest (and calls with fewer) take vpdpbusd */
+
+#if defined(TM_AMX)
+#include <cpuid.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ISUM (32 * TM_NR + 16 * 21) /* int32 per buffer of a group's sums: 32 x 32, then 1344 bytes so
+                                          that two buffers' rows differ modulo 4 KB (no 4K aliasing) */
+#define TM_ARCH_GET_XCOMP_PERM 0x1022 /* <asm/prctl.h>, Linux 5.16 */
+#define TM_ARCH_REQ_XCOMP_PERM 0x1023
+#define TM_XFEATURE_XTILEDATA 18
+
+static int amx_granted;
+static pthread_once_t amx_detect_once = PTHREAD_ONCE_INIT;
+static _Atomic int amx_state = -1; /* -1 until the first call decides (TOKENMILL_AMX), then 0 or 1 */
+static _Atomic int64_t amx_blocks; /* blocks of 16 rows x one panel computed on tiles (tm_w8a8_amx_blocks) */
+
+/* The CPU has AMX-TILE and AMX-INT8 (CPUID.(EAX=7, ECX=0):EDX bits 24 and 25) and Linux grants this
+ * process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction
+ * raises SIGILL). Asked once per process, on the first W8A8 GEMM that could use the tiles; the grant
+ * holds for all its threads and its forked children (Linux's Documentation/arch/x86/xstate.rst; from
+ * then on Linux also refuses sigaltstack()s too small for the tile state). */
+static void amx_detect(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return;
+    if (syscall(SYS_arch_prctl, TM_ARCH_REQ_XCOMP_PERM, TM_XFEATURE_XTILEDATA) != 0) return;
+    unsigned long perm = 0;
+    if (syscall(SYS_arch_prctl, TM_ARCH_GET_XCOMP_PERM, &perm) != 0 || !(perm & (1ul << TM_XFEATURE_XTILEDATA)))
+        return;
+    amx_granted = 1;
+}
+
+static int amx_available(void) {
+    pthread_once(&amx_detect_once, amx_detect);
+    return amx_granted;
+}
+
+/* Tile palette 1: tmm0-3 the int32 sums C[i][j] (rows 16 i.., columns 16 j.. of a 32 x 32 block),
+ * tmm4-5 two A tiles (16 activation rows x 64 bytes), tmm6-7 two B tiles (16 rows of 64 bytes: 16
+ * columns x 4 k), every tile 16 rows of 64 bytes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+static const amx_tilecfg amx_cfg __attribute__((aligned(64))) = {
+    .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* fp32 rows [rows][TM_NR] += group g's int32 sums isum [rows][TM_NR] (offset removed, and the group's
+ * last k short of 64 added by vpdpbusd) converted and times the rows' scales, as ukr_i8 does it. */
+TM_INLINE void amx_group_epilogue(const int rows, int64_t g, int64_t kt, int64_t g1, const int32_t *restrict isum,
+                                  const unsigned char *restrict a, int64_t lda, const float *restrict sa, int64_t ng,
+                                  const int8_t *restrict b, const int32_t *restrict comp, float *restrict facc) {
+    const __m512i c0 = _mm512_loadu_si512(comp + g * TM_NR), c1 = _mm512_loadu_si512(comp + g * TM_NR + 16);
+    for (int r = 0; r < rows; ++r) {
+        __m512i v0 = _mm512_sub_epi32(_mm512_load_si512(isum + r * TM_NR), c0);
+        __m512i v1 = _mm512_sub_epi32(_mm512_load_si512(isum + r * TM_NR + 16), c1);
+        for (int64_t kk = kt; kk < g1; kk += 4) {
+            const __m512i x = VI_BCAST32(a + r * lda + kk);
+            v0 = _mm512_dpbusd_epi32(v0, x, VI_LOAD(b + kk * TM_NR));
+            v1 = _mm512_dpbusd_epi32(v1, x, VI_LOAD(b + kk * TM_NR + 64));
+        }
+        const __m512 sc = _mm512_set1_ps(sa[r * ng + g]);
+        float *f = facc + r * TM_NR;
+        _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), sc, _mm512_load_ps(f)));
+        _mm512_store_ps(f + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), sc, _mm512_load_ps(f + 16)));
+    }
+}
+
+/* fp32 tile [16 mt][TM_NR] for 16 mt activation rows (mt = 1 or 2) times one packed panel: the values
+ * ukr_i8 computes, by the same fp32 operations in the same order (each group's exact int32 sums
+ * converted, times the row's scale, added to the running sum by one fma). Each 64 k of a group is one
+ * TDPBUSD per C tile, read in place: A from the activation rows (stride lda), B from the panel's code
+ * rows (16 rows of k / 4 at a stride of TM_NR * 4 bytes, the first or second 64 bytes of each). The
+ * last group's k short of a multiple of 64 (where kp is not one; the driver takes only gs a multiple
+ * of 64) go through vpdpbusd. Software-pipelined: group g's tiles are computed before group g - 1's sums are scaled (from the
+ * other of two buffers), and with two tile rows the lower C tiles of g - 1 are stored while the upper
+ * ones of g compute. The thread's tiles must be configured with amx_cfg. */
+TM_INLINE void amx_block(const int mt, int64_t kp, int64_t gs, const unsigned char *restrict a, int64_t lda,
+                         const float *restrict sa, int64_t ng, const int8_t *restrict b, const int32_t *restrict comp,
+                         float *restrict facc, int32_t *restrict isum, const char *pf, int64_t pf_len) {
+    const int rows = 16 * mt;
+    const int64_t pf_per_group = ((pf_len + ng - 1) / ng + 63) / 64 * 64;
+    int64_t pf_off = 0;
+    for (int r = 0; r < rows; ++r) {
+        _mm512_store_ps(facc + r * TM_NR, _mm512_setzero_ps());
+        _mm512_store_ps(facc + r * TM_NR + 16, _mm512_setzero_ps());
+    }
+    for (int64_t g = 0; g <= ng; ++g) {
+        int32_t *cur = isum + (g & 1) * AMX_ISUM, *prev = isum + ((g + 1) & 1) * AMX_ISUM;
+        if (g < ng) {
+            const int64_t g0 = g * gs, g1 = g0 + gs < kp ? g0 + gs : kp, kt = g0 + (g1 - g0) / 64 * 64;
+            for (const int64_t end = pf_off + pf_per_group; pf_off < end && pf_off < pf_len; pf_off += 64)
+                __builtin_prefetch(pf + pf_off, 0, 2);
+            if (kt - g0 == 64) { /* one TDPBUSD per C tile: the lower ones start once g - 1's are stored */
+                _tile_loadd(6, b + g0 * TM_NR, TM_NR * 4);
+                _tile_loadd(7, b + g0 * TM_NR + 64, TM_NR * 4);
+                _tile_loadd(4, a + g0, lda);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbusd(1, 4, 7);
+                if (mt == 2) {
+                    if (g > 0) {
+                        _tile_stored(2, prev + 16 * TM_NR, TM_NR * 4);
+                        _tile_stored(3, prev + 16 * TM_NR + 16, TM_NR * 4);
+                    }
+                    _tile_loadd(5, a + 16 * lda + g0, lda);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    _tile_dpbusd(2, 5, 6);
+                    _tile_dpbusd(3, 5, 7);
+                }
+            } else {
+                if (mt == 2 && g > 0) {
+                    _tile_stored(2, prev + 16 * TM_NR, TM_NR * 4);
+                    _tile_stored(3, prev + 16 * TM_NR + 16, TM_NR * 4);
+                }
+                _tile_zero(0);
+                _tile_zero(1);
+                if (mt == 2) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int64_t kk = g0; kk < kt; kk += 64) {
+                    _tile_loadd(6, b + kk * TM_NR, TM_NR * 4);
+                    _tile_loadd(7, b + kk * TM_NR + 64, TM_NR * 4);
+                    _tile_loadd(4, a + kk, lda);
+                    _tile_dpbusd(0, 4, 6);
+                    _tile_dpbusd(1, 4, 7);
+                    if (mt == 2) {
+                        _tile_loadd(5, a + 16 * lda + kk, lda);
+                        _tile_dpbusd(2, 5, 6);
+                        _tile_dpbusd(3, 5, 7);
+                    }
+                }
+            }
+            _tile_stored(0, cur, TM_NR * 4);
+            _tile_stored(1, cur + 16, TM_NR * 4);
+        } else if (mt == 2) {
+            _tile_stored(2, prev + 16 * TM_NR, TM_NR * 4);
+            _tile_stored(3, prev + 16 * TM_NR + 16, TM_NR * 4);
+        }
+        if (g > 0) {
+            const int64_t h0 = (g - 1) * gs, h1 = h0 + gs < kp ? h0 + gs : kp;
+            amx_group_epilogue(rows, g - 1, h0 + (h1 - h0) / 64 * 64, h1, prev, a, lda, sa, ng, b, comp, facc);
+        }
+    }
+}
+#endif
+
+/* Whether tm_gemm_w8a8 runs its tiles of 16 or more rows on AMX: mode < 0 asks, 0 turns it off, 1 on
+ * (where the CPU and the kernel allow it). Until set, on unless TOKENMILL_AMX=0. Returns the state
+ * now (0 in builds without AMX). */
+int tm_w8a8_amx(int mode) {
+#if defined(TM_AMX)
+    if (mode >= 0) {
+        atomic_store(&amx_state, mode && amx_available());
+    } else if (atomic_load_explicit(&amx_state, memory_order_relaxed) < 0) {
+        const char *env = getenv("TOKENMILL_AMX");
+        int undecided = -1;
+        atomic_compare_exchange_strong(&amx_state, &undecided, !(env && strcmp(env, "0") == 0) && amx_available());
+    }
+    return atomic_load_explicit(&amx_state, memory_order_relaxed);
+#else
+    (void)mode;
+    return 0;
+#endif
+}
+
+/* Blocks of 16 activation rows x one panel of TM_NR columns that tm_gemm_w8a8 has computed on AMX
+ * tiles in this process (so tests can tell that the path ran; 0 in builds without AMX). */
+int64_t tm_w8a8_amx_blocks(void) {
+#if defined(TM_AMX)
+    return atomic_load_explicit(&amx_blocks, memory_order_relaxed);
+#else
+    return 0;
+#endif
+}
+
 /* ---------------------------------------------------------------- driver */
 
 typedef struct {
@@ -307,7 +535,25 @@ typedef struct {
     int64_t lda, ldy, m, n, kp, gs, ng, pb;
     int64_t mc, npanels, group, ngroups;
     int accumulate;
+    int amx; /* row blocks of 16 run on AMX tiles */
 } i8_ctx;
+
+/* y rows [r, r + rows), columns [n0, n0 + ncols) from an fp32 tile [rows][TM_NR]: tile * sw (+ bias) (+ y).
+ * One copy (noinline) for every path, so that the compiler's contraction of these operations is the
+ * same wherever a row was computed. */
+static __attribute__((noinline)) void store_rows(const i8_ctx *c, const float *tile, int64_t r, int rows, int64_t n0,
+                                                 int ncols, const float *sw) {
+    for (int i = 0; i < rows; ++i) {
+        float *yr = c->y + (r + i) * c->ldy + n0;
+        const float *t = tile + i * TM_NR;
+        for (int j = 0; j < ncols; ++j) {
+            float v = t[j] * sw[j];
+            if (c->bias) v += c->bias[n0 + j];
+            if (c->accumulate) v += yr[j];
+            yr[j] = v;
+        }
+    }
+}
 
 #define I8_CASE(MR)                                                                                \
     case MR:                                                                                       \
@@ -319,7 +565,13 @@ static void i8_chunk(void *vctx, int64_t chunk) {
     const int64_t mb = chunk / c->ngroups, grp = chunk % c->ngroups;
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
-    float tile[TM_MR_I8 * TM_NR] __attribute__((aligned(64)));
+    /* rows [m0, m16) in AMX blocks of 32 (and one of 16), the rest in vpdpbusd tiles of TM_MR_I8 */
+    const int64_t m16 = c->amx ? m0 + (m1 - m0) / 16 * 16 : m0;
+    float tile[32 * TM_NR] __attribute__((aligned(64)));
+#if defined(TM_AMX)
+    int32_t isum[2 * AMX_ISUM] __attribute__((aligned(64)));
+    if (m16 > m0) _tile_loadconfig(&amx_cfg); /* per chunk: the pool's threads and the caller each run chunks */
+#endif
     for (int64_t p = p0; p < p1; ++p) {
         const char *pp = c->w + p * c->pb;
         const float *sw = (const float *)pp;
@@ -329,12 +581,35 @@ static void i8_chunk(void *vctx, int64_t chunk) {
         const int ncols = c->n - n0 < TM_NR ? (int)(c->n - n0) : TM_NR;
         /* each tile of this panel prefetches its share of the chunk's next panel (as gemm.c's
          * gemm_chunk), so that panel's first tile finds it in cache instead of waiting on memory */
-        const int64_t ntiles = (m1 - m0 + TM_MR_I8 - 1) / TM_MR_I8;
+        const int64_t ntiles = (m16 - m0 + 31) / 32 + (m1 - m16 + TM_MR_I8 - 1) / TM_MR_I8;
         const int64_t share = (c->pb + ntiles - 1) / ntiles;
-        for (int64_t r = m0, t = 0; r < m1; r += TM_MR_I8, ++t) {
+        const int64_t pf_len = p + 1 < p1 ? share : 0;
+        int64_t r = m0, t = 0;
+#if defined(TM_AMX)
+        for (; r < m16; ++t) {
+            const int mt = m16 - r >= 32 ? 2 : 1;
+            const unsigned char *a = c->a + r * c->lda;
+            const float *sa = c->sa + r * c->ng;
+            /* these rows' y of the next panel, for writing: a block's 16-32 rows of y come out in one
+             * burst, and where y is larger than the caches their write-allocate misses stalled it
+             * (LM head, M = 128: 409 -> 249 ns a block of 32 x 32 x 64) */
+            if (p + 1 < p1)
+                for (int i = 0; i < 16 * mt; ++i) {
+                    const float *yn = c->y + (r + i) * c->ldy + n0 + TM_NR;
+                    __builtin_prefetch(yn, 1, 3);
+                    __builtin_prefetch(yn + TM_NR - 1, 1, 3);
+                }
+            if (mt == 2)
+                amx_block(2, c->kp, c->gs, a, c->lda, sa, c->ng, codes, comp, tile, isum, pp + c->pb + t * share, pf_len);
+            else
+                amx_block(1, c->kp, c->gs, a, c->lda, sa, c->ng, codes, comp, tile, isum, pp + c->pb + t * share, pf_len);
+            store_rows(c, tile, r, 16 * mt, n0, ncols, sw);
+            r += 16 * mt;
+        }
+#endif
+        for (; r < m1; r += TM_MR_I8, ++t) {
             const int mr = m1 - r < TM_MR_I8 ? (int)(m1 - r) : TM_MR_I8;
             const char *pf = pp + c->pb + t * share;
-            const int64_t pf_len = p + 1 < p1 ? share : 0;
             const unsigned char *a = c->a + r * c->lda;
             switch (mr) {
                 I8_CASE(1)
@@ -348,18 +623,15 @@ static void i8_chunk(void *vctx, int64_t chunk) {
                 default:
                     break;
             }
-            for (int i = 0; i < mr; ++i) {
-                float *yr = c->y + (r + i) * c->ldy + n0;
-                const float *t = tile + i * TM_NR;
-                for (int j = 0; j < ncols; ++j) {
-                    float v = t[j] * sw[j];
-                    if (c->bias) v += c->bias[n0 + j];
-                    if (c->accumulate) v += yr[j];
-                    yr[j] = v;
-                }
-            }
+            store_rows(c, tile, r, mr, n0, ncols, sw);
         }
     }
+#if defined(TM_AMX)
+    if (m16 > m0) {
+        _tile_release(); /* back to the init state: context switches need not save the tiles */
+        atomic_fetch_add_explicit(&amx_blocks, (m16 - m0) / 16 * (p1 - p0), memory_order_relaxed);
+    }
+#endif
 }
 
 /* y[m, n] (+)= dequant(a) dequant(W)^T (+ bias), a and sa from tm_quantize_act (row stride kp
@@ -371,9 +643,11 @@ int tm_gemm_w8a8(const unsigned char *a, const float *sa, int64_t kp, int64_t gs
     i8_ctx c = {.a = a, .sa = sa, .w = (const char *)w_packed, .bias = bias, .y = y, .lda = kp, .ldy = ldy,
                 .m = m, .n = n, .kp = kp, .gs = gs, .ng = cdiv(kp, gs), .pb = panel_bytes(kp, gs),
                 .accumulate = accumulate};
+    c.amx = m >= TM_AMX_MIN_M && gs % 64 == 0 && tm_w8a8_amx(-1);
     const int threads = tm_get_num_threads();
+    const int64_t mr = c.amx ? 32 : TM_MR_I8; /* rows per tile */
     int64_t mc = TM_MC_BYTES / (kp > 0 ? kp : 1);
-    mc = mc < TM_MR_I8 ? TM_MR_I8 : mc - mc % TM_MR_I8;
+    mc = mc < mr ? mr : mc - mc % mr;
     if (mc > m) mc = m;
     const int64_t mblocks = cdiv(m, mc);
     c.mc = mc;
