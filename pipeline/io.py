@@ -253,8 +253,52 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
     return files
 
 
+INVALID_UTF8_COLUMN = "__tokenmill_invalid_utf8__"
+"""Added by the readers below where a row's text is not valid UTF-8: the names of its bad string
+columns (comma-separated; null for good rows). `pipeline.schema.build_request` makes such a row an
+error row; the job drops the column before writing."""
+
+
+def _to_polars(table: pa.Table) -> pl.DataFrame:
+    """`pl.from_arrow(table)`, with the values of string columns that are not valid UTF-8 replaced.
+
+    Parquet writers such as pyarrow store whatever bytes a string column was given, and polars
+    trusts them until it converts a value to Python, where it panics (the whole job would die on
+    one row). A bad value is decoded with U+FFFD for its bad bytes (so outputs stay valid Parquet),
+    and its row named in `INVALID_UTF8_COLUMN`. Only top-level string columns are checked.
+    """
+    bad: dict[int, list[str]] = {}
+    for i, field in enumerate(table.schema):
+        if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+            continue
+        column = table.column(i)
+        try:
+            column.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            pass
+        raw = column.cast(pa.large_binary(), safe=False).to_pylist()
+        fixed: list[Optional[str]] = []
+        for r, value in enumerate(raw):
+            if value is None:
+                fixed.append(None)
+                continue
+            try:
+                fixed.append(value.decode("utf-8"))
+            except UnicodeDecodeError:
+                fixed.append(value.decode("utf-8", "replace"))
+                bad.setdefault(r, []).append(field.name)
+        table = table.set_column(i, field, pa.array(fixed, field.type))
+    df = pl.from_arrow(table)
+    if bad:
+        df = df.with_columns(pl.Series(INVALID_UTF8_COLUMN, [", ".join(bad[r]) if r in bad else None
+                                                             for r in range(table.num_rows)], dtype=pl.String))
+    return df
+
+
 def read_rows(url: str, offset: int, length: int, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
-    """Rows [offset, offset+length) of one Parquet file, reading only the row groups that hold them.
+    """Rows [offset, offset+length) of one Parquet file, reading only the row groups that hold them
+    (text that is not valid UTF-8: see `_to_polars`).
 
     Raises:
         StorageError: the read failed (names the URL and the cause).
@@ -275,7 +319,7 @@ def read_rows(url: str, offset: int, length: int, storage_options: Optional[dict
             return pl.from_arrow(table)
         table = pf.read_row_groups(groups)
     table = table.slice(offset - first_start, length)
-    return pl.from_arrow(table)
+    return _to_polars(table)
 
 
 def read_schema(url: str, storage_options: Optional[dict[str, Any]] = None) -> pl.Schema:
@@ -449,16 +493,18 @@ def remove(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
 
 def iter_batches(url: str, columns: list[str], batch_rows: int = 4096,
                  storage_options: Optional[dict[str, Any]] = None) -> Iterator[pl.DataFrame]:
-    """The file's `columns` (only those are read), `batch_rows` rows at a time, in file order."""
+    """The file's `columns` (only those are read), `batch_rows` rows at a time, in file order
+    (text that is not valid UTF-8: see `_to_polars`)."""
     fs, path = filesystem(url, storage_options)
     with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
-            yield pl.from_arrow(pa.Table.from_batches([batch]))
+            yield _to_polars(pa.Table.from_batches([batch]))
 
 
 def read_rows_at(url: str, rows: Sequence[int], storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
-    """Rows `rows` (row numbers, any order, no repeats needed) of one Parquet file, in that order.
+    """Rows `rows` (row numbers, any order, no repeats needed) of one Parquet file, in that order
+    (text that is not valid UTF-8: see `_to_polars`).
 
     Reads only the row groups that hold them, one at a time (memory: one row group plus the result).
     """
@@ -483,4 +529,4 @@ def read_rows_at(url: str, rows: Sequence[int], storage_options: Optional[dict[s
             raise IndexError(f"{url} has {start} rows; row {want[k]} asked for")
         table = pa.concat_tables(pieces) if pieces else pf.schema_arrow.empty_table()
     pos = {r: i for i, r in enumerate(want)}
-    return pl.from_arrow(table.take(pa.array([pos[r] for r in rows], pa.int64())))
+    return _to_polars(table.take(pa.array([pos[r] for r in rows], pa.int64())))

@@ -1258,10 +1258,13 @@ def run_shards(
     scored = spec.score_choices is not None
     for shard, df, t0 in frames:
         seeds = shard.dataset_rows()
+        bad_text = df.get_column(io.INVALID_UTF8_COLUMN) if io.INVALID_UTF8_COLUMN in df.columns else None
+        df = df.drop(io.INVALID_UTF8_COLUMN, strict=False)  # it names a row's bad text; never an output column
         layout = InputLayout.from_schema(df.columns, spec.id_column)
         state = _ShardState(shard, df, layout, [None] * df.height, 0, t0, structured, scored)
         row_cols = [c for c in (spec.id_column, "prompt", "messages", *layout.overrides) if c in df.columns]
-        for i, row in enumerate(df.select(row_cols).iter_rows(named=True)):
+        rows = df.select(row_cols) if bad_text is None else df.select(row_cols).with_columns(bad_text)
+        for i, row in enumerate(rows.iter_rows(named=True)):
             req = build_request(row, layout, tokenizer, defaults, system_prompt=spec.system_prompt,
                                 use_chat_template=use_chat, max_model_len=max_model_len, vocab_size=vocab_size,
                                 truncate=spec.truncate)

@@ -31,6 +31,7 @@ from engine.config import (
 )
 from engine.structured.params import StructuredOutputsParams
 from engine.tokenizer import CHAT_ROLES, TOOL_ROLE, validate_messages
+from pipeline.io import INVALID_UTF8_COLUMN
 
 PROMPT_COLUMN = "prompt"
 MESSAGES_COLUMN = "messages"
@@ -272,6 +273,10 @@ def build_request(
 
 def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template, max_model_len, vocab_size,
                    truncate=False):
+    bad_text = row.get(INVALID_UTF8_COLUMN)
+    if bad_text:
+        raise ValueError(f"{bad_text} {'is' if ',' not in bad_text else 'are'} not valid UTF-8 text (the Parquet "
+                         f"file holds other bytes in a string column)")
     if layout.id_in_input and layout.id_column in row and row[layout.id_column] is None:
         raise ValueError(f"{layout.id_column} is null")
     overrides: dict[str, Any] = {}

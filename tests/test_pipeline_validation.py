@@ -270,3 +270,35 @@ def test_negative_seeds_are_seeds_and_minus_one_is_no_seed_of_its_own_as_in_vllm
                              seed=-3, plan="input"), llm)
     assert llm.seeds == [row_seed(-3, 0), row_seed(-3, 1), -7, 5]
     assert (report.rows_ok, report.rows_error) == (4, 0)
+
+
+@pytest.mark.parametrize("plan", ["input", "prefix"])
+def test_text_that_is_not_utf8_makes_its_row_an_error_row_and_the_rest_run(tmp_path, plan):
+    """pyarrow writes whatever bytes a string column is given; polars panicked on them when it built the
+    row (the whole job died). The row becomes an error row naming the column; other rows run; the
+    output stays valid Parquet, the bad bytes read as U+FFFD."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def text(values):
+        return pa.array(values, pa.binary()).cast(pa.string(), safe=False)  # no UTF-8 check, as a writer may do
+
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"],
+                             "prompt": text([b"Say a.", b"\xff\xfe\xfd", b"Say c.", b"Say d\xc3."]),
+                             "src": text([b"x", b"y", b"z\x80", b"w"])}), inp)
+    out = tmp_path / "out"
+    report = run_job(JobSpec(input=str(inp), output=str(out), progress=False, max_tokens=2, plan=plan), FakeLLM())
+    df = pl.read_parquet(f"{out}/part-*.parquet").sort("id")
+    why = "not valid UTF-8 text (the Parquet file holds other bytes in a string column)"
+    assert df["error"].to_list() == [None, f"prompt is {why}", f"src is {why}", f"prompt is {why}"]
+    clean = tmp_path / "clean.parquet"
+    pl.DataFrame({"id": ["a"], "prompt": ["Say a."], "src": ["x"]}).write_parquet(clean)
+    run_job(JobSpec(input=str(clean), output=str(tmp_path / "ref"), progress=False, max_tokens=2, plan=plan),
+            FakeLLM())
+    ref = pl.read_parquet(f"{tmp_path}/ref/part-*.parquet")
+    assert df["generation"].to_list() == [ref["generation"][0], None, None, None] and ref["generation"][0]
+    assert df["finish_reason"].to_list() == ["length", "error", "error", "error"]
+    assert df["src"].to_list() == ["x", "y", "z\ufffd", "w"]
+    assert df.columns == ref.columns  # the marker column never reaches the output
+    assert (report.rows_ok, report.rows_error) == (1, 3)
