@@ -313,6 +313,16 @@ def finish_sharded_quantization(model: LlamaModel, source, dtype: torch.dtype, d
     sync_row_parallel_int8(model, base, tp)
 
 
+def _grammar_error(seq: Sequence) -> Optional[str]:
+    """For a constrained sequence whose matcher ended in error, the error naming the constraint's kind
+    (`structured_outputs.regex: lexer error: too many expressions constructed`); else None. Its
+    masks allowed nothing but the end, so without this it came back as an empty "stop"."""
+    g = seq.grammar
+    if g is None or not g.is_error():
+        return None
+    return f"structured_outputs.{seq.request.params.structured_outputs.kind}: {g.error_message()}"
+
+
 def _is_valid(seq: Sequence, tokenizer: Any) -> Optional[bool]:
     """For a constrained sequence (None for others): finished with "stop" and its grammar accepts
     the output text. A row cut by a stop string is valid only when the cut falls on a token
@@ -1108,6 +1118,10 @@ class LLM:
             outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
                                      finish_reason=s.finish_reason, logprobs=s.logprobs, stop_reason=s.stop_reason,
                                      valid=_is_valid(s, self.tokenizer), num_forced_tokens=s.num_forced_tokens)
+                    if (problem := _grammar_error(s)) is None else
+                    CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids, finish_reason="error",
+                                     logprobs=s.logprobs, error=problem, valid=False,
+                                     num_forced_tokens=s.num_forced_tokens)
                     for s in req.seqs]
         m.output_tokens = sum(len(o.token_ids) for o in outs)
         cached = req.seqs[0].num_cached_tokens if req.seqs else 0

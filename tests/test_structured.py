@@ -217,6 +217,24 @@ def test_bad_constraints_are_error_outputs_and_the_other_rows_run(eng):
     assert errors[5] is None and outs[5].outputs[0].text in LABELS
 
 
+def test_a_constraint_the_grammar_engine_gives_up_on_is_an_error_completion_not_an_empty_stop(eng):
+    """llguidance compiles `a{100000000}` lazily and gives up while computing a mask ("too many expressions
+    constructed"); its masks then allow only the end token, which came back as an empty "stop" with no
+    error. Each such completion is an error naming the constraint; the unconstrained row runs as usual."""
+    prompt = _labelling_prompts(eng, 1)[0]
+    huge = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(regex="a{100000000}"))
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    outs = eng.generate([prompt, prompt, prompt], [huge, huge, plain], use_tqdm=False)
+    for o in outs[:2]:
+        c = o.outputs[0]
+        assert (c.finish_reason, c.valid) == ("error", False)
+        assert c.error == "structured_outputs.regex: lexer error: too many expressions constructed"
+        assert set(c.text) <= {"a"}  # what the grammar had allowed before it gave up
+    ref = eng.generate([prompt], [plain], use_tqdm=False)[0].outputs[0]
+    assert (outs[2].outputs[0].text, outs[2].outputs[0].finish_reason) == (ref.text, ref.finish_reason)
+    assert outs[2].outputs[0].error is None
+
+
 def test_one_compile_per_distinct_constraint(eng):
     """60 requests over 3 schemas (their keys in different orders) and a bad regex compile 4 times."""
     schemas = [PERSON, {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},

@@ -14,7 +14,7 @@ xgrammar backend would implement the same three classes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -56,6 +56,12 @@ class GrammarMatcher(ABC):
         """True when the output is complete and the grammar allows nothing but the end token
         (`GrammarBackend.eos_token_id`) next. Default False: never assumed."""
         return False
+
+    def error_message(self) -> Optional[str]:
+        """Why the matcher is in error (`is_error()`), in the backend's words; None when it is not.
+        Besides a forbidden token, a backend may give up on its own while computing a mask (llguidance:
+        "lexer error: too many expressions constructed" for `a{100000000}`)."""
+        return "the grammar rejected the output" if self.is_error() else None
 
 
 class CompiledGrammar(ABC):

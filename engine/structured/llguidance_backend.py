@@ -50,6 +50,12 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_stopped(self) -> bool:
         return bool(self.m.is_stopped())
 
+    def error_message(self) -> str | None:
+        if not self.m.is_error():
+            return None
+        text = self.m.get_error().strip()  # its first line; a dump of the parser's state follows
+        return text.splitlines()[0] if text else "the grammar rejected the output"
+
 
 class LLGuidanceGrammar(CompiledGrammar):
     def __init__(self, template: Any) -> None:
