@@ -946,6 +946,8 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             shards = [Shard.from_json(d) for d in previous["shards"]]
             stats = PlanStats(**previous.get("plan", {}))
         done = done_shards(spec)
+        if done:
+            done = _drop_markers_of_lost_parts(spec, shards, done)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):  # the run holds the output: it books its cost as every run does
             plan = JobPlan(spec=spec, job_id=digest[:16], run_id=run_id, shards=[], pending=[], started_at=started_at,
@@ -959,6 +961,24 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
     structured = spec.constrained or any(c in f.columns for f in files for c in CONSTRAINT_COLUMNS)
     return JobPlan(spec=spec, job_id=digest[:16], run_id=run_id, shards=shards, pending=pending,
                    started_at=started_at, stats=stats, columns=columns, lease=lease, structured=structured)
+
+
+def _drop_markers_of_lost_parts(spec: JobSpec, shards: list[Shard], done: dict[int, ShardResult]
+                                ) -> dict[int, ShardResult]:
+    """`done` without the shards whose part file is gone (deleted after its commit): their done markers
+    are removed, with a warning naming them, so this run computes them again. Called by the run that
+    holds the output's lease, before any shard runs; one listing of the output folder."""
+    present = set(io.list_names(spec.output, spec.storage_options))
+    lost = [s for s in shards if s.index in done and s.name not in present]
+    if not lost:
+        return done
+    names = ", ".join(s.name for s in lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+    warnings.warn(f"{spec.output}: {names} missing though the job's done marker says committed (deleted "
+                  f"since?): {sum(s.length for s in lost)} rows of {len(lost)} shard{'s' if len(lost) > 1 else ''} "
+                  f"computed again", stacklevel=3)
+    for s in lost:
+        io.remove(manifest.marker_url(spec.output, s.name), spec.storage_options)
+    return {i: r for i, r in done.items() if i not in {s.index for s in lost}}
 
 
 ID_EXAMPLES = 5  # offending rows a warning names

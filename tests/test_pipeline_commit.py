@@ -103,6 +103,27 @@ def test_a_part_file_without_its_marker_is_adopted_with_counts_from_the_file(out
     assert done_shards(out, {})[1] == result
 
 
+def test_a_part_file_deleted_after_its_commit_is_computed_again_with_a_warning(output):
+    """A resume trusted the done marker of a part file someone deleted: it said ok and the rows were gone."""
+    from pipeline import run_job
+
+    inp, out = output
+    spec = JobSpec(input=inp, output=out, max_tokens=3, shard_size=2, plan="input", progress=False)
+    first = run_job(spec, FakeLLM())
+    before = io.read_parquet(io.join(out, "part-00001.parquet"))
+    io.remove(io.join(out, "part-00001.parquet"))
+    with pytest.warns(UserWarning) as caught:
+        report = run_job(spec, FakeLLM())
+    assert [str(w.message) for w in caught] == [
+        f"{out}: part-00001.parquet missing though the job's done marker says committed (deleted since?): 2 rows "
+        f"of 1 shard computed again"]
+    assert (first.rows_ok, report.rows_skipped, report.rows_ok, report.status) == (6, 4, 2, "ok")
+    assert io.read_parquet(io.join(out, "part-00001.parquet")).equals(before)
+    names = sorted(n for n in io.list_names(out) if n.startswith("part-"))
+    assert [i for n in names for i in io.read_parquet(io.join(out, n))["id"].to_list()] == IDS
+    assert sorted(done_shards(out, {})) == [0, 1, 2]
+
+
 def test_two_attempts_racing_to_commit_leave_one_part_file(output):
     inp, out = output
     spec = JobSpec(input=inp, output=out, max_tokens=3, shard_size=6, plan="input", progress=False)
