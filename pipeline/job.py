@@ -395,13 +395,23 @@ def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not valid YAML/JSON, or not a mapping (the message names the file and the line).
+        ValueError: a directory or an unreadable file, not UTF-8 text, empty, not valid YAML/JSON, or not a
+            mapping (the message names the file, and the line where the parser gives one).
     """
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"spec file {path} not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"spec file {path}: is a directory") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"spec file {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at position "
+                         f"{exc.start}); a spec file is YAML or JSON") from None
+    except OSError as exc:  # a permission, a device error: said in the system's words, the file named
+        raise ValueError(f"spec file {path}: cannot read it: {exc.strerror or exc}") from None
+    if not text.strip():
+        raise ValueError(f"spec file {path}: is empty; expected a mapping of JobSpec fields")
     if str(path).endswith(".json"):
         try:
             doc = json.loads(text)
@@ -417,6 +427,8 @@ def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ValueError(f"{path}: not valid YAML: {problem}{where}") from None
+    if doc is None:  # only comments, `---` or `null`
+        raise ValueError(f"{path}: expected a mapping of JobSpec fields, got an empty document")
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping of JobSpec fields, got {type(doc).__name__}")
     if "spec" in doc:

@@ -120,6 +120,34 @@ def test_spec_file_errors_name_the_file_line_and_field(tmp_path, capsys):
         assert capsys.readouterr().err.splitlines() == ["tokenmill: invalid job options:", f"  {line}"]
 
 
+def test_a_spec_file_that_is_a_directory_binary_or_empty_is_one_line_naming_it(tmp_path, capsys):
+    """Refused as a missing spec file is (exit 1, one line naming the file), never a traceback or a
+    decoder's message without the file's name."""
+    missing = tmp_path / "nope.yaml"
+    assert main(["run", "--spec", str(missing)]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"tokenmill: spec file {missing} not found"]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    binary = tmp_path / "job.yaml"
+    binary.write_bytes(b"a\x85b: 1\n")
+    empty = tmp_path / "spec_empty.yaml"
+    empty.write_text("")
+    blank = tmp_path / "blank.json"
+    blank.write_text("\n  \n")
+    comments = tmp_path / "comments.yaml"
+    comments.write_text("# nothing yet\n")
+    for path, line in (
+            (folder, f"spec file {folder}: is a directory"),
+            (binary, f"spec file {binary}: not UTF-8 text (byte 0x85 at position 1); a spec file is YAML or JSON"),
+            (empty, f"spec file {empty}: is empty; expected a mapping of JobSpec fields"),
+            (blank, f"spec file {blank}: is empty; expected a mapping of JobSpec fields"),
+            (comments, f"{comments}: expected a mapping of JobSpec fields, got an empty document")):
+        assert main(["run", "--spec", str(path)]) == 1
+        assert capsys.readouterr().err.splitlines() == [f"tokenmill: {line}"]
+    assert main(["run", "--spec", str(folder), "--verbose"]) == 1  # the traceback only when asked for
+    assert capsys.readouterr().err.startswith("Traceback (most recent call last):")
+
+
 def test_errors_are_short_unless_verbose(tmp_path, capsys):
     inp = tmp_path / "in.parquet"
     pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
