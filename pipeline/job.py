@@ -862,9 +862,9 @@ def check_inputs(spec: JobSpec, files: list[io.InputFile]) -> dict[str, pl.DataT
         The output type of each id / pass-through column (`schema.unify_input_columns`).
 
     Raises:
-        ValueError: a file without a prompt column, a named `id_column` (other than the default
-            "id") that a file lacks, or files that disagree on an output column (the message
-            names the file and the column).
+        ValueError: a file without a prompt column or with a column name twice, a named `id_column`
+            (other than the default "id") that a file lacks, or files that disagree on an output column
+            (the message names the file and the column).
     """
     for f in files:
         try:
