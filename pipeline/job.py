@@ -200,14 +200,18 @@ class JobSpec(BaseModel):
         default_factory=dict, repr=False,
         description="fsspec/s3fs options (endpoint_url, key, secret, config_kwargs, ...); default: AWS environment "
                     "variables; secrets are masked in JSON dumps")
-    lease_ttl_s: float = Field(60.0, gt=0, description="seconds a run's lease on the output lasts without a "
-                                                       "heartbeat (a dead run's lease expires after it)")
+    lease_ttl_s: float = Field(60.0, gt=0, allow_inf_nan=False,  # an inf lease would never expire
+                               description="seconds a run's lease on the output lasts without a heartbeat (a dead "
+                                           "run's lease expires after it)")
 
-    price_per_hour: float = Field(1.0, ge=0, description="USD per device-hour, for the cost report")
+    # finite: an inf price gave a cost of inf and USD per token of nan in the report (nan was refused by ge=0)
+    price_per_hour: float = Field(1.0, ge=0, allow_inf_nan=False,
+                                  description="USD per device-hour, for the cost report")
     device_name: Optional[str] = Field(None, description="device name in the report (default: the engine's)")
     device_count: Optional[int] = Field(None, ge=1, description="devices the job holds, for the cost report "
                                                                 "(default: tensor_parallel_size, else 1)")
-    output_token_weight: float = Field(4.0, gt=0, description="cost of one output token in uncached input tokens")
+    output_token_weight: float = Field(4.0, gt=0, allow_inf_nan=False,
+                                       description="cost of one output token in uncached input tokens")
     overwrite: bool = Field(False, description="delete the job outputs already at the output and start over")
     progress: bool = Field(True, description="show a tqdm progress bar and what the job is doing")
 

@@ -148,6 +148,34 @@ def test_a_spec_file_that_is_a_directory_binary_or_empty_is_one_line_naming_it(t
     assert capsys.readouterr().err.startswith("Traceback (most recent call last):")
 
 
+def test_price_weight_and_lease_ttl_must_be_finite(tmp_path, capsys):
+    """--price-per-hour inf gave a cost of inf and nan USD per token in the report (nan was refused, by ge=0,
+    inf not); an inf --lease-ttl-s failed on the lease's expiry time. Refused as nan is, and from Python too."""
+    import pytest
+    from pydantic import ValidationError
+
+    from pipeline import JobSpec
+
+    run = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
+    for flag, value in (("--price-per-hour", "inf"), ("--price-per-hour", "nan"), ("--price-per-hour", "1e400"),
+                        ("--price-per-hour=-inf", None), ("--output-token-weight", "inf"),
+                        ("--lease-ttl-s", "inf")):
+        assert main(run + [flag] + ([value] if value else [])) == 1
+        name, _, given = flag.partition("=")
+        assert capsys.readouterr().err.splitlines() == [
+            "tokenmill: invalid job options:", f"  {name}: Input should be a finite number (got {float(value or given)})"]
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("input: in.parquet\noutput: out\nprice_per_hour: .inf\n")
+    assert main(["run", "--spec", str(spec_file)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill: invalid job options:", f"  {spec_file}:3: price_per_hour: Input should be a finite number (got inf)"]
+    for field in ("price_per_hour", "output_token_weight", "lease_ttl_s"):
+        with pytest.raises(ValidationError) as exc:
+            JobSpec(input="in.parquet", output="out", **{field: float("inf")})
+        assert [(e["loc"], e["msg"]) for e in exc.value.errors()] == [((field,), "Input should be a finite number")]
+    assert JobSpec(input="in.parquet", output="out", price_per_hour=0, lease_ttl_s=1e9).price_per_hour == 0.0
+
+
 def test_errors_are_short_unless_verbose(tmp_path, capsys):
     inp = tmp_path / "in.parquet"
     pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
