@@ -223,6 +223,23 @@ def test_progress_says_what_the_job_is_doing_while_the_model_loads(tmp_path, cap
     assert err.index("model loaded") < err.index("3/3")  # the progress bar starts after the model is loaded
 
 
+def test_the_rows_and_shards_to_run_are_counted_in_the_singular_for_one(tmp_path, capsys):
+    from pipeline import JobSpec, run_job
+    from pipeline.testing import FakeLLM
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3], "prompt": ["A.", "B.", "C."]}).write_parquet(inp)
+
+    def first_line(**fields) -> str:
+        run_job(JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, plan="input", **fields), FakeLLM())
+        return next(line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenmill: "))
+
+    assert first_line(shard_size=10, overwrite=True) == "tokenmill: 3 rows in 1 shard to run"
+    assert first_line(shard_size=2, overwrite=True) == "tokenmill: 3 rows in 2 shards to run"
+    (tmp_path / "out" / "_job" / "done" / "part-00001.json").unlink()  # its shard is to run again on resume
+    assert first_line(shard_size=2) == "tokenmill: 1 row in 1 shard to run (1 shard done before)"
+
+
 def _fake_job(tmp_path, name: str = "out", seed: int = 13) -> str:
     """A finished 2-row job at tmp_path/name, run on the FakeLLM (its metrics are what `report` reads)."""
     from pipeline import JobSpec, run_job
