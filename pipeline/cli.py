@@ -442,7 +442,16 @@ EXIT_ALL_ERRORS = 4  # done, but every row of the job is an error row: nothing w
 class _Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors exit EXIT_REFUSED, as every other bad option does: argparse's
     own 2 would read as EXIT_OTHER_JOB, and a script that re-runs with --overwrite on 2 would then
-    delete a job's outputs over a mistyped flag."""
+    delete a job's outputs over a mistyped flag.
+
+    Prefixes of long options are not taken for the option (allow_abbrev=False, here and on the
+    subcommands' parsers, which are of this class): `--max-token 5` is refused as an unrecognized
+    argument, as `--max-tokns 5` is, instead of silently meaning `--max-tokens 5` (and a prefix
+    that works today would turn ambiguous, or mean another option, when a flag is added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         """Print `PROG: error: MESSAGE` and where the options are (`see 'tokenmill run --help'`) on stderr,

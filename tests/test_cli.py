@@ -469,6 +469,31 @@ def test_an_unknown_flag_is_refused_by_the_command_it_follows(tmp_path, capsys):
         "tokenmill report: error: unrecognized arguments: --bogus", "see 'tokenmill report --help'"]
 
 
+def test_a_prefix_of_an_option_is_refused_as_an_unknown_option(tmp_path, capsys):
+    """argparse took `--max-token 5` for `--max-tokens 5` (prefix matching): now it is refused as the typo
+    `--max-tokns 5` is, so that what a command means cannot change when a flag is added."""
+    import pytest
+
+    def usage_error(*argv: str) -> list[str]:
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        assert exc.value.code == 1, argv
+        return capsys.readouterr().err.splitlines()
+
+    run = ["run", "--input", "in.parquet", "--output", "out"]
+    for typo in ("--max-tokns", "--max-token", "--price"):
+        assert usage_error(*run, typo, "5") == [f"tokenmill run: error: unrecognized arguments: {typo} 5",
+                                                "see 'tokenmill run --help'"]
+    assert usage_error(*run, "--no-prog") == ["tokenmill run: error: unrecognized arguments: --no-prog",
+                                              "see 'tokenmill run --help'"]
+    assert usage_error("demo", "--jo", "synthetic") == ["tokenmill demo: error: unrecognized arguments: --jo synthetic",
+                                                        "see 'tokenmill demo --help'"]
+    assert usage_error("report", str(tmp_path), "--al") == ["tokenmill report: error: unrecognized arguments: --al",
+                                                            "see 'tokenmill report --help'"]
+    args = build_parser().parse_args(run + ["--max-tokens=5", "--no-progress", "-v"])  # the full names still work
+    assert (args.max_tokens, args.progress, args.verbose) == (5, False, True)
+
+
 def test_a_job_whose_every_row_is_an_error_row_exits_4_naming_the_most_common_error(tmp_path, capsys):
     """Exit 4: the job ran to the end and is booked, but nothing was generated (every row an error row: a
     job-level mistake such as a context too small for every prompt). A re-run resumes nothing and says
