@@ -524,6 +524,32 @@ def test_a_job_whose_every_row_is_an_error_row_exits_4_naming_the_most_common_er
     assert main(run + ["--overwrite"]) == 0
 
 
+def test_exit_4_names_the_first_error_when_no_error_is_more_common_than_another(tmp_path, capsys):
+    """'the most common error (1 of its 3 rows)' said nothing when each row's error differs: then the line
+    counts the distinct errors and gives the first, with its id; one row's error is that row's."""
+    from pipeline import JobSpec, cache_llm
+    from pipeline.testing import FakeLLM
+
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 12}), FakeLLM())
+    inp = tmp_path / "in.parquet"
+    out = tmp_path / "out"
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=12",
+           "--plan", "input", "--overwrite"]
+    end = f"; see the error column of {out}/part-*.parquet (exit 4)"
+    for frame, line in (
+            ({"id": ["a", "b", "c"], "prompt": [1, 2, 3]},
+             "(3 rows, nothing generated); the 3 rows of part-00000.parquet have 3 distinct errors, the first "
+             "(id 'a'): prompt must be a string, got int 1"),
+            ({"id": [7], "prompt": [""]},
+             "(1 row, nothing generated); the error of part-00000.parquet's one row (id 7): prompt is empty"),
+            ({"id": [1, 2, 3], "prompt": [None, "", ""]},  # one error is the most common: said as before
+             "(3 rows, nothing generated); the most common error of part-00000.parquet (2 of its 3 rows): prompt "
+             "is empty")):
+        pl.DataFrame(frame).write_parquet(inp)
+        assert main(run) == 4
+        assert capsys.readouterr().err.splitlines()[-1] == f"tokenmill: every row of the job is an error row {line}{end}"
+
+
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):
     from pipeline import JobSpec, cache_llm, read_metrics
     from pipeline.testing import FakeLLM
