@@ -148,6 +148,33 @@ def test_a_spec_file_that_is_a_directory_binary_or_empty_is_one_line_naming_it(t
     assert capsys.readouterr().err.startswith("Traceback (most recent call last):")
 
 
+def test_relative_paths_in_a_spec_file_are_relative_to_the_current_directory(tmp_path, capsys, monkeypatch):
+    """As README says: a spec file's `input`, `output`, `json_schema` are read from where the command runs,
+    not from the spec file's folder."""
+    from pipeline import JobSpec, cache_llm
+    from pipeline.testing import FakeLLM
+
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 14}), FakeLLM())  # a key no other test uses
+    sub = tmp_path / "specs"
+    sub.mkdir()
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(sub / "in.parquet")  # beside the spec: not read
+    (sub / "label.json").write_text('{"type": "object"}')
+    spec_file = sub / "job.yaml"
+    spec_file.write_text("input: in.parquet\noutput: out\njson_schema: label.json\nengine_options:\n  seed: 14\n"
+                         "progress: false\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--spec", str(spec_file)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: json_schema: cannot read label.json: [Errno 2] No such file or directory: "
+        f"'{tmp_path}/label.json'"]
+    spec_file.write_text("input: in.parquet\noutput: out\nengine_options:\n  seed: 14\nprogress: false\n")
+    assert main(["run", "--spec", str(spec_file)]) == 1
+    assert capsys.readouterr().err.splitlines() == ["tokenmill: no Parquet files at in.parquet"]
+    (sub / "in.parquet").rename(tmp_path / "in.parquet")
+    assert main(["run", "--spec", str(spec_file)]) == 0
+    assert (tmp_path / "out" / "part-00000.parquet").exists() and not (sub / "out").exists()
+
+
 def test_price_weight_and_lease_ttl_must_be_finite(tmp_path, capsys):
     """--price-per-hour inf gave a cost of inf and nan USD per token in the report (nan was refused, by ge=0,
     inf not); an inf --lease-ttl-s failed on the lease's expiry time. Refused as nan is, and from Python too."""
