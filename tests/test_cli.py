@@ -190,12 +190,14 @@ def test_price_weight_and_lease_ttl_must_be_finite(tmp_path, capsys):
         assert main(run + [flag] + ([value] if value else [])) == 1
         name, _, given = flag.partition("=")
         assert capsys.readouterr().err.splitlines() == [
-            "tokenmill: invalid job options:", f"  {name}: Input should be a finite number (got {float(value or given)})"]
+            "tokenmill: invalid job options:",
+            f"  {name}: Input should be a finite number (got {float(value or given)})"]
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("input: in.parquet\noutput: out\nprice_per_hour: .inf\n")
     assert main(["run", "--spec", str(spec_file)]) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "tokenmill: invalid job options:", f"  {spec_file}:3: price_per_hour: Input should be a finite number (got inf)"]
+        "tokenmill: invalid job options:",
+        f"  {spec_file}:3: price_per_hour: Input should be a finite number (got inf)"]
     for field in ("price_per_hour", "output_token_weight", "lease_ttl_s"):
         with pytest.raises(ValidationError) as exc:
             JobSpec(input="in.parquet", output="out", **{field: float("inf")})
@@ -574,7 +576,8 @@ def test_exit_4_names_the_first_error_when_no_error_is_more_common_than_another(
              "is empty")):
         pl.DataFrame(frame).write_parquet(inp)
         assert main(run) == 4
-        assert capsys.readouterr().err.splitlines()[-1] == f"tokenmill: every row of the job is an error row {line}{end}"
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last == f"tokenmill: every row of the job is an error row {line}{end}"
 
 
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):
