@@ -30,6 +30,7 @@ Exit codes, one meaning each (a script may act on them):
     3    another run holds the output's lease; wait, or let its lease expire
     4    done, but every row of the job is an error row (nothing generated): the job is complete and
          booked, and a re-run resumes nothing and exits 4 again; stderr names the most common error
+         (or, when every row's error differs, how many there are and the first)
     130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM
     141  stdout's reader went away before everything was written (a pipe into a `head` that has
          exited), quietly (128 + SIGPIPE, as a shell reports a tool whose pipe closed); a short
@@ -58,7 +59,7 @@ from pipeline.job import (
     spec_errors,
 )
 from pipeline.lease import JobLocked, LeaseLost
-from pipeline.storage import StorageError, mask_secrets
+from pipeline.storage import StorageError, _plural, mask_secrets
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DEMO_JOBS: dict[str, dict[str, Any]] = {
@@ -318,8 +319,9 @@ def _run(spec: JobSpec) -> int:
 
 def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
     """The stderr line for a finished job whose every row is an error row (this run's and the shards
-    earlier runs committed), naming the most common error of its first part file; None when any row of
-    the job has a generation, or the job has no rows."""
+    earlier runs committed), naming the most common error of its first part file, or, when each of that
+    file's rows has an error of its own, how many and the first (with its id); None when any row of the
+    job has a generation, or the job has no rows."""
     if row["rows_ok"] or not row["rows_total"]:
         return None
     import polars as pl
@@ -336,14 +338,22 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
     first = io.join(spec.output, f"part-{min(done):05d}.parquet")
     why = ""
     try:
-        errors = io.read_parquet(first, spec.storage_options)["error"].drop_nulls()
+        part = io.read_parquet(first, spec.storage_options).filter(pl.col("error").is_not_null())
+        errors, name = part["error"], first.rsplit("/", 1)[-1]
         if errors.len():
             top, count = errors.value_counts(sort=True).row(0)
-            why = f"; the most common error of {first.rsplit('/', 1)[-1]} ({count} of its {errors.len()} rows): {top}"
+            ident = f" (id {part[spec.id_column][0]!r})" if spec.id_column in part.columns else ""
+            if errors.len() == 1:
+                why = f"; the error of {name}'s one row{ident}: {top}"
+            elif count == 1:  # no error is more common than another: "1 of its 3 rows" would say nothing
+                why = (f"; the {errors.len()} rows of {name} have {errors.len()} distinct errors, the first"
+                       f"{ident}: {errors[0]}")
+            else:
+                why = f"; the most common error of {name} ({count} of its {errors.len()} rows): {top}"
     except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
         pass
-    return (f"every row of the job is an error row ({rows} rows, nothing generated){why}; see the error column "
-            f"of {spec.output}/part-*.parquet (exit {EXIT_ALL_ERRORS})")
+    return (f"every row of the job is an error row ({_plural(rows, 'row')}, nothing generated){why}; see the "
+            f"error column of {spec.output}/part-*.parquet (exit {EXIT_ALL_ERRORS})")
 
 
 def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
@@ -442,7 +452,16 @@ EXIT_ALL_ERRORS = 4  # done, but every row of the job is an error row: nothing w
 class _Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors exit EXIT_REFUSED, as every other bad option does: argparse's
     own 2 would read as EXIT_OTHER_JOB, and a script that re-runs with --overwrite on 2 would then
-    delete a job's outputs over a mistyped flag."""
+    delete a job's outputs over a mistyped flag.
+
+    Prefixes of long options are not taken for the option (allow_abbrev=False, here and on the
+    subcommands' parsers, which are of this class): `--max-token 5` is refused as an unrecognized
+    argument, as `--max-tokns 5` is, instead of silently meaning `--max-tokens 5` (and a prefix
+    that works today would turn ambiguous, or mean another option, when a flag is added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         """Print `PROG: error: MESSAGE` and where the options are (`see 'tokenmill run --help'`) on stderr,

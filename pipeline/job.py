@@ -69,7 +69,7 @@ from pipeline.planner import PlanStats, Shard, TokenizedRows, plan_input_order, 
 from pipeline.schema import (
     CONSTRAINT_COLUMNS, InputLayout, build_request, output_schema, parse_choices, unify_input_columns,
 )
-from pipeline.storage import StorageError, mask_secrets, quick_options, storage_call
+from pipeline.storage import StorageError, _plural, mask_secrets, quick_options, storage_call
 
 # JobSpec fields that change what the outputs are; any change refuses a resume.
 FINGERPRINT_FIELDS = (
@@ -200,14 +200,18 @@ class JobSpec(BaseModel):
         default_factory=dict, repr=False,
         description="fsspec/s3fs options (endpoint_url, key, secret, config_kwargs, ...); default: AWS environment "
                     "variables; secrets are masked in JSON dumps")
-    lease_ttl_s: float = Field(60.0, gt=0, description="seconds a run's lease on the output lasts without a "
-                                                       "heartbeat (a dead run's lease expires after it)")
+    lease_ttl_s: float = Field(60.0, gt=0, allow_inf_nan=False,  # an inf lease would never expire
+                               description="seconds a run's lease on the output lasts without a heartbeat (a dead "
+                                           "run's lease expires after it)")
 
-    price_per_hour: float = Field(1.0, ge=0, description="USD per device-hour, for the cost report")
+    # finite: an inf price gave a cost of inf and USD per token of nan in the report (nan was refused by ge=0)
+    price_per_hour: float = Field(1.0, ge=0, allow_inf_nan=False,
+                                  description="USD per device-hour, for the cost report")
     device_name: Optional[str] = Field(None, description="device name in the report (default: the engine's)")
     device_count: Optional[int] = Field(None, ge=1, description="devices the job holds, for the cost report "
                                                                 "(default: tensor_parallel_size, else 1)")
-    output_token_weight: float = Field(4.0, gt=0, description="cost of one output token in uncached input tokens")
+    output_token_weight: float = Field(4.0, gt=0, allow_inf_nan=False,
+                                       description="cost of one output token in uncached input tokens")
     overwrite: bool = Field(False, description="delete the job outputs already at the output and start over")
     progress: bool = Field(True, description="show a tqdm progress bar and what the job is doing")
 
@@ -395,13 +399,23 @@ def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not valid YAML/JSON, or not a mapping (the message names the file and the line).
+        ValueError: a directory or an unreadable file, not UTF-8 text, empty, not valid YAML/JSON, or not a
+            mapping (the message names the file, and the line where the parser gives one).
     """
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"spec file {path} not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"spec file {path}: is a directory") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"spec file {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at position "
+                         f"{exc.start}); a spec file is YAML or JSON") from None
+    except OSError as exc:  # a permission, a device error: said in the system's words, the file named
+        raise ValueError(f"spec file {path}: cannot read it: {exc.strerror or exc}") from None
+    if not text.strip():
+        raise ValueError(f"spec file {path}: is empty; expected a mapping of JobSpec fields")
     if str(path).endswith(".json"):
         try:
             doc = json.loads(text)
@@ -417,6 +431,8 @@ def load_spec_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ValueError(f"{path}: not valid YAML: {problem}{where}") from None
+    if doc is None:  # only comments, `---` or `null`
+        raise ValueError(f"{path}: expected a mapping of JobSpec fields, got an empty document")
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping of JobSpec fields, got {type(doc).__name__}")
     if "spec" in doc:
@@ -850,9 +866,9 @@ def check_inputs(spec: JobSpec, files: list[io.InputFile]) -> dict[str, pl.DataT
         The output type of each id / pass-through column (`schema.unify_input_columns`).
 
     Raises:
-        ValueError: a file without a prompt column, a named `id_column` (other than the default
-            "id") that a file lacks, or files that disagree on an output column (the message
-            names the file and the column).
+        ValueError: a file without a prompt column or with a column name twice, a named `id_column`
+            (other than the default "id") that a file lacks, or files that disagree on an output column
+            (the message names the file and the column).
     """
     for f in files:
         try:
@@ -1649,8 +1665,9 @@ def run_job(
         if plan.rows_total == 0:
             _say(spec, f"0 rows in {spec.input}: nothing to generate, no part files")
         elif plan.pending:
-            _say(spec, f"{todo} rows in {len(plan.pending)} shards to run"
-                       + (f" ({len(plan.shards) - len(plan.pending)} shards done before)" if plan.rows_skipped else ""))
+            done_before = len(plan.shards) - len(plan.pending)
+            _say(spec, f"{_plural(todo, 'row')} in {_plural(len(plan.pending), 'shard')} to run"
+                       + (f" ({_plural(done_before, 'shard')} done before)" if plan.rows_skipped else ""))
         if llm is None and plan.pending:
             if _loaded_llm(spec) is None:
                 _say(spec, f"loading model {spec.model} ...")

@@ -83,8 +83,14 @@ class InputLayout:
 
     @classmethod
     def from_schema(cls, columns: Sequence[str], id_column: str = "id") -> "InputLayout":
-        """Classify columns. Raises ValueError when there is neither `prompt` nor `messages`."""
+        """Classify columns. Raises ValueError when a column name appears more than once, or when there is
+        neither `prompt` nor `messages`."""
         cols = list(columns)
+        dups = sorted({c for c in cols if cols.count(c) > 1}, key=cols.index)
+        if dups:  # a column is read by its name: which of two would be the id, the prompt, a pass-through?
+            listed = ", ".join(f"{c!r} ({cols.count(c)} times)" for c in dups)
+            raise ValueError(f"input has duplicate column names: {listed}; rename the columns so that each name "
+                             f"appears once")
         has_prompt = PROMPT_COLUMN in cols
         has_messages = MESSAGES_COLUMN in cols
         if not (has_prompt or has_messages):

@@ -120,6 +120,91 @@ def test_spec_file_errors_name_the_file_line_and_field(tmp_path, capsys):
         assert capsys.readouterr().err.splitlines() == ["tokenmill: invalid job options:", f"  {line}"]
 
 
+def test_a_spec_file_that_is_a_directory_binary_or_empty_is_one_line_naming_it(tmp_path, capsys):
+    """Refused as a missing spec file is (exit 1, one line naming the file), never a traceback or a
+    decoder's message without the file's name."""
+    missing = tmp_path / "nope.yaml"
+    assert main(["run", "--spec", str(missing)]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"tokenmill: spec file {missing} not found"]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    binary = tmp_path / "job.yaml"
+    binary.write_bytes(b"a\x85b: 1\n")
+    empty = tmp_path / "spec_empty.yaml"
+    empty.write_text("")
+    blank = tmp_path / "blank.json"
+    blank.write_text("\n  \n")
+    comments = tmp_path / "comments.yaml"
+    comments.write_text("# nothing yet\n")
+    for path, line in (
+            (folder, f"spec file {folder}: is a directory"),
+            (binary, f"spec file {binary}: not UTF-8 text (byte 0x85 at position 1); a spec file is YAML or JSON"),
+            (empty, f"spec file {empty}: is empty; expected a mapping of JobSpec fields"),
+            (blank, f"spec file {blank}: is empty; expected a mapping of JobSpec fields"),
+            (comments, f"{comments}: expected a mapping of JobSpec fields, got an empty document")):
+        assert main(["run", "--spec", str(path)]) == 1
+        assert capsys.readouterr().err.splitlines() == [f"tokenmill: {line}"]
+    assert main(["run", "--spec", str(folder), "--verbose"]) == 1  # the traceback only when asked for
+    assert capsys.readouterr().err.startswith("Traceback (most recent call last):")
+
+
+def test_relative_paths_in_a_spec_file_are_relative_to_the_current_directory(tmp_path, capsys, monkeypatch):
+    """As README says: a spec file's `input`, `output`, `json_schema` are read from where the command runs,
+    not from the spec file's folder."""
+    from pipeline import JobSpec, cache_llm
+    from pipeline.testing import FakeLLM
+
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 14}), FakeLLM())  # a key no other test uses
+    sub = tmp_path / "specs"
+    sub.mkdir()
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(sub / "in.parquet")  # beside the spec: not read
+    (sub / "label.json").write_text('{"type": "object"}')
+    spec_file = sub / "job.yaml"
+    spec_file.write_text("input: in.parquet\noutput: out\njson_schema: label.json\nengine_options:\n  seed: 14\n"
+                         "progress: false\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--spec", str(spec_file)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: json_schema: cannot read label.json: [Errno 2] No such file or directory: "
+        f"'{tmp_path}/label.json'"]
+    spec_file.write_text("input: in.parquet\noutput: out\nengine_options:\n  seed: 14\nprogress: false\n")
+    assert main(["run", "--spec", str(spec_file)]) == 1
+    assert capsys.readouterr().err.splitlines() == ["tokenmill: no Parquet files at in.parquet"]
+    (sub / "in.parquet").rename(tmp_path / "in.parquet")
+    assert main(["run", "--spec", str(spec_file)]) == 0
+    assert (tmp_path / "out" / "part-00000.parquet").exists() and not (sub / "out").exists()
+
+
+def test_price_weight_and_lease_ttl_must_be_finite(tmp_path, capsys):
+    """--price-per-hour inf gave a cost of inf and nan USD per token in the report (nan was refused, by ge=0,
+    inf not); an inf --lease-ttl-s failed on the lease's expiry time. Refused as nan is, and from Python too."""
+    import pytest
+    from pydantic import ValidationError
+
+    from pipeline import JobSpec
+
+    run = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
+    for flag, value in (("--price-per-hour", "inf"), ("--price-per-hour", "nan"), ("--price-per-hour", "1e400"),
+                        ("--price-per-hour=-inf", None), ("--output-token-weight", "inf"),
+                        ("--lease-ttl-s", "inf")):
+        assert main(run + [flag] + ([value] if value else [])) == 1
+        name, _, given = flag.partition("=")
+        assert capsys.readouterr().err.splitlines() == [
+            "tokenmill: invalid job options:",
+            f"  {name}: Input should be a finite number (got {float(value or given)})"]
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("input: in.parquet\noutput: out\nprice_per_hour: .inf\n")
+    assert main(["run", "--spec", str(spec_file)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill: invalid job options:",
+        f"  {spec_file}:3: price_per_hour: Input should be a finite number (got inf)"]
+    for field in ("price_per_hour", "output_token_weight", "lease_ttl_s"):
+        with pytest.raises(ValidationError) as exc:
+            JobSpec(input="in.parquet", output="out", **{field: float("inf")})
+        assert [(e["loc"], e["msg"]) for e in exc.value.errors()] == [((field,), "Input should be a finite number")]
+    assert JobSpec(input="in.parquet", output="out", price_per_hour=0, lease_ttl_s=1e9).price_per_hour == 0.0
+
+
 def test_errors_are_short_unless_verbose(tmp_path, capsys):
     inp = tmp_path / "in.parquet"
     pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
@@ -165,6 +250,23 @@ def test_progress_says_what_the_job_is_doing_while_the_model_loads(tmp_path, cap
     assert lines[1] == "tokenmill: loading model smollm2-135m-instruct ..."
     assert lines[2].startswith("tokenmill: model loaded in ")
     assert err.index("model loaded") < err.index("3/3")  # the progress bar starts after the model is loaded
+
+
+def test_the_rows_and_shards_to_run_are_counted_in_the_singular_for_one(tmp_path, capsys):
+    from pipeline import JobSpec, run_job
+    from pipeline.testing import FakeLLM
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3], "prompt": ["A.", "B.", "C."]}).write_parquet(inp)
+
+    def first_line(**fields) -> str:
+        run_job(JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, plan="input", **fields), FakeLLM())
+        return next(line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenmill: "))
+
+    assert first_line(shard_size=10, overwrite=True) == "tokenmill: 3 rows in 1 shard to run"
+    assert first_line(shard_size=2, overwrite=True) == "tokenmill: 3 rows in 2 shards to run"
+    (tmp_path / "out" / "_job" / "done" / "part-00001.json").unlink()  # its shard is to run again on resume
+    assert first_line(shard_size=2) == "tokenmill: 1 row in 1 shard to run (1 shard done before)"
 
 
 def _fake_job(tmp_path, name: str = "out", seed: int = 13) -> str:
@@ -396,6 +498,31 @@ def test_an_unknown_flag_is_refused_by_the_command_it_follows(tmp_path, capsys):
         "tokenmill report: error: unrecognized arguments: --bogus", "see 'tokenmill report --help'"]
 
 
+def test_a_prefix_of_an_option_is_refused_as_an_unknown_option(tmp_path, capsys):
+    """argparse took `--max-token 5` for `--max-tokens 5` (prefix matching): now it is refused as the typo
+    `--max-tokns 5` is, so that what a command means cannot change when a flag is added."""
+    import pytest
+
+    def usage_error(*argv: str) -> list[str]:
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        assert exc.value.code == 1, argv
+        return capsys.readouterr().err.splitlines()
+
+    run = ["run", "--input", "in.parquet", "--output", "out"]
+    for typo in ("--max-tokns", "--max-token", "--price"):
+        assert usage_error(*run, typo, "5") == [f"tokenmill run: error: unrecognized arguments: {typo} 5",
+                                                "see 'tokenmill run --help'"]
+    assert usage_error(*run, "--no-prog") == ["tokenmill run: error: unrecognized arguments: --no-prog",
+                                              "see 'tokenmill run --help'"]
+    assert usage_error("demo", "--jo", "synthetic") == ["tokenmill demo: error: unrecognized arguments: --jo synthetic",
+                                                        "see 'tokenmill demo --help'"]
+    assert usage_error("report", str(tmp_path), "--al") == ["tokenmill report: error: unrecognized arguments: --al",
+                                                            "see 'tokenmill report --help'"]
+    args = build_parser().parse_args(run + ["--max-tokens=5", "--no-progress", "-v"])  # the full names still work
+    assert (args.max_tokens, args.progress, args.verbose) == (5, False, True)
+
+
 def test_a_job_whose_every_row_is_an_error_row_exits_4_naming_the_most_common_error(tmp_path, capsys):
     """Exit 4: the job ran to the end and is booked, but nothing was generated (every row an error row: a
     job-level mistake such as a context too small for every prompt). A re-run resumes nothing and says
@@ -424,6 +551,33 @@ def test_a_job_whose_every_row_is_an_error_row_exits_4_naming_the_most_common_er
     assert "error row" not in capsys.readouterr().err
     pl.DataFrame({"id": [], "prompt": []}, schema={"id": pl.Int64, "prompt": pl.String}).write_parquet(inp)
     assert main(run + ["--overwrite"]) == 0
+
+
+def test_exit_4_names_the_first_error_when_no_error_is_more_common_than_another(tmp_path, capsys):
+    """'the most common error (1 of its 3 rows)' said nothing when each row's error differs: then the line
+    counts the distinct errors and gives the first, with its id; one row's error is that row's."""
+    from pipeline import JobSpec, cache_llm
+    from pipeline.testing import FakeLLM
+
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 12}), FakeLLM())
+    inp = tmp_path / "in.parquet"
+    out = tmp_path / "out"
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=12",
+           "--plan", "input", "--overwrite"]
+    end = f"; see the error column of {out}/part-*.parquet (exit 4)"
+    for frame, line in (
+            ({"id": ["a", "b", "c"], "prompt": [1, 2, 3]},
+             "(3 rows, nothing generated); the 3 rows of part-00000.parquet have 3 distinct errors, the first "
+             "(id 'a'): prompt must be a string, got int 1"),
+            ({"id": [7], "prompt": [""]},
+             "(1 row, nothing generated); the error of part-00000.parquet's one row (id 7): prompt is empty"),
+            ({"id": [1, 2, 3], "prompt": [None, "", ""]},  # one error is the most common: said as before
+             "(3 rows, nothing generated); the most common error of part-00000.parquet (2 of its 3 rows): prompt "
+             "is empty")):
+        pl.DataFrame(frame).write_parquet(inp)
+        assert main(run) == 4
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last == f"tokenmill: every row of the job is an error row {line}{end}"
 
 
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):

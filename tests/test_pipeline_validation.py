@@ -114,6 +114,31 @@ def test_missing_passthrough_column_is_refused_naming_the_file_and_column(tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_duplicate_column_names_are_refused_naming_the_file_and_columns(tmp_path, capsys):
+    """Parquet allows two columns of one name (pyarrow writes them); a job reads columns by name, so it
+    refuses them before anything is written, as a missing prompt column, instead of a KeyError."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.cli import main
+
+    d = tmp_path / "in"
+    d.mkdir()
+    write_input(d / "a.parquet")
+    ints = pa.array([1, 2])
+    pq.write_table(pa.Table.from_arrays([ints, pa.array(["A.", "B."]), ints, ints, ints, pa.array(["x", "y"]), ints],
+                                        names=["id", "prompt", "dup", "dup", "dup", "note", "note"]), d / "b.parquet")
+    out = tmp_path / "out"
+    message = (f"file://{d}/b.parquet: input has duplicate column names: 'dup' (3 times), 'note' (2 times); rename "
+               f"the columns so that each name appears once")
+    with pytest.raises(ValueError) as exc:
+        run_job(JobSpec(input=str(d), output=str(out), progress=False), FakeLLM())
+    assert str(exc.value) == message
+    assert main(["run", "--input", str(d), "--output", str(out), "--no-progress"]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"tokenmill: {message}"]
+    assert not out.exists()
+
+
 def test_castable_types_are_unified_said_so_and_the_parts_read_together(tmp_path):
     d = tmp_path / "in"
     d.mkdir()
