@@ -59,7 +59,7 @@ from pipeline.job import (
     spec_errors,
 )
 from pipeline.lease import JobLocked, LeaseLost
-from pipeline.storage import StorageError, _plural, mask_secrets
+from pipeline.storage import StorageError, plural, mask_secrets
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DEMO_JOBS: dict[str, dict[str, Any]] = {
@@ -352,7 +352,7 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
                 why = f"; the most common error of {name} ({count} of its {errors.len()} rows): {top}"
     except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
         pass
-    return (f"every row of the job is an error row ({_plural(rows, 'row')}, nothing generated){why}; see the "
+    return (f"every row of the job is an error row ({plural(rows, 'row')}, nothing generated){why}; see the "
             f"error column of {spec.output}/part-*.parquet (exit {EXIT_ALL_ERRORS})")
 
 

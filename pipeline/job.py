@@ -69,7 +69,7 @@ from pipeline.planner import PlanStats, Shard, TokenizedRows, plan_input_order, 
 from pipeline.schema import (
     CONSTRAINT_COLUMNS, InputLayout, build_request, output_schema, parse_choices, unify_input_columns,
 )
-from pipeline.storage import StorageError, _plural, mask_secrets, quick_options, storage_call
+from pipeline.storage import StorageError, plural, mask_secrets, quick_options, storage_call
 
 # JobSpec fields that change what the outputs are; any change refuses a resume.
 FINGERPRINT_FIELDS = (
@@ -1666,8 +1666,8 @@ def run_job(
             _say(spec, f"0 rows in {spec.input}: nothing to generate, no part files")
         elif plan.pending:
             done_before = len(plan.shards) - len(plan.pending)
-            _say(spec, f"{_plural(todo, 'row')} in {_plural(len(plan.pending), 'shard')} to run"
-                       + (f" ({_plural(done_before, 'shard')} done before)" if plan.rows_skipped else ""))
+            _say(spec, f"{plural(todo, 'row')} in {plural(len(plan.pending), 'shard')} to run"
+                       + (f" ({plural(done_before, 'shard')} done before)" if plan.rows_skipped else ""))
         if llm is None and plan.pending:
             if _loaded_llm(spec) is None:
                 _say(spec, f"loading model {spec.model} ...")

@@ -119,7 +119,8 @@ def bucket_of(url: str) -> Optional[str]:
     return m.group(2)
 
 
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
+    """`n` and `word`, with an s unless n is 1 ("1 shard", "3 rows"); for messages."""
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
@@ -147,7 +148,7 @@ def explain(exc: BaseException, operation: str, url: str, storage_options: dict[
         return StorageError(
             operation, url,
             f"no answer from {endpoint} within the time limits (read_timeout {cfg.get('read_timeout')} s, "
-            f"{_plural(_attempts(cfg), 'attempt')})",
+            f"{plural(_attempts(cfg), 'attempt')})",
             f"The store or the network path stalled. {resume} Raise the limits with --storage-option "
             f"config_kwargs='{{\"read_timeout\": 60}}'.", "timeout")
     if names & {"ConnectTimeoutError", "EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
@@ -156,7 +157,7 @@ def explain(exc: BaseException, operation: str, url: str, storage_options: dict[
                f"no connection within connect_timeout {cfg.get('connect_timeout')} s" if "ConnectTimeoutError" in names
                else "host name not found" if "gaierror" in names else "connection failed")
         return StorageError(
-            operation, url, f"cannot connect to {endpoint} ({why}, {_plural(_attempts(cfg), 'attempt')})",
+            operation, url, f"cannot connect to {endpoint} ({why}, {plural(_attempts(cfg), 'attempt')})",
             "Check the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...) and that the service is up.",
             "connect")
     if names & {"ConnectionClosedError", "ConnectionResetError", "ServerDisconnectedError", "ClientPayloadError",
