@@ -997,6 +997,13 @@ def _drop_markers_of_lost_parts(spec: JobSpec, shards: list[Shard], done: dict[i
     return {i: r for i, r in done.items() if i not in {s.index for s in lost}}
 
 
+def _sampled_tokens(llm: Any) -> Optional[int]:
+    """Output tokens the engine has sampled so far (`EngineStats.num_output_tokens`, cumulative over the
+    engine's life, rows not yet finished included); None for an engine without the counter."""
+    n = getattr(getattr(llm, "stats", None), "num_output_tokens", None) if llm is not None else None
+    return int(n) if isinstance(n, int) else None
+
+
 ID_EXAMPLES = 5  # offending rows a warning names
 
 
@@ -1660,6 +1667,7 @@ def run_job(
             on_shard_done(result)
 
     steps: Optional[dict] = None
+    sampled0: Optional[int] = None
     try:
         todo = plan.rows_total - plan.rows_skipped
         if plan.rows_total == 0:
@@ -1681,6 +1689,7 @@ def run_job(
 
             bar = tqdm(total=todo, unit="row", desc="tokenmill", dynamic_ncols=True, smoothing=0.05)
         t0 = time.perf_counter()
+        sampled0 = _sampled_tokens(llm)
         for window in plan_windows(plan.pending, spec.shards_in_flight):
             run = run_window(spec, window, llm, run_id=plan.run_id, columns=plan.columns, structured=plan.structured,
                              lease=plan.lease, on_rows=on_rows, on_shard_done=committed)
@@ -1693,7 +1702,10 @@ def run_job(
     except BaseException as exc:
         if bar is not None:
             bar.close()
-        discarded = max(out_tokens - sum(r.counts.completion_tokens for r in results), 0)
+        kept = sum(r.counts.completion_tokens for r in results)
+        sampled = _sampled_tokens(llm) if sampled0 is not None else None
+        # rows that finished but whose shard was not committed, and the rows cut off mid-generation
+        discarded = max(out_tokens - kept, (sampled - sampled0 - kept) if sampled is not None else 0, 0)
         booked = abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
                            device=job_device(plan, results, llm, look_up=False),
                            discarded_completion_tokens=discarded)

@@ -297,6 +297,36 @@ def test_ctrl_c_while_planning_books_its_cost_and_one_before_the_lease_writes_no
     assert not (tmp_path / "fresh").exists()
 
 
+def test_an_interrupt_counts_the_tokens_of_rows_cut_off_mid_generation(tmp_path, job_llm):
+    """discarded_completion_tokens counted only rows that had finished; rows decoding when the run was
+    interrupted were left out (0 in every interrupt a trial made). The engine's own count of sampled tokens
+    gives them: here one row finishes, then the run is interrupted, no shard committed."""
+    write_input(tmp_path / "in.parquet", 6)
+    spec = spec_for(tmp_path / "in.parquet", tmp_path / "out", max_tokens=12, shard_size=3, shards_in_flight=2)
+
+    class InterruptedAfterOneRow:
+        def __init__(self, llm):
+            self.llm, self.finished_tokens = llm, 0
+
+        def __getattr__(self, name):
+            return getattr(self.llm, name)
+
+        def iter_outputs(self, *args, **kwargs):
+            for out in self.llm.iter_outputs(*args, **kwargs):
+                self.finished_tokens += len(out.outputs[0].token_ids)
+                yield out
+                raise KeyboardInterrupt
+
+    llm = InterruptedAfterOneRow(job_llm)
+    before = job_llm.stats.num_output_tokens
+    with pytest.raises(JobInterrupted) as exc:
+        run_job(spec, llm)
+    sampled = job_llm.stats.num_output_tokens - before
+    report = exc.value.report
+    assert (report.status, report.rows_ok, report.completion_tokens) == ("interrupted", 0, 0)
+    assert report.discarded_completion_tokens == sampled > llm.finished_tokens > 0
+
+
 # ---------------------------------------------------------------- SIGINT / SIGTERM
 
 CHILD = textwrap.dedent("""
