@@ -112,9 +112,10 @@ def endpoint_of(storage_options: dict[str, Any]) -> str:
 
 
 def bucket_of(url: str) -> Optional[str]:
-    """The bucket of an object-store URL ("s3://b/x" -> "b"); None for local paths."""
+    """The bucket of an object-store URL ("s3://b/x" -> "b"); None for local paths and for web URLs
+    (http, https, ftp: their host is no bucket)."""
     m = re.match(r"^([a-z][a-z0-9+.-]*)://([^/]+)", str(url))
-    if not m or m.group(1) in ("file", "local"):
+    if not m or m.group(1) in ("file", "local", "http", "https", "ftp"):
         return None
     return m.group(2)
 

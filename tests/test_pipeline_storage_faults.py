@@ -180,3 +180,13 @@ def test_missing_buckets_are_named_and_never_created(s3_bucket, s3_server, tmp_p
         run_job(spec_for("s3://no-such-input/p/", f"s3://{s3_bucket}/out", {}), FakeLLM())
     assert sorted(b["Name"] for b in s3.list_buckets()["Buckets"]) == before
     assert io.list_names(f"s3://{s3_bucket}/out") == []
+
+
+def test_a_web_url_has_no_bucket_so_no_bucket_is_blamed():
+    """`--input http://127.0.0.1:1/x.parquet` said "bucket '127.0.0.1:1' does not exist ... tokenmill never
+    creates buckets"; a web URL's host is no bucket."""
+    from pipeline.storage import bucket_of
+
+    assert [bucket_of(u) for u in ("s3://b/x", "gs://c/d.parquet", "http://127.0.0.1:1/x.parquet",
+                                   "https://example.org/a", "ftp://h/f", "file:///tmp/x", "/tmp/x")] == [
+        "b", "c", None, None, None, None, None]
