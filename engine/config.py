@@ -130,6 +130,11 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if hasattr(self, name) and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_threads is not None and (
                 not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads <= 0):
             raise ValueError(f"num_threads must be a positive integer or None (the default: TOKENMILL_NUM_THREADS, "
@@ -434,6 +439,11 @@ def prompt_text_error(prompt: str) -> Optional[str]:
     """
     if not prompt.strip():
         return "prompt is empty"
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no tokenizer can take it
+        return (f"prompt is not valid Unicode text ({exc.object[exc.start]!r} at character {exc.start}: "
+                f"{exc.reason})")
     return None
 
 

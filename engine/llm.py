@@ -1125,5 +1125,8 @@ class LLM:
                     for s in req.seqs]
         m.output_tokens = sum(len(o.token_ids) for o in outs)
         cached = req.seqs[0].num_cached_tokens if req.seqs else 0
+        error = req.error
+        if error is None and outs and all(o.finish_reason == "error" for o in outs):
+            error = outs[0].error  # every completion failed (a grammar the backend gave up on)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outs, finished=True, num_cached_tokens=cached, metrics=m, error=req.error)
+                             outputs=outs, finished=True, num_cached_tokens=cached, metrics=m, error=error)

@@ -441,7 +441,11 @@ def write_json_atomic(obj: Any, url: str, storage_options: Optional[dict[str, An
 
 
 def read_json(url: str, storage_options: Optional[dict[str, Any]] = None) -> Optional[Any]:
-    """The JSON at `url`, or None when it does not exist."""
+    """The JSON at `url`, or None when it does not exist.
+
+    Raises:
+        ValueError: the file is not valid JSON (names the URL).
+    """
     fs, path = filesystem(url, storage_options)
     _invalidate(fs, path)
     try:
@@ -450,7 +454,11 @@ def read_json(url: str, storage_options: Optional[dict[str, Any]] = None) -> Opt
             data = fs.cat_file(path)
     except FileNotFoundError:
         return None
-    return json.loads(data)
+    try:
+        return json.loads(data)
+    except ValueError as exc:  # a damaged file (truncated, garbage): name it
+        hint = "; --overwrite starts the job over" if "/_job/" in str(url) else ""
+        raise ValueError(f"{url} is not valid JSON ({exc}){hint}") from None
 
 
 def exists(url: str, storage_options: Optional[dict[str, Any]] = None) -> bool:

@@ -215,6 +215,20 @@ class JobSpec(BaseModel):
     overwrite: bool = Field(False, description="delete the job outputs already at the output and start over")
     progress: bool = Field(True, description="show a tqdm progress bar and what the job is doing")
 
+    @field_validator("input", "output")
+    @classmethod
+    def _a_path(cls, v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():  # "" is the current folder to fsspec, and "/" for the output
+            raise ValueError("must be a path or URL, got an empty string")
+        return v
+
+    @field_validator("system_prompt")
+    @classmethod
+    def _system_text(cls, v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("is empty: leave it unset for no system prompt")
+        return v
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, v: Any) -> Any:

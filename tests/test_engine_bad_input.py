@@ -296,3 +296,25 @@ def test_w8a8_where_it_cannot_run_says_which_setting_stops_it(kw, why):
     with pytest.raises(ValueError) as exc:
         LLM("smollm2-135m-instruct", quantization="w8a8", device="cpu", **kw)
     assert str(exc.value).startswith("quantization='w8a8' runs on the CPU kernels") and why in str(exc.value)
+
+
+def test_a_prompt_with_a_lone_surrogate_is_an_error_output_and_spares_the_batch(small_llm):
+    """A str that is not valid Unicode ("\\ud800") made the tokenizer raise for the whole generate call."""
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    bad, good = small_llm.generate(["ok\ud800bad", "Hello"], sp, use_tqdm=False)
+    assert bad.error == "prompt is not valid Unicode text ('\\ud800' at character 2: surrogates not allowed)"
+    assert bad.outputs[0].finish_reason == "error"
+    ref = small_llm.generate(["Hello"], sp, use_tqdm=False)[0]
+    assert good.error is None and good.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"seed": "x"}, "seed must be an integer, got 'x'"),
+    ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False, got 'no'"),
+])
+def test_engine_seed_and_switches_are_checked_at_construction(kwargs, message):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**kwargs)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import polars as pl
 import pytest
@@ -327,3 +328,29 @@ def test_text_that_is_not_utf8_makes_its_row_an_error_row_and_the_rest_run(tmp_p
     assert df["src"].to_list() == ["x", "y", "z\ufffd", "w"]
     assert df.columns == ref.columns  # the marker column never reaches the output
     assert (report.rows_ok, report.rows_error) == (1, 3)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("output", "", "output\n  Value error, must be a path or URL, got an empty string"),  # it wrote into /
+    ("input", "  ", "input\n  Value error, must be a path or URL, got an empty string"),
+    ("system_prompt", "", "system_prompt\n  Value error, is empty: leave it unset for no system prompt"),
+])
+def test_an_empty_path_or_system_prompt_is_refused(tmp_path, field, value, message):
+    fields = {"input": write_input(tmp_path / "in.parquet"), "output": str(tmp_path / "out"), field: value}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        JobSpec(**fields)
+
+
+def test_a_damaged_job_file_is_named_with_the_way_out(tmp_path):
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    spec = JobSpec(input=inp, output=str(out), progress=False, max_tokens=2, shard_size=2, plan="input")
+    run_job(spec, FakeLLM())
+    marker = out / "_job" / "done" / "part-00000.json"
+    marker.write_text("{garbage")
+    with pytest.raises(ValueError) as exc:
+        run_job(spec, FakeLLM())
+    assert str(exc.value) == (f"{marker} is not valid JSON (Expecting property name enclosed in double quotes: "
+                              f"line 1 column 2 (char 1)); --overwrite starts the job over")
+    run_job(spec.model_copy(update={"overwrite": True}), FakeLLM())
+    assert pl.read_parquet(f"{out}/part-*.parquet")["id"].to_list() == [0, 1, 2, 3]
