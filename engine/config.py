@@ -133,7 +133,7 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
-            if hasattr(self, name) and not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_threads is not None and (
                 not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads <= 0):
