@@ -929,9 +929,8 @@ static int gemm_run(gemm_ctx *c) {
     /* about 4 chunks per thread: enough for the dynamic scheduling to even out speed
      * differences, few enough that a chunk's panels prefetch one another */
     const int64_t target = threads > 1 ? 4 * threads : 1;
-    int64_t per_mb = cdiv(target, mblocks);
-    if (per_mb > c->npanels) per_mb = c->npanels;
-    c->group = cdiv(c->npanels, per_mb);
+    /* the argmax partials hold at most 4 * TM_MAX_THREADS groups (tm_gemm_argmax_scratch) */
+    c->group = tm_panel_group(c->npanels, mblocks, target, threads, 4 * TM_MAX_THREADS);
     c->ngroups = cdiv(c->npanels, c->group);
     c->lanes = threads;
     tm_parallel_for(mblocks * c->ngroups, gemm_chunk, c);

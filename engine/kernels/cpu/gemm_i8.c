@@ -653,9 +653,7 @@ int tm_gemm_w8a8(const unsigned char *a, const float *sa, int64_t kp, int64_t gs
     c.mc = mc;
     c.npanels = cdiv(n, TM_NR);
     const int64_t target = threads > 1 ? 8 * threads : 1;
-    int64_t per_mb = cdiv(target, mblocks);
-    if (per_mb > c.npanels) per_mb = c.npanels;
-    c.group = cdiv(c.npanels, per_mb);
+    c.group = tm_panel_group(c.npanels, mblocks, target, threads, c.npanels);
     c.ngroups = cdiv(c.npanels, c.group);
     tm_parallel_for(mblocks * c.ngroups, i8_chunk, &c);
     return 0;
