@@ -3,7 +3,9 @@
 One folder per kind (`tokenizers` for GGUF tokenizers converted by transformers, `gguf` for
 GGUF indexes, see `engine.gguf_index`), under `$TOKENMILL_CACHE_DIR` if set, else
 `$XDG_CACHE_HOME/tokenmill` (default `~/.cache/tokenmill`). `TOKENMILL_NO_DISK_CACHE=1`
-turns these caches off: every process then derives everything again.
+turns these caches off: every process then derives everything again. The compiled CPU
+kernels (`kernels`, `engine.kernels.cpu.build`) live in the same folder whether or not the
+caches are off (where it cannot be written, a process builds them into a temporary folder).
 
 Every entry in these folders is a pure function of its input file's bytes, written
 atomically and checked when read, so deleting any of them at any time is safe.
@@ -14,11 +16,21 @@ import os
 from typing import Optional
 
 
-def cache_root(kind: str) -> Optional[str]:
-    """Folder of the on-disk cache `kind` (not created here), or None when disk caches are off."""
-    if os.environ.get("TOKENMILL_NO_DISK_CACHE", "") not in ("", "0"):
-        return None
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+def disk_caches_off() -> bool:
+    """True when `TOKENMILL_NO_DISK_CACHE` is set to anything but '' or '0'."""
+    return os.environ.get("TOKENMILL_NO_DISK_CACHE", "") not in ("", "0")
+
+
+def cache_base() -> str:
+    """tokenmill's cache folder (not created here): $TOKENMILL_CACHE_DIR, else $XDG_CACHE_HOME/tokenmill,
+    else ~/.cache/tokenmill, whether or not disk caches are off."""
+    return os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
     )
-    return os.path.join(root, kind)
+
+
+def cache_root(kind: str) -> Optional[str]:
+    """Folder of the on-disk cache `kind` (not created here), or None when disk caches are off."""
+    if disk_caches_off():
+        return None
+    return os.path.join(cache_base(), kind)

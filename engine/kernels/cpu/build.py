@@ -15,10 +15,14 @@ Variants (for tests on one machine): "native" (what the engine uses), "native-no
 
 Environment:
     TOKENMILL_CPU_KERNELS=0   never build or use the library.
-    TOKENMILL_CACHE_DIR       where built libraries go (default ~/.cache/tokenmill).
+    TOKENMILL_CACHE_DIR       where built libraries go (`kernels/` in it; default
+                              $XDG_CACHE_HOME/tokenmill, else ~/.cache/tokenmill).
+Where that folder cannot be written, a process builds into a temporary folder of its own
+(with a warning). A new build removes the variant's libraries not modified for 30 days.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -28,8 +32,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
+
+from ...disk_cache import cache_base
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +62,59 @@ _libs: dict[str, Optional[ctypes.CDLL]] = {}
 _why_not: dict[str, str] = {}
 
 
+# built libraries of a variant not modified for this long are removed when a new one is built
+# in the shared folder (each source change leaves one behind; about 150 KB each)
+STALE_S = 30 * 24 * 3600
+_private: Optional[Path] = None
+
+
 def cache_dir() -> Path:
-    """Folder of built libraries: $TOKENMILL_CACHE_DIR/kernels or ~/.cache/tokenmill/kernels."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tokenmill")
-    return Path(root) / "kernels"
+    """Folder of built libraries: `kernels` under `engine.disk_cache.cache_base()`
+    ($TOKENMILL_CACHE_DIR, else $XDG_CACHE_HOME/tokenmill, else ~/.cache/tokenmill). Unlike the
+    caches `TOKENMILL_NO_DISK_CACHE` turns off, it holds no derivative of a user's file, and a
+    build takes about 10 s, so that switch leaves it on."""
+    return Path(cache_base()) / "kernels"
+
+
+def _private_dir() -> Path:
+    """This process's temporary folder for built libraries, removed at exit (a loaded library
+    stays mapped after its file is gone)."""
+    global _private
+    if _private is None:
+        _private = Path(tempfile.mkdtemp(prefix="tokenmill-kernels-"))
+        atexit.register(shutil.rmtree, str(_private), True)
+    return _private
+
+
+def _compile(cc: str, flags: list[str], folder: Path, name: str) -> Path:
+    """Build the library into folder / name (atomically: a temporary file, then a rename).
+
+    Raises OSError (the folder cannot be written, or no compiler runs) or
+    subprocess.CalledProcessError (the build failed)."""
+    out = folder / name
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, *(str(_DIR / f) for f in SOURCES), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _prune(folder: Path, variant: str, keep: Path) -> None:
+    """Remove the variant's other libraries in folder not modified for STALE_S seconds (best effort:
+    another process may be removing them too)."""
+    now = time.time()
+    for old in folder.glob(f"tm_cpu_{variant}_*.so"):
+        try:
+            if old != keep and now - old.stat().st_mtime > STALE_S:
+                old.unlink()
+        except OSError:
+            pass
 
 
 def cpu_id() -> str:
@@ -91,19 +147,19 @@ def _build(variant: str) -> Path:
     if variant == "generic" or (variant == "native" and not {"avx2", "fma"} <= cpu_flags()):
         flags += PLAIN_C_FLAGS
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), cpu_id()]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"tm_cpu_{variant}_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    name = f"tm_cpu_{variant}_{key}.so"
+    folder = cache_dir()
+    if (folder / name).exists():
+        return folder / name
     try:
-        subprocess.run([cc, *flags, *(str(_DIR / f) for f in SOURCES), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        out = _compile(cc, flags, folder, name)
+    except OSError as e:
+        if shutil.which(cc) is None:
+            raise
+        log.warning("cannot write the CPU kernel cache %s (%s); building into a temporary folder for this "
+                    "process (set TOKENMILL_CACHE_DIR to a writable folder to keep the build)", folder, e)
+        return _compile(cc, flags, _private_dir(), name)
+    _prune(folder, variant, out)
     return out
 
 
