@@ -575,6 +575,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(str(exc), verbose, EXIT_REFUSED)
     except (FileNotFoundError, ValueError) as exc:
         return _fail(str(exc), verbose, EXIT_REFUSED)
+    except Exception as exc:  # anything else is a bug of ours or the engine's: one line, the traceback on --verbose
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return _fail(f"failed: {detail} (an internal error; --verbose prints the traceback; what the run committed is "
+                     f"kept, and re-running the same command resumes)", verbose, EXIT_REFUSED)
     finally:
         warnings.showwarning = old_show
         for s, h in old_handlers.items():

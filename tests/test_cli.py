@@ -606,3 +606,24 @@ def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_
     capsys.readouterr()
     assert main(demo + ["--limit", "3", "--no-overwrite"]) == 2  # a changed option without overwrite: refused
     assert "limit: 2 -> 3" in capsys.readouterr().err
+
+
+def test_an_internal_error_is_one_line_with_the_traceback_on_verbose(tmp_path, capsys, monkeypatch):
+    """An exception other than the refusals (a bug in the engine, a MemoryError) exits 1 with one
+    line naming it; --verbose adds the traceback."""
+    import pipeline.cli as cli
+
+    pl.DataFrame({"prompt": ["a", "b"]}).write_parquet(tmp_path / "in.parquet")
+
+    def broken(spec):
+        raise RuntimeError("the kernel exploded")
+
+    monkeypatch.setattr(cli, "run_job", broken)
+    argv = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "tokenmill: failed: RuntimeError: the kernel exploded (an internal error;" in err
+    assert "Traceback" not in err
+    assert main([*argv, "--verbose"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "RuntimeError: the kernel exploded" in err
