@@ -259,17 +259,48 @@ columns (comma-separated; null for good rows). `pipeline.schema.build_request` m
 error row; the job drops the column before writing."""
 
 
+def _strings_as_bytes(t: pa.DataType) -> pa.DataType:
+    """t with every string type in it (also inside lists and structs) made large_binary."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.large_binary()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        inner = pa.field(t.value_field.name, _strings_as_bytes(t.value_type), t.value_field.nullable)
+        return pa.list_(inner) if pa.types.is_list(t) else pa.large_list(inner)
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _strings_as_bytes(f.type), f.nullable) for f in t])
+    return t
+
+
+def _decode_strings(value: Any) -> tuple[Any, bool]:
+    """value (from `_strings_as_bytes`'s type) with its bytes decoded as UTF-8 (U+FFFD for bad bytes),
+    and whether every one was valid."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8"), True
+        except UnicodeDecodeError:
+            return value.decode("utf-8", "replace"), False
+    if isinstance(value, list):
+        items = [_decode_strings(v) for v in value]
+        return [v for v, _ in items], all(ok for _, ok in items)
+    if isinstance(value, dict):
+        items = {k: _decode_strings(v) for k, v in value.items()}
+        return {k: v for k, (v, _) in items.items()}, all(ok for _, ok in items.values())
+    return value, True
+
+
 def _to_polars(table: pa.Table) -> pl.DataFrame:
     """`pl.from_arrow(table)`, with the values of string columns that are not valid UTF-8 replaced.
 
     Parquet writers such as pyarrow store whatever bytes a string column was given, and polars
     trusts them until it converts a value to Python, where it panics (the whole job would die on
     one row). A bad value is decoded with U+FFFD for its bad bytes (so outputs stay valid Parquet),
-    and its row named in `INVALID_UTF8_COLUMN`. Only top-level string columns are checked.
+    and its row named in `INVALID_UTF8_COLUMN`. Strings nested in lists and structs (a `messages`
+    column of {role, content}) are checked too.
     """
     bad: dict[int, list[str]] = {}
     for i, field in enumerate(table.schema):
-        if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        as_bytes = _strings_as_bytes(field.type)
+        if as_bytes == field.type:  # no strings in it
             continue
         column = table.column(i)
         try:
@@ -277,16 +308,12 @@ def _to_polars(table: pa.Table) -> pl.DataFrame:
             continue
         except pa.ArrowInvalid:
             pass
-        raw = column.cast(pa.large_binary(), safe=False).to_pylist()
-        fixed: list[Optional[str]] = []
+        raw = column.cast(as_bytes, safe=False).to_pylist()
+        fixed = []
         for r, value in enumerate(raw):
-            if value is None:
-                fixed.append(None)
-                continue
-            try:
-                fixed.append(value.decode("utf-8"))
-            except UnicodeDecodeError:
-                fixed.append(value.decode("utf-8", "replace"))
+            decoded, ok = _decode_strings(value)
+            fixed.append(decoded)
+            if not ok:
                 bad.setdefault(r, []).append(field.name)
         table = table.set_column(i, field, pa.array(fixed, field.type))
     df = pl.from_arrow(table)

@@ -330,6 +330,28 @@ def test_text_that_is_not_utf8_makes_its_row_an_error_row_and_the_rest_run(tmp_p
     assert (report.rows_ok, report.rows_error) == (1, 3)
 
 
+def test_text_that_is_not_utf8_inside_messages_makes_its_row_an_error_row(tmp_path):
+    """The same bytes nested in a messages column (a list of {role, content} structs): the row is an
+    error row naming the column, the other rows run, and the output keeps the messages with U+FFFD."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    as_bytes = pa.list_(pa.struct([("role", pa.binary()), ("content", pa.binary())]))
+    chats = pa.array([[{"role": b"user", "content": b"Say a."}], [{"role": b"user", "content": b"Say \xff."}],
+                      [{"role": b"system", "content": b"Be brief."}, {"role": b"user", "content": b"Say c."}]],
+                     as_bytes).cast(pa.list_(message), safe=False)
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "messages": chats}), inp)
+    out = tmp_path / "out"
+    report = run_job(JobSpec(input=str(inp), output=str(out), progress=False, max_tokens=2), FakeLLM())
+    df = pl.read_parquet(f"{out}/part-*.parquet").sort("id")
+    why = "not valid UTF-8 text (the Parquet file holds other bytes in a string column)"
+    assert df["error"].to_list() == [None, f"messages is {why}", None]
+    assert df["finish_reason"].to_list() == ["length", "error", "length"]
+    assert (report.rows_ok, report.rows_error) == (2, 1)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("output", "", "output\n  Value error, must be a path or URL, got an empty string"),  # it wrote into /
     ("input", "  ", "input\n  Value error, must be a path or URL, got an empty string"),
