@@ -21,6 +21,7 @@ import reprlib
 import time
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence as Seq, Union
 
 import torch
@@ -95,10 +96,48 @@ def _model_string(source) -> str:
 
 def _prompt_list(prompts) -> list:
     """prompts as a list: a single string is one prompt (iterating it would give one prompt per
-    character); anything else is taken as a sequence of prompts."""
+    character); anything else is taken as a sequence of prompts (each a string or a list of token ids;
+    a bad one becomes an error output, never an exception).
+
+    Raises:
+        TypeError: prompts is None, a dict, bytes or not iterable (the message says what is accepted).
+    """
     if isinstance(prompts, str):
         return [prompts]
-    return list(prompts)
+    try:
+        if prompts is None or isinstance(prompts, (bytes, bytearray, Mapping)):
+            raise TypeError
+        return list(prompts)
+    except TypeError:
+        raise TypeError(f"prompts must be a string or a sequence of prompts (strings or lists of token ids), got "
+                        f"{type(prompts).__name__} {reprlib.repr(prompts)}") from None
+
+
+def _params_list(sampling_params, n: int) -> list:
+    """One sampling_params entry per prompt: None is SamplingParams() for all, one SamplingParams is
+    shared, a sequence gives one per prompt (as in vLLM). A bad entry of the sequence is left for
+    `make_requests` to turn into an error output.
+
+    Raises:
+        TypeError: sampling_params is none of these (a dict, a string, a number).
+        ValueError: a sequence whose length differs from the prompts'.
+    """
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    try:
+        if isinstance(sampling_params, (str, bytes, bytearray, Mapping)):
+            raise TypeError
+        params_list = list(sampling_params)
+    except TypeError:
+        hint = "; build one with SamplingParams(**...)" if isinstance(sampling_params, Mapping) else ""
+        raise TypeError(f"sampling_params must be a SamplingParams or a sequence of them, one per prompt (None: "
+                        f"the defaults), got {type(sampling_params).__name__} {reprlib.repr(sampling_params)}"
+                        f"{hint}") from None
+    if len(params_list) != n:
+        raise ValueError(f"sampling_params has {len(params_list)} entries but there are {n} prompts")
+    return params_list
 
 
 def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype) -> bool:
@@ -1005,6 +1044,8 @@ class LLM:
         unless `--truncate`.
 
         Raises:
+            TypeError: prompts that are not a string or a sequence of prompts (None, a dict, a number), or
+                sampling_params that is not a SamplingParams or a sequence of them (a dict, a string).
             ValueError: only for a sampling_params list whose length differs from prompts.
         """
         prompts = _prompt_list(prompts)
@@ -1052,18 +1093,13 @@ class LLM:
         Invalid requests are yielded first, as error outputs. Stopping the
         iteration early aborts the remaining requests and frees their blocks. A single string
         is one prompt.
+
+        Raises:
+            TypeError: prompts or sampling_params of a type neither takes (see `generate`).
+            ValueError: a sampling_params list whose length differs from prompts.
         """
         prompts = _prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
-                )
+        params_list = _params_list(sampling_params, len(prompts))
         requests = self.make_requests(prompts, params_list)
         pbar = None
         if use_tqdm:

@@ -375,3 +375,34 @@ def test_scoring_refuses_bad_token_ids_and_choices_naming_the_parameter(small_ll
     assert list(good) == ["yes", "no"] and out[0] == out[7] == good  # the bad items spare the batch
     assert llm.num_free_blocks == free
 
+
+def test_generate_refuses_prompts_and_sampling_params_of_the_wrong_type_naming_what_it_takes(small_llm):
+    """A dict or a string as sampling_params, or None (a number, a dict) as prompts, is a TypeError; a dict was
+    taken as its keys (one error output per key, or a length mismatch) and None was `'NoneType' object is not
+    iterable`. A prompt inside the list that is None stays an error output (`prompt is null`), as a job row."""
+    llm = small_llm
+    sp = SamplingParams(temperature=0, max_tokens=1)
+
+    def raised(call) -> str:
+        with pytest.raises(TypeError) as exc:
+            call()
+        return str(exc.value)
+
+    takes = "sampling_params must be a SamplingParams or a sequence of them, one per prompt (None: the defaults), got "
+    assert raised(lambda: llm.generate(["Hi"], {"max_tokens": 2}, use_tqdm=False)) == (
+        takes + "dict {'max_tokens': 2}; build one with SamplingParams(**...)")
+    assert raised(lambda: llm.generate(["Hi", "Yo"], "ab", use_tqdm=False)) == takes + "str 'ab'"
+    assert raised(lambda: llm.generate(["Hi"], 5, use_tqdm=False)) == takes + "int 5"
+    prompts = "prompts must be a string or a sequence of prompts (strings or lists of token ids), got "
+    assert raised(lambda: llm.generate(None, sp, use_tqdm=False)) == prompts + "NoneType None"
+    assert raised(lambda: llm.generate(5, sp, use_tqdm=False)) == prompts + "int 5"
+    assert raised(lambda: llm.generate({"prompt": "Hi"}, sp, use_tqdm=False)) == prompts + "dict {'prompt': 'Hi'}"
+    assert raised(lambda: list(llm.iter_outputs(None, sp, use_tqdm=False))) == prompts + "NoneType None"
+
+    # what vLLM takes still works: one SamplingParams, a sequence of them (any kind), None for the defaults
+    ref = llm.generate(["Hi"], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for params in ([sp], (sp,), (p for p in [sp])):
+        assert llm.generate(("Hi",), params, use_tqdm=False)[0].outputs[0].token_ids == ref
+    assert len(llm.generate((p for p in ["Hi"]), None, use_tqdm=False)) == 1
+    outs = llm.generate([None, "Hi"], [sp, None], use_tqdm=False)
+    assert [o.error for o in outs] == ["prompt is null", "sampling_params: expected SamplingParams, got NoneType"]
