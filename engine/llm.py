@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import os
 import reprlib
 import time
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any, Iterator, Optional, Sequence as Seq, Union
 
 import torch
@@ -94,10 +96,48 @@ def _model_string(source) -> str:
 
 def _prompt_list(prompts) -> list:
     """prompts as a list: a single string is one prompt (iterating it would give one prompt per
-    character); anything else is taken as a sequence of prompts."""
+    character); anything else is taken as a sequence of prompts (each a string or a list of token ids;
+    a bad one becomes an error output, never an exception).
+
+    Raises:
+        TypeError: prompts is None, a dict, bytes or not iterable (the message says what is accepted).
+    """
     if isinstance(prompts, str):
         return [prompts]
-    return list(prompts)
+    try:
+        if prompts is None or isinstance(prompts, (bytes, bytearray, Mapping)):
+            raise TypeError
+        return list(prompts)
+    except TypeError:
+        raise TypeError(f"prompts must be a string or a sequence of prompts (strings or lists of token ids), got "
+                        f"{type(prompts).__name__} {reprlib.repr(prompts)}") from None
+
+
+def _params_list(sampling_params, n: int) -> list:
+    """One sampling_params entry per prompt: None is SamplingParams() for all, one SamplingParams is
+    shared, a sequence gives one per prompt (as in vLLM). A bad entry of the sequence is left for
+    `make_requests` to turn into an error output.
+
+    Raises:
+        TypeError: sampling_params is none of these (a dict, a string, a number).
+        ValueError: a sequence whose length differs from the prompts'.
+    """
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    try:
+        if isinstance(sampling_params, (str, bytes, bytearray, Mapping)):
+            raise TypeError
+        params_list = list(sampling_params)
+    except TypeError:
+        hint = "; build one with SamplingParams(**...)" if isinstance(sampling_params, Mapping) else ""
+        raise TypeError(f"sampling_params must be a SamplingParams or a sequence of them, one per prompt (None: "
+                        f"the defaults), got {type(sampling_params).__name__} {reprlib.repr(sampling_params)}"
+                        f"{hint}") from None
+    if len(params_list) != n:
+        raise ValueError(f"sampling_params has {len(params_list)} entries but there are {n} prompts")
+    return params_list
 
 
 def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype) -> bool:
@@ -362,6 +402,57 @@ def _has_token_prefix(toks: list[list[int]]) -> bool:
     """True when some token list is a proper prefix of another (duplicates are refused earlier)."""
     seen = {tuple(t) for t in toks}
     return any(tuple(t[:j]) in seen for t in toks for j in range(1, len(t)))
+
+
+def _token_id_list(ids: Any, name: str, vocab: int) -> list[int]:
+    """`ids` (one prompt's token ids) as a list of ints, checked for the scoring API; `name` is the
+    parameter as the caller wrote it (`token_ids[2]`, `items[0] prompt`).
+
+    Raises:
+        TypeError: not a sequence of ints (a string: tokenize it first), or an item that is not an int.
+        ValueError: empty, or a token id outside the vocabulary [0, vocab).
+    """
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a tensor or an array
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, (list, tuple, Seq)):
+        hint = "; tokenize text first (llm.tokenizer.encode)" if isinstance(ids, str) else ""
+        raise TypeError(f"{name} must be a list of token ids (ints), got {type(ids).__name__} "
+                        f"{reprlib.repr(ids)}{hint}")
+    out = []
+    for j, t in enumerate(ids):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            t = operator.index(t)  # an int, a numpy or 0-d tensor integer
+        except TypeError:
+            raise TypeError(f"{name}[{j}] must be a token id (int), got {type(t).__name__} {reprlib.repr(t)}") from None
+        if not 0 <= t < vocab:
+            raise ValueError(f"{name}[{j}]: token id {t} is outside the vocabulary [0, {vocab})")
+        out.append(t)
+    if not out:
+        raise ValueError(f"{name} is empty: give at least one token id")
+    return out
+
+
+def _choice_list(choices: Any, name: str) -> list[str]:
+    """`choices` as a list of distinct strings, checked for the scoring API (`name` as for `_token_id_list`).
+
+    Raises:
+        TypeError: not a sequence of strings (a single string is refused, not taken per character).
+        ValueError: empty, or a choice given twice (its score would be reported once).
+    """
+    if isinstance(choices, (str, bytes, dict)) or not isinstance(choices, (list, tuple, Seq)):
+        raise TypeError(f"{name} must be a list of strings, got {type(choices).__name__} {reprlib.repr(choices)}")
+    if not choices:
+        raise ValueError(f"{name} is empty: give at least one choice")
+    first: dict[str, int] = {}
+    for j, c in enumerate(choices):
+        if not isinstance(c, str):
+            raise TypeError(f"{name}[{j}] must be a string, got {type(c).__name__} {reprlib.repr(c)}")
+        if c in first:
+            raise ValueError(f"{name}[{j}] {c!r} repeats {name}[{first[c]}]")
+        first[c] = j
+    return list(choices)
 
 
 def _batches(items: list, size, budget: int):
@@ -636,18 +727,29 @@ class LLM:
         model runner's one `prepare`.
 
         Args:
-            token_ids: one sequence of token ids, or a list of them.
+            token_ids: one sequence of token ids, or a list of them (an empty list: no sequences).
         Returns:
             per sequence, [len - 1] float32 on the CPU: entry t is log p(token t+1 | tokens 0..t).
         Raises:
             RuntimeError: if requests are in flight.
-            ValueError: when the sequences do not fit the free KV blocks or exceed max_model_len.
+            TypeError: token_ids (or one of its sequences, named by index) is not a list of ints, e.g. a string.
+            ValueError: an empty sequence or a token id outside the vocabulary (named, with the vocab size),
+                or sequences that do not fit the free KV blocks or exceed max_model_len.
         """
         if self.scheduler.has_unfinished():
             raise RuntimeError("score needs an idle engine")
-        seqs = [list(token_ids)] if token_ids and isinstance(token_ids[0], int) else [list(s) for s in token_ids]
+        vocab = self.tokenizer.vocab_size
+        if hasattr(token_ids, "tolist") and not isinstance(token_ids, (list, tuple)):  # a tensor or an array
+            token_ids = token_ids.tolist()
+        if isinstance(token_ids, (list, tuple)) and not token_ids:
+            seqs = []  # no sequences
+        elif isinstance(token_ids, (list, tuple)) and (isinstance(token_ids[0], (list, tuple, str))
+                                                       or getattr(token_ids[0], "ndim", 0) >= 1):
+            seqs = [_token_id_list(s, f"token_ids[{i}]", vocab) for i, s in enumerate(token_ids)]
+        else:
+            seqs = [_token_id_list(token_ids, "token_ids", vocab)]
         bs, budget = self.config.block_size, chunk_size or self.config.max_num_batched_tokens
-        if any(not s or len(s) > self.max_model_len for s in seqs):
+        if any(len(s) > self.max_model_len for s in seqs):
             raise ValueError(f"each sequence must have 1..{self.max_model_len} tokens")
         need = [-(-len(s) // bs) for s in seqs]
         if sum(need) > self.num_free_blocks:
@@ -685,7 +787,21 @@ class LLM:
 
     def score_choices(self, prompt_token_ids: list[int], choices: Seq[str]) -> dict[str, float]:
         """Log-probability of each choice as the continuation of one prompt (scoring mode);
-        `score_choices_batch` for one prompt. Raises what that raises."""
+        `score_choices_batch` for one prompt.
+
+        Raises:
+            RuntimeError: if requests are in flight.
+            TypeError: prompt_token_ids is not a list of ints (a string: tokenize it first), or choices
+                is not a list of strings (the message names the parameter, and the item by index).
+            ValueError: an empty prompt_token_ids or choices, a token id outside the vocabulary (with
+                the vocab size), a repeated choice, or what `score_choices_batch` reports for the prompt
+                (a choice without tokens, past max_model_len, more KV blocks than the pool holds).
+        """
+        try:
+            _token_id_list(prompt_token_ids, "prompt_token_ids", self.tokenizer.vocab_size)
+            _choice_list(choices, "choices")
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"score_choices: {exc}") from None
         out = self.score_choices_batch([(prompt_token_ids, choices)])[0]
         if isinstance(out, str):
             raise ValueError(out)
@@ -715,8 +831,11 @@ class LLM:
             items: (prompt token ids, non-empty choice strings) per prompt.
         Returns:
             per prompt, {choice: log p(choice tokens | prompt)} in the choices' order, or an
-            error message (a choice without tokens, prompt + choice past max_model_len, or more
-            KV blocks than the pool holds).
+            error message: a bad item never fails the others. The message names the item
+            (`items[3] prompt`, `items[3] choices[1]`) when it is not a (prompt, choices) pair, its
+            prompt is not a non-empty list of token ids in the vocabulary, or its choices are not a
+            non-empty list of distinct strings; else a choice without tokens, prompt + choice past
+            max_model_len, or more KV blocks than the pool holds.
         Raises:
             RuntimeError: if requests are in flight.
         """
@@ -725,8 +844,17 @@ class LLM:
         bs, pool = self.config.block_size, self.block_pool
         results: list[Union[dict[str, float], str, None]] = [None] * len(items)
         jobs = []  # (index, prompt, choice token lists, n_shared, block keys, tail blocks per choice)
-        for i, (prompt, choices) in enumerate(items):
-            P = list(prompt)
+        vocab = self.tokenizer.vocab_size
+        for i, item in enumerate(items):
+            try:
+                if isinstance(item, (str, bytes, dict)) or not isinstance(item, (list, tuple, Seq)) or len(item) != 2:
+                    raise TypeError(f"items[{i}] must be a (prompt token ids, choices) pair, got "
+                                    f"{type(item).__name__} {reprlib.repr(item)}")
+                P = _token_id_list(item[0], f"items[{i}] prompt", vocab)
+                choices = _choice_list(item[1], f"items[{i}] choices")
+            except (TypeError, ValueError) as exc:
+                results[i] = f"score_choices: {exc}"
+                continue
             toks = [self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
             bad = next((c for c, t in zip(choices, toks) if not t), None)
             if bad is not None:
@@ -916,6 +1044,8 @@ class LLM:
         unless `--truncate`.
 
         Raises:
+            TypeError: prompts that are not a string or a sequence of prompts (None, a dict, a number), or
+                sampling_params that is not a SamplingParams or a sequence of them (a dict, a string).
             ValueError: only for a sampling_params list whose length differs from prompts.
         """
         prompts = _prompt_list(prompts)
@@ -963,18 +1093,13 @@ class LLM:
         Invalid requests are yielded first, as error outputs. Stopping the
         iteration early aborts the remaining requests and frees their blocks. A single string
         is one prompt.
+
+        Raises:
+            TypeError: prompts or sampling_params of a type neither takes (see `generate`).
+            ValueError: a sampling_params list whose length differs from prompts.
         """
         prompts = _prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
-                )
+        params_list = _params_list(sampling_params, len(prompts))
         requests = self.make_requests(prompts, params_list)
         pbar = None
         if use_tqdm:

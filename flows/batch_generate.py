@@ -95,6 +95,17 @@ def refuse_inline_secrets(spec: JobSpec) -> None:
             f"in the worker's environment.")
 
 
+def check_shard_retries(shard_retries: Any) -> None:
+    """Refuse a `shard_retries` that is not a whole number of retries (the flow's parameter, and a
+    deployment's setting, checked when it is served).
+
+    Raises:
+        ValueError: naming shard_retries and the value given.
+    """
+    if isinstance(shard_retries, bool) or not isinstance(shard_retries, int) or shard_retries < 0:
+        raise ValueError(f"shard_retries must be an integer >= 0 (retries per window task), got {shard_retries!r}")
+
+
 def resolve_storage_secret(spec: JobSpec, storage_secret: Optional[str]) -> JobSpec:
     """The spec with the storage options of the Prefect Secret block `storage_secret` merged in (a
     dict, or a JSON object string); the spec itself when no block is named.
@@ -280,13 +291,14 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
         storage_secret: name of a Prefect Secret block holding storage options (credentials).
 
     Raises:
-        ValueError: credentials inside spec.storage_options, a cluster without a Prefect server, or a
-            bad spec (see `pipeline.prepare_job`).
+        ValueError: a negative shard_retries, credentials inside spec.storage_options, a cluster without
+            a Prefect server, or a bad spec (see `pipeline.prepare_job`).
         pipeline.JobSpecChanged: the output holds a job with another spec (set spec.overwrite).
         pipeline.JobLocked: another run holds the output's lease.
         Any window's error once its retries are spent; done shards stay done for a re-run.
     """
     logger = get_run_logger()
+    check_shard_retries(shard_retries)
     refuse_inline_secrets(spec)
     _require_api_for_cluster(spec)
     if spec.cluster and any("://" not in str(u) or str(u).startswith("file://") for u in (spec.input, spec.output)):

@@ -52,13 +52,15 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
     """The JobSpec and deployment settings (name, cron, ...) from a spec file plus overrides.
 
     Raises:
-        ValueError: no cron schedule given, invalid spec fields (named, with the file), an unknown
-            top-level key, two different clusters, or credentials in the spec's storage_options.
+        ValueError: no cron schedule given, invalid spec fields (named, with the file), a spec every
+            run would refuse (`pipeline.job.validate_spec`: `max_tokens: 0`, an unknown engine option, ...),
+            a negative deployment.shard_retries, an unknown top-level key, two different clusters, or
+            credentials in the spec's storage_options.
     """
     from pydantic import ValidationError
 
-    from flows.batch_generate import refuse_inline_secrets
-    from pipeline.job import spec_errors, spec_field_lines
+    from flows.batch_generate import check_shard_retries, refuse_inline_secrets
+    from pipeline.job import spec_errors, spec_field_lines, validate_spec
 
     fields, rest = load_spec_file(path)
     unknown = sorted(set(rest) - {"deployment"})
@@ -77,6 +79,12 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
         problems = spec_errors(exc, lines=spec_field_lines(path))  # `line 4: max_tokns: unknown option; ...`
         raise ValueError(f"{path}: invalid job spec:\n  " + "\n  ".join(problems)) from None
     refuse_inline_secrets(spec)
+    try:  # what every scheduled run would refuse is refused now, in the run's words
+        validate_spec(spec)
+        if "shard_retries" in dep:
+            check_shard_retries(dep["shard_retries"])
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     if name:
         dep["name"] = name
     if cron:
@@ -88,7 +96,12 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
 
 
 def serve(path: str, *, name: Optional[str] = None, cron: Optional[str] = None) -> None:
-    """Serve the flow on the file's schedule (blocks until interrupted)."""
+    """Serve the flow on the file's schedule (blocks until interrupted).
+
+    Raises:
+        ValueError: the file's spec or deployment settings are refused (see `load_deployment`).
+        FileNotFoundError: no such file.
+    """
     from flows.batch_generate import batch_generate
 
     spec, dep = load_deployment(path, name=name, cron=cron)
@@ -106,7 +119,8 @@ def serve(path: str, *, name: Optional[str] = None, cron: Optional[str] = None) 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.deploy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flows.deploy", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)  # `--cro` is refused, not taken for --cron (as tokenmill)
     parser.add_argument("spec_file", help="YAML or JSON JobSpec file")
     parser.add_argument("--cron", help='cron schedule, e.g. "0 2 * * *" (overrides the file)')
     parser.add_argument("--name", help="deployment name (overrides the file)")

@@ -1467,11 +1467,14 @@ def booked_report(exc: BaseException) -> Optional[CostReport]:
 
 def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
     """All runs' cost reports of the job at `output`, one row per run, oldest first (failed and
-    interrupted runs included: their `status` says so).
+    interrupted runs included: their `status` says so). A run file that cannot be read (truncated,
+    garbage) or is not a cost row (a stray Parquet file without `METRICS_KEY_COLUMNS`) is skipped with
+    a warning naming it, so the good runs still show.
 
     Raises:
         FileNotFoundError: when the job has no metrics yet.
-        ValueError: `output` is a file, not a job's output folder (the message names it).
+        ValueError: `output` is a file, not a job's output folder (the message names it); or every
+            metrics file was skipped (the message says how many).
         StorageError: the storage cannot be reached or denies access.
     """
     fs, path = io.filesystem(output, storage_options)
@@ -1479,20 +1482,52 @@ def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) 
         if fs.isfile(path):
             raise ValueError(f"{output} is a file, not a job output folder: give the --output folder of a "
                              f"tokenmill run (it holds part-*.parquet and _job/)")
-    frames = []
+    urls = []
     legacy = manifest.job_url(output, LEGACY_METRICS)
     if io.exists(legacy, storage_options):
-        frames.append(io.read_parquet(legacy, storage_options))
+        urls.append(legacy)
     runs = manifest.job_url(output, RUNS_DIR)
-    for name in io.list_names(runs, storage_options):
-        if name.startswith("run-") and name.endswith(".parquet"):
-            frames.append(io.read_parquet(io.join(runs, name), storage_options))
-    if not frames:
+    urls += [io.join(runs, name) for name in io.list_names(runs, storage_options)
+             if name.startswith("run-") and name.endswith(".parquet")]
+    if not urls:
         raise FileNotFoundError(f"no job metrics at {manifest.job_url(output)}")
+    frames = []
+    for url in urls:
+        df = _read_metrics_file(url, storage_options)
+        if df is not None:
+            frames.append(df)
+    if not frames:
+        raise ValueError(f"no readable job metrics at {manifest.job_url(output)}: all {len(urls)} metrics "
+                         f"file(s) were skipped (see the warnings)")
     df = pl.concat(frames, how="diagonal_relaxed")
     if "status" in df.columns:
         df = df.with_columns(pl.col("status").fill_null("ok"))
     return df.sort("started_at", maintain_order=True)
+
+
+# The columns (and their kinds) that make a Parquet file a run's cost row: what a report sorts and sums by.
+METRICS_KEY_COLUMNS = {"job_id": pl.String, "run_id": pl.String, "started_at": pl.Datetime, "cost_usd": pl.Float64}
+
+
+def _read_metrics_file(url: str, storage_options: Optional[dict[str, Any]]) -> Optional[pl.DataFrame]:
+    """One metrics file's rows, or None (with a warning naming the file) when it cannot be read as
+    Parquet or does not hold cost rows (`METRICS_KEY_COLUMNS`). A storage failure still raises."""
+    try:
+        df = io.read_parquet(url, storage_options)
+    except (pl.exceptions.PolarsError, pl.exceptions.PanicException) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        warnings.warn(f"{url}: skipped, not a readable Parquet file ({reason})", stacklevel=3)
+        return None
+    def fits(column: str, kind: Any) -> bool:
+        dtype = df.schema.get(column)
+        return dtype is not None and (dtype == kind or (kind == pl.Float64 and dtype.is_numeric()))
+
+    wrong = [f"{c} ({df.schema[c] if c in df.columns else 'missing'})"
+             for c, kind in METRICS_KEY_COLUMNS.items() if not fits(c, kind)]
+    if wrong:
+        warnings.warn(f"{url}: skipped, not a run's cost row (column {', '.join(wrong)})", stacklevel=3)
+        return None
+    return df
 
 
 def plan_windows(shards: list[Shard], shards_in_flight: int) -> list[list[Shard]]:

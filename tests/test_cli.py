@@ -310,6 +310,36 @@ def test_report_on_a_file_says_it_wants_a_job_output_folder(tmp_path, capsys):
     assert main(["report", out]) == 0 and "rows_ok" in capsys.readouterr().out
 
 
+def test_report_skips_a_damaged_run_file_and_says_so_in_one_line_when_none_is_readable(tmp_path, capsys):
+    import warnings
+
+    out = _fake_job(tmp_path)
+    _fake_job(tmp_path)  # a second run of the same job: two run files
+    runs = os.path.join(out, "_job", "runs")
+    first, second = sorted(os.listdir(runs))
+    with open(os.path.join(runs, first), "r+b") as f:
+        f.truncate(100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # the same warning again in this process
+        assert main(["report", out]) == 0
+        captured = capsys.readouterr()
+        assert captured.out.startswith(f"job at {out}: 1 run(s); cost of all runs ")
+        assert f"run_id                         {second.rsplit('-', 1)[1][:-len('.parquet')]}" in captured.out
+        assert captured.err.splitlines() == [
+            f"tokenmill: warning: {os.path.join(runs, first)}: skipped, not a readable Parquet file "
+            f"(parquet: File out of specification: The file must end with PAR1 or PARE)"]
+
+        with open(os.path.join(runs, second), "wb") as f:
+            f.write(b"garbage")
+        assert main(["report", out]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        err = captured.err.splitlines()
+        assert len(err) == 3 and all(line.startswith("tokenmill: warning: ") for line in err[:2])
+        assert err[2] == (f"tokenmill: no readable job metrics at {out}/_job: all 2 metrics file(s) were skipped "
+                          f"(see the warnings)")
+
+
 def test_cluster_run_with_an_unreachable_prefect_server_is_one_line_naming_prefect_api_url(tmp_path):
     # in a child process: Prefect configures its logging once per process, on the streams of the
     # moment; in this one they would be this test's capture, closed when it ends, and every later

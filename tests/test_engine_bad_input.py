@@ -318,3 +318,91 @@ def test_engine_seed_and_switches_are_checked_at_construction(kwargs, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(**kwargs)
+
+
+def test_scoring_refuses_bad_token_ids_and_choices_naming_the_parameter(small_llm):
+    """score and score_choices raise a TypeError or ValueError naming the parameter (and the item by
+    index), where they raised IndexError, a bare int() ValueError, or returned {} / dropped a repeat."""
+    import torch
+
+    llm = small_llm
+    vocab = llm.tokenizer.vocab_size
+    ids = llm.tokenizer.encode("The answer is")
+    free = llm.num_free_blocks
+
+    def raised(kind, call) -> str:
+        with pytest.raises(kind) as exc:
+            call()
+        return str(exc.value)
+
+    outside = f"is outside the vocabulary [0, {vocab})"
+    assert raised(ValueError, lambda: llm.score([10**9])) == f"token_ids[0]: token id 1000000000 {outside}"
+    assert raised(ValueError, lambda: llm.score([1, -5])) == f"token_ids[1]: token id -5 {outside}"
+    assert raised(TypeError, lambda: llm.score("hello")) == (
+        "token_ids must be a list of token ids (ints), got str 'hello'; tokenize text first (llm.tokenizer.encode)")
+    assert raised(ValueError, lambda: llm.score([[1, 2], []])) == "token_ids[1] is empty: give at least one token id"
+    assert raised(TypeError, lambda: llm.score([[1, 2], [3, "a"]])) == (
+        "token_ids[1][1] must be a token id (int), got str 'a'")
+    assert llm.score([]) == []  # no sequences
+    assert torch.equal(llm.score(torch.tensor(ids))[0], llm.score(ids)[0])  # a tensor of ids is taken too
+
+    sc = "score_choices: "
+    assert raised(ValueError, lambda: llm.score_choices([], ["yes"])) == (
+        sc + "prompt_token_ids is empty: give at least one token id")
+    assert raised(ValueError, lambda: llm.score_choices(ids, [])) == sc + "choices is empty: give at least one choice"
+    assert raised(ValueError, lambda: llm.score_choices(ids, ["yes", "no", "yes"])) == (
+        sc + "choices[2] 'yes' repeats choices[0]")
+    assert raised(TypeError, lambda: llm.score_choices("hello", ["yes"])) == (
+        sc + "prompt_token_ids must be a list of token ids (ints), got str 'hello'; tokenize text first "
+             "(llm.tokenizer.encode)")
+    assert raised(ValueError, lambda: llm.score_choices([10**9], ["yes"])) == (
+        sc + f"prompt_token_ids[0]: token id 1000000000 {outside}")
+    assert raised(TypeError, lambda: llm.score_choices(ids, "ab")) == sc + "choices must be a list of strings, got str 'ab'"
+    assert raised(TypeError, lambda: llm.score_choices(ids, ["yes", 5])) == sc + "choices[1] must be a string, got int 5"
+
+    good = llm.score_choices(ids, ["yes", "no"])
+    out = llm.score_choices_batch([(ids, ["yes", "no"]), ([], ["a"]), (ids, []), (ids, ["x", "x"]), ("hello", ["a"]),
+                                   ([10**9], ["a"]), "junk", (ids, ("yes", "no"))])
+    assert out[1:7] == [
+        sc + "items[1] prompt is empty: give at least one token id",
+        sc + "items[2] choices is empty: give at least one choice",
+        sc + "items[3] choices[1] 'x' repeats items[3] choices[0]",
+        sc + "items[4] prompt must be a list of token ids (ints), got str 'hello'; tokenize text first "
+             "(llm.tokenizer.encode)",
+        sc + f"items[5] prompt[0]: token id 1000000000 {outside}",
+        sc + "items[6] must be a (prompt token ids, choices) pair, got str 'junk'",
+    ]
+    assert list(good) == ["yes", "no"] and out[0] == out[7] == good  # the bad items spare the batch
+    assert llm.num_free_blocks == free
+
+
+def test_generate_refuses_prompts_and_sampling_params_of_the_wrong_type_naming_what_it_takes(small_llm):
+    """A dict or a string as sampling_params, or None (a number, a dict) as prompts, is a TypeError; a dict was
+    taken as its keys (one error output per key, or a length mismatch) and None was `'NoneType' object is not
+    iterable`. A prompt inside the list that is None stays an error output (`prompt is null`), as a job row."""
+    llm = small_llm
+    sp = SamplingParams(temperature=0, max_tokens=1)
+
+    def raised(call) -> str:
+        with pytest.raises(TypeError) as exc:
+            call()
+        return str(exc.value)
+
+    takes = "sampling_params must be a SamplingParams or a sequence of them, one per prompt (None: the defaults), got "
+    assert raised(lambda: llm.generate(["Hi"], {"max_tokens": 2}, use_tqdm=False)) == (
+        takes + "dict {'max_tokens': 2}; build one with SamplingParams(**...)")
+    assert raised(lambda: llm.generate(["Hi", "Yo"], "ab", use_tqdm=False)) == takes + "str 'ab'"
+    assert raised(lambda: llm.generate(["Hi"], 5, use_tqdm=False)) == takes + "int 5"
+    prompts = "prompts must be a string or a sequence of prompts (strings or lists of token ids), got "
+    assert raised(lambda: llm.generate(None, sp, use_tqdm=False)) == prompts + "NoneType None"
+    assert raised(lambda: llm.generate(5, sp, use_tqdm=False)) == prompts + "int 5"
+    assert raised(lambda: llm.generate({"prompt": "Hi"}, sp, use_tqdm=False)) == prompts + "dict {'prompt': 'Hi'}"
+    assert raised(lambda: list(llm.iter_outputs(None, sp, use_tqdm=False))) == prompts + "NoneType None"
+
+    # what vLLM takes still works: one SamplingParams, a sequence of them (any kind), None for the defaults
+    ref = llm.generate(["Hi"], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for params in ([sp], (sp,), (p for p in [sp])):
+        assert llm.generate(("Hi",), params, use_tqdm=False)[0].outputs[0].token_ids == ref
+    assert len(llm.generate((p for p in ["Hi"]), None, use_tqdm=False)) == 1
+    outs = llm.generate([None, "Hi"], [sp, None], use_tqdm=False)
+    assert [o.error for o in outs] == ["prompt is null", "sampling_params: expected SamplingParams, got NoneType"]

@@ -269,3 +269,49 @@ def test_deploy_refuses_credentials_in_the_spec_file_and_names_bad_fields(tmp_pa
                   "  storage_secret: tokenmill-s3\n")
     spec, dep = deploy.load_deployment(str(ok))
     assert dep["storage_secret"] == "tokenmill-s3" and spec.storage_options == {}
+
+
+def test_deploy_refuses_what_every_run_would_refuse_in_one_line_and_serves_nothing(tmp_path, capsys, monkeypatch):
+    from flows import batch_generate, deploy
+
+    served = []
+    monkeypatch.setattr(type(batch_generate), "serve", lambda self, **kw: served.append(kw))
+    head = "spec:\n  input: in.parquet\n  output: out\n"
+    cases = {
+        "max_tokens: 0": "invalid default sampling parameters: max_tokens must be an integer >= 1, got 0",
+        "engine_options: {bogus_option: 1}": "unknown engine option(s) ['bogus_option']; known: ",
+    }
+    for i, (line, message) in enumerate(cases.items()):
+        f = tmp_path / f"bad{i}.yaml"
+        f.write_text(f"{head}  {line}\ndeployment:\n  cron: '0 2 * * *'\n")
+        assert deploy.main([str(f)]) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"flows.deploy: {f}: {message}")
+    f = tmp_path / "retries.yaml"
+    for value in ("-1", "'3'", "true"):
+        f.write_text(f"{head}deployment:\n  cron: '0 2 * * *'\n  shard_retries: {value}\n")
+        assert deploy.main([str(f)]) == 1
+        shown = {"-1": "-1", "'3'": "'3'", "true": "True"}[value]
+        assert capsys.readouterr().err.splitlines() == [
+            f"flows.deploy: {f}: shard_retries must be an integer >= 0 (retries per window task), got {shown}"]
+    assert served == []
+    f.write_text(f"{head}deployment:\n  cron: '0 2 * * *'\n  shard_retries: 0\n")
+    assert deploy.main([str(f)]) == 0 and served[0]["parameters"]["shard_retries"] == 0
+
+    # a prefix of an option is not taken for it (as the tokenmill command refuses one)
+    with pytest.raises(SystemExit) as exc:
+        deploy.main([str(f), "--cro", "* * * * *"])
+    assert exc.value.code == 2 and "unrecognized arguments: --cro * * * * *" in capsys.readouterr().err
+    assert len(served) == 1
+
+
+def test_flow_refuses_negative_shard_retries_before_anything_is_written(prefect_api, tmp_path):
+    from flows import batch_generate
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    spec = JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, progress=False)
+    with pytest.raises(ValueError) as exc:
+        batch_generate(spec, shard_retries=-1)
+    assert str(exc.value) == "shard_retries must be an integer >= 0 (retries per window task), got -1"
+    assert not (tmp_path / "out").exists()

@@ -79,6 +79,35 @@ def test_rerun_skips_done_shards(local_input, tmp_path):
     assert read_metrics(str(out)).height == 2
 
 
+def test_read_metrics_skips_a_damaged_or_stray_run_file_with_a_warning_and_keeps_the_good_runs(local_input, tmp_path):
+    out = tmp_path / "out"
+    for _ in range(3):
+        run_job(spec_for(local_input, out), FakeLLM())
+    runs = out / "_job" / "runs"
+    names = sorted(os.listdir(runs))
+    assert len(names) == 3
+    good = read_metrics(str(out))["run_id"].to_list()
+    data = (runs / names[0]).read_bytes()
+    (runs / names[0]).write_bytes(data[: len(data) // 2])  # truncated
+    (runs / names[1]).write_bytes(b"not parquet at all")  # garbage
+    pl.DataFrame({"x": [1], "started_at": ["yesterday"]}).write_parquet(runs / "run-stray.parquet")  # not a cost row
+    with pytest.warns(UserWarning) as caught:
+        m = read_metrics(str(out))
+    assert m["run_id"].to_list() == good[2:]  # the one good run, still shown
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 3
+    assert messages[0].startswith(f"{runs / names[0]}: skipped, not a readable Parquet file (parquet: ")
+    assert messages[1].startswith(f"{runs / names[1]}: skipped, not a readable Parquet file (parquet: ")
+    assert messages[2] == (f"{runs / 'run-stray.parquet'}: skipped, not a run's cost row (column job_id (missing), "
+                           f"run_id (missing), started_at (String), cost_usd (missing))")
+
+    (runs / names[2]).write_bytes(b"")
+    with pytest.warns(UserWarning), pytest.raises(ValueError) as exc:
+        read_metrics(str(out))
+    assert str(exc.value) == (f"no readable job metrics at {out / '_job'}: all 4 metrics file(s) were skipped "
+                              f"(see the warnings)")
+
+
 def test_resume_after_failure(local_input, tmp_path):
     out = tmp_path / "out"
     spec = spec_for(local_input, out, shards_in_flight=1)
