@@ -379,6 +379,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ms = (1, 8, 32, 64) if q else LINEAR_MS
     sweep = linear_sweep(model, ms)
     mkl = torch_mm_sweep(model, ms)
+    # the cube once more after the sweep, the best of the two kept: a burst of other work during one
+    # measurement (torch.mm 2048^3 read 99 GFLOP/s once, against 366 in the next run) would lower the
+    # peak and flatter every percentage below
+    again = peak_matmul_gflops(n)
+    if any(abs(again[k] - cube[k]) > 0.2 * max(again[k], cube[k]) for k in cube):
+        print(f"note: the {n}^3 product measured {', '.join(f'{k} {cube[k]:.0f} / {again[k]:.0f}' for k in cube)} "
+              f"GFLOP/s before / after the sweep: the machine was busy during one of them; the best is used",
+              flush=True)
+    cube = {k: max(cube[k], again[k]) for k in cube}
     done(m)
     peak = max([*cube.values(), *(r["gflops"] for r in sweep.values()), *mkl.values()])
     report["peak"] = {"cube": cube, "matmul_size": n, "peak_gflops": peak, "copy_gbps": bw}
