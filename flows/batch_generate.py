@@ -57,6 +57,7 @@ could not be resolved.
 """
 import contextlib
 import json
+import math
 from typing import Any, Iterator, Optional
 
 from prefect import flow, get_run_logger, task
@@ -104,6 +105,19 @@ def check_shard_retries(shard_retries: Any) -> None:
     """
     if isinstance(shard_retries, bool) or not isinstance(shard_retries, int) or shard_retries < 0:
         raise ValueError(f"shard_retries must be an integer >= 0 (retries per window task), got {shard_retries!r}")
+
+
+def check_retry_delay(retry_delay_s: Any) -> None:
+    """Refuse a `retry_delay_s` that is not a finite number of seconds >= 0 (it was taken as 0 when
+    negative).
+
+    Raises:
+        ValueError: naming retry_delay_s and the value given.
+    """
+    if (isinstance(retry_delay_s, bool) or not isinstance(retry_delay_s, (int, float))
+            or not math.isfinite(retry_delay_s) or retry_delay_s < 0):
+        raise ValueError(f"retry_delay_s must be a number of seconds >= 0 (the first retry's delay), "
+                         f"got {retry_delay_s!r}")
 
 
 def resolve_storage_secret(spec: JobSpec, storage_secret: Optional[str]) -> JobSpec:
@@ -291,7 +305,7 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
         storage_secret: name of a Prefect Secret block holding storage options (credentials).
 
     Raises:
-        ValueError: a negative shard_retries, credentials inside spec.storage_options, a cluster without
+        ValueError: a negative shard_retries or retry_delay_s, credentials inside spec.storage_options, a cluster without
             a Prefect server, or a bad spec (see `pipeline.prepare_job`).
         pipeline.JobSpecChanged: the output holds a job with another spec (set spec.overwrite).
         pipeline.JobLocked: another run holds the output's lease.
@@ -299,6 +313,7 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
     """
     logger = get_run_logger()
     check_shard_retries(shard_retries)
+    check_retry_delay(retry_delay_s)
     refuse_inline_secrets(spec)
     _require_api_for_cluster(spec)
     if spec.cluster and any("://" not in str(u) or str(u).startswith("file://") for u in (spec.input, spec.output)):

@@ -59,7 +59,7 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
     """
     from pydantic import ValidationError
 
-    from flows.batch_generate import check_shard_retries, refuse_inline_secrets
+    from flows.batch_generate import check_retry_delay, check_shard_retries, refuse_inline_secrets
     from pipeline.job import spec_errors, spec_field_lines, validate_spec
 
     fields, rest = load_spec_file(path)
@@ -83,6 +83,8 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
         validate_spec(spec)
         if "shard_retries" in dep:
             check_shard_retries(dep["shard_retries"])
+        if "retry_delay_s" in dep:
+            check_retry_delay(dep["retry_delay_s"])
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     if name:

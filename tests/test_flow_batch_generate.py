@@ -315,3 +315,8 @@ def test_flow_refuses_negative_shard_retries_before_anything_is_written(prefect_
         batch_generate(spec, shard_retries=-1)
     assert str(exc.value) == "shard_retries must be an integer >= 0 (retries per window task), got -1"
     assert not (tmp_path / "out").exists()
+    for bad in (-1.5, float("inf")):  # a negative delay was taken as 0 (Prefect itself makes "5" a float)
+        with pytest.raises(ValueError) as exc:
+            batch_generate(spec, retry_delay_s=bad)
+        assert str(exc.value) == f"retry_delay_s must be a number of seconds >= 0 (the first retry's delay), got {bad!r}"
+    assert not (tmp_path / "out").exists()
