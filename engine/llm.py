@@ -1073,7 +1073,20 @@ class LLM:
         tool messages), e.g. `messages[1].role must be one of ['system', 'user', 'assistant'], got
         'wizard'`; an empty or all-blank content, `messages[0].content is empty ('')`; a content that
         is not a string; an empty conversation. The other conversations run.
+
+        Raises:
+            TypeError: conversations is not a list of conversations or one conversation (None, a
+                string, a single message dict, a number); sampling_params as for `generate`.
         """
+        if isinstance(conversations, Mapping):
+            raise TypeError(f"conversations must be a list of conversations or one conversation (a list of "
+                            f"{{role, content}} dicts), got one message dict {reprlib.repr(conversations)}: wrap "
+                            f"it in a list")
+        if conversations is None or isinstance(conversations, (str, bytes, bytearray)) or not isinstance(
+                conversations, (list, tuple, Seq)):
+            raise TypeError(f"conversations must be a list of conversations or one conversation (a list of "
+                            f"{{role, content}} dicts), got {type(conversations).__name__} "
+                            f"{reprlib.repr(conversations)}")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # a single conversation
         prompts: list = []

@@ -233,6 +233,20 @@ def test_a_null_or_int_prompt_and_an_empty_stop_string_read_the_same_through_the
     assert (report.rows_ok, report.rows_error) == (1, 3)
 
 
+@pytest.mark.parametrize("conversations,said", [
+    (None, "got NoneType None"),  # 'NoneType' object is not iterable
+    ("hello", "got str 'hello'"),  # five conversations, one per character, each an error output
+    (5, "got int 5"),  # 'int' object is not subscriptable
+    ({"role": "user", "content": "x"}, "got one message dict {'content': 'x', 'role': 'user'}: wrap it in a list"),
+])
+def test_chat_refuses_what_is_not_a_conversation_list_naming_what_it_got(small_llm, conversations, said):
+    with pytest.raises(TypeError) as exc:
+        small_llm.chat(conversations, use_tqdm=False)
+    assert str(exc.value).startswith("conversations must be a list of conversations or one conversation (a list of "
+                                     "{role, content} dicts), ")
+    assert str(exc.value).endswith(said)
+
+
 def test_chat_refuses_unknown_roles_and_empty_contents_naming_the_message_like_a_job_row(small_llm):
     """A bogus role or an empty content makes that conversation an error output (at its index) naming the
     message, the field and the value; the job's `messages` rows say the same words for the same problem."""
