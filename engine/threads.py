@@ -31,15 +31,20 @@ def configure_before_torch() -> bool:
     return True
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def default_num_threads() -> int:
     """Threads per pool: TOKENMILL_NUM_THREADS, else the CPUs this process may use."""
     env = os.environ.get("TOKENMILL_NUM_THREADS")
     if env and env.isdigit() and int(env) > 0:
         return int(env)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    return available_cpus()
 
 
 def apply_num_threads(n: Optional[int] = None) -> int:

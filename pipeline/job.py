@@ -107,6 +107,10 @@ class JobSpecChanged(RuntimeError):
         self.cli_message = message if cli_message is None else cli_message
 
 
+INT_OPTION_MAX = 2 ** 62
+"""The largest magnitude an integer JobSpec option may have (int64 with headroom for sums)."""
+
+
 class JobSpec(BaseModel):
     """Everything a job needs; shared by `run_job`, the CLI (`--kebab-case` flags) and the flow.
 
@@ -200,7 +204,9 @@ class JobSpec(BaseModel):
         default_factory=dict, repr=False,
         description="fsspec/s3fs options (endpoint_url, key, secret, config_kwargs, ...); default: AWS environment "
                     "variables; secrets are masked in JSON dumps")
-    lease_ttl_s: float = Field(60.0, gt=0, allow_inf_nan=False,  # an inf lease would never expire
+    # at least 1 s: a run renews its lease several times per TTL (1e-9 failed every run after the model loaded,
+    # "could not renew its lease for 0 s"); finite: an inf lease would never expire
+    lease_ttl_s: float = Field(60.0, ge=1, allow_inf_nan=False,
                                description="seconds a run's lease on the output lasts without a heartbeat (a dead "
                                            "run's lease expires after it)")
 
@@ -313,6 +319,15 @@ class JobSpec(BaseModel):
         if not sep or scheme not in CLUSTER_SCHEMES or not rest or "/" in rest:
             raise ValueError(f"expected a Dask scheduler address such as tcp://HOST:8786 (schemes: "
                              f"{', '.join(CLUSTER_SCHEMES)})")
+        return v
+
+    @field_validator("*")
+    @classmethod
+    def _int_fits(cls, v: Any, info: Any) -> Any:
+        """Every integer option fits an int64 with room to spare: 10**23 tokens, bytes or devices overflowed
+        in the planner, the KV cache sizing or the cost report ("int too big to convert"), after the lease."""
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_OPTION_MAX:
+            raise ValueError(f"too large: at most {INT_OPTION_MAX:,}")
         return v
 
     @field_validator("speculative", mode="before")

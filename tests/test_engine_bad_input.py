@@ -297,7 +297,12 @@ def test_a_bad_thread_count_is_refused_by_name_before_any_pool_is_touched(n):
     with pytest.raises(ValueError, match="num_threads must be a positive integer"):
         LLM(num_threads=n)
     assert torch.get_num_threads() == before
-    assert EngineConfig(model="smollm2-135m-instruct", num_threads=2).num_threads == 2
+    from engine.threads import available_cpus
+
+    cpus = available_cpus()
+    assert EngineConfig(model="smollm2-135m-instruct", num_threads=cpus).num_threads == cpus
+    with pytest.raises(ValueError, match=f"num_threads={cpus + 1} is more than the {cpus} CPUs this process may use"):
+        EngineConfig(model="smollm2-135m-instruct", num_threads=cpus + 1)
 
 
 @pytest.mark.parametrize("kw,why", [({"dtype": "bfloat16"}, "here: dtype bfloat16"),

@@ -352,6 +352,22 @@ def test_text_that_is_not_utf8_inside_messages_makes_its_row_an_error_row(tmp_pa
     assert (report.rows_ok, report.rows_error) == (2, 1)
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "limit", "kv_cache_memory_bytes", "device_count", "shard_size", "seed"])
+def test_an_integer_option_too_large_for_int64_is_refused_naming_it(tmp_path, field):
+    """10**23 passed every bound and overflowed later ("int too big to convert"), after the lease was taken."""
+    fields = {"input": write_input(tmp_path / "in.parquet"), "output": str(tmp_path / "out"), field: 10 ** 23}
+    with pytest.raises(ValueError, match=re.escape(f"{field}\n  Value error, too large: at most 4,611,686,018,427,387,904")):
+        JobSpec(**fields)
+    assert JobSpec(**{**fields, field: 2 ** 62}).model_dump()[field] == 2 ** 62
+
+
+def test_a_lease_shorter_than_a_second_is_refused(tmp_path):
+    fields = {"input": write_input(tmp_path / "in.parquet"), "output": str(tmp_path / "out")}
+    with pytest.raises(ValueError, match="lease_ttl_s\n  Input should be greater than or equal to 1"):
+        JobSpec(**fields, lease_ttl_s=1e-9)
+    assert JobSpec(**fields, lease_ttl_s=1).lease_ttl_s == 1
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("output", "", "output\n  Value error, must be a path or URL, got an empty string"),  # it wrote into /
     ("input", "  ", "input\n  Value error, must be a path or URL, got an empty string"),
