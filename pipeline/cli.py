@@ -33,8 +33,8 @@ Exit codes, one meaning each (a script may act on them):
          (or, when every row's error differs, how many there are and the first)
     130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM
     141  stdout's reader went away before everything was written (a pipe into a `head` that has
-         exited), quietly (128 + SIGPIPE, as a shell reports a tool whose pipe closed); a short
-         output that fits in the pipe's buffer (`tokenmill report OUT | head -1`) usually exits 0
+         exited), quietly (128 + SIGPIPE, as a shell reports a tool whose pipe closed); a reader
+         that leaves after the first line (`tokenmill report OUT | head -1`) gives 141 too
 """
 from __future__ import annotations
 
@@ -430,15 +430,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     storage = dict(args.storage_options or [])
     metrics = read_metrics(args.url, storage)
     rows = metrics.to_dicts()
+    statuses = [r.get("status") or "ok" for r in rows]
+    extra = "".join(f", {statuses.count(k)} {k}" for k in ("failed", "interrupted") if k in statuses)
+    total = sum(r.get("cost_usd") or 0.0 for r in rows)
+    _echo(f"job at {args.url}: {len(rows)} run(s){extra}; cost of all runs {total:.6f} USD; "
+          f"{'each run:' if args.all else 'the latest:'}")
     if args.all:
         for i, row in enumerate(rows):
             _echo(f"\nrun {i + 1} of {len(rows)}")
             _echo(format_report(row))
     else:
-        statuses = [r.get("status") or "ok" for r in rows]
-        extra = "".join(f", {statuses.count(k)} {k}" for k in ("failed", "interrupted") if k in statuses)
-        total = sum(r.get("cost_usd") or 0.0 for r in rows)
-        _echo(f"job at {args.url}: {len(rows)} run(s){extra}; cost of all runs {total:.6f} USD; the latest:")
         _echo(format_report(rows[-1]))
     return 0
 

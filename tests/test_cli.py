@@ -44,6 +44,11 @@ def test_run_report_and_refusal(job_llm, tmp_path, capsys):
 
     assert main(["report", str(out)]) == 0
     assert "rows_ok" in capsys.readouterr().out
+    cost = float(pl.read_parquet(f"{out}/_job/runs/*.parquet")["cost_usd"].sum())
+    assert main(["report", str(out), "--all"]) == 0  # the total heads the per-run reports too
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"job at {out}: 1 run(s); cost of all runs {cost:.6f} USD; each run:\n")
+    assert printed.count("rows_ok") == 1
 
     assert main(args + ["--max-tokens", "5"]) == 2
     assert "--overwrite" in capsys.readouterr().err
