@@ -21,6 +21,7 @@ stores have no folders, so a write never calls `makedirs` there, and
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -376,12 +377,13 @@ def _put(fs: fsspec.AbstractFileSystem, path: str, data: bytes, so: dict[str, An
                 f.write(data)
             return
         tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
-        with open(tmp, "xb") as f:
-            f.write(data)
-        try:
+        try:  # the temp file goes whether the write (a full disk) or the link fails
+            with open(tmp, "xb") as f:
+                f.write(data)
             os.link(tmp, path)
         finally:
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
     elif isinstance(fs, AsyncFileSystem):
         fs.pipe_file(path, data, mode="create" if exclusive else "overwrite",
                      timeout=write_deadline_s(len(data), so))
@@ -397,8 +399,8 @@ def _atomic_put(url: str, data: bytes, storage_options: Optional[dict[str, Any]]
     parent = path.rsplit("/", 1)[0]
     tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
     with storage_call("write", url, so):
-        _put(fs, tmp, data, so)
-        try:
+        try:  # a write that fails half way (a full disk) leaves no temp file either
+            _put(fs, tmp, data, so)
             fs.mv(tmp, path)
         except BaseException:
             try:

@@ -190,3 +190,21 @@ def test_a_web_url_has_no_bucket_so_no_bucket_is_blamed():
     assert [bucket_of(u) for u in ("s3://b/x", "gs://c/d.parquet", "http://127.0.0.1:1/x.parquet",
                                    "https://example.org/a", "ftp://h/f", "file:///tmp/x", "/tmp/x")] == [
         "b", "c", None, None, None, None, None]
+
+
+def test_a_write_that_fails_half_way_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A full disk while the temp file is written: the error reaches the caller (as StorageError) and the
+    half-written `.tmp-*` file is gone (they stayed in _job/done and _job/runs, also after a resume)."""
+    import errno
+
+    def half_then_full(fs, path, data, so, exclusive=False):
+        with open(path, "wb") as f:
+            f.write(data[:3])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(io, "_put", half_then_full)
+    target = tmp_path / "done" / "part-00001.json"
+    target.parent.mkdir()
+    with pytest.raises(StorageError, match="No space left on device"):
+        io.write_json_atomic({"rows": 3}, str(target))
+    assert sorted(p.name for p in target.parent.iterdir()) == []
