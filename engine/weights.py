@@ -130,8 +130,8 @@ def resolve_model(model: str) -> ModelSource:
     """Map the user's `model` string to a ModelSource.
 
     Raises:
-        ValueError: for an unknown dummy shape or a path that is neither a GGUF
-            file nor a folder with config.json.
+        ValueError: for an unknown dummy shape, a .gguf path that does not exist, a folder
+            without config.json, or a path that is neither a GGUF file nor such a folder.
     """
     if model == DEFAULT_MODEL:
         return ModelSource("gguf", default_gguf_path())
@@ -145,6 +145,11 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource("gguf", str(p))
     if p.is_dir() and (p / "config.json").exists():
         return ModelSource("hf", str(p))
+    if p.suffix == ".gguf" and not p.exists():
+        raise ValueError(f"model file {model!r} does not exist")
+    if p.is_dir():
+        raise ValueError(f"model folder {model!r} has no config.json (a Hugging Face model folder holds config.json "
+                         f"and *.safetensors)")
     raise ValueError(
         f"unknown model {model!r}: expected {DEFAULT_MODEL!r}, a .gguf file, a Hugging Face folder "
         f"(config.json + *.safetensors), or dummy:<shape> with shape in {sorted(PRESETS)}"

@@ -99,6 +99,10 @@ def test_named_shapes_and_unknown_models():
         resolve_model("dummy:no-such-shape")
     with pytest.raises(ValueError, match="unknown model"):
         LLM("/no/such/model.bin")
+    with pytest.raises(ValueError, match="^model file '/no/such/model.gguf' does not exist$"):
+        resolve_model("/no/such/model.gguf")
+    with pytest.raises(ValueError, match="^model folder '/' has no config.json"):
+        resolve_model("/")
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM("smollm2-135m-instruct", max_num_seq=4)
 
