@@ -154,6 +154,8 @@ def _override(name: str, value: Any) -> Any:
     if name == "system":
         if not isinstance(value, str):
             raise ValueError(f"system must be a string, got {type(value).__name__} {value!r}")
+        if not value.strip():  # it was reported as the chat template's `messages[0].content is empty`
+            raise ValueError(f"system is empty ({value!r}): leave it null for the job's system prompt, if any")
         return value
     if name == "json_schema":
         if isinstance(value, str):

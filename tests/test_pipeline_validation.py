@@ -392,3 +392,15 @@ def test_a_damaged_job_file_is_named_with_the_way_out(tmp_path):
                               f"line 1 column 2 (char 1)); --overwrite starts the job over")
     run_job(spec.model_copy(update={"overwrite": True}), FakeLLM())
     assert pl.read_parquet(f"{out}/part-*.parquet")["id"].to_list() == [0, 1, 2, 3]
+
+
+def test_a_blank_system_value_makes_its_row_an_error_row_naming_the_system_column(tmp_path):
+    """A row's `system` of '' or spaces was reported as `messages[0].content is empty`, a column the
+    input did not have; a null system still takes the job's system prompt."""
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1, 2, 3], "prompt": ["Hi", "Hi", "Hi"], "system": ["Be brief.", "   ", None]}).write_parquet(inp)
+    report = run_job(JobSpec(input=str(inp), output=str(tmp_path / "out"), progress=False, max_tokens=2), FakeLLM())
+    df = pl.read_parquet(f"{tmp_path}/out/part-*.parquet").sort("id")
+    assert df["error"].to_list() == [None, "system is empty ('   '): leave it null for the job's system prompt, if any",
+                                     None]
+    assert (report.rows_ok, report.rows_error) == (2, 1)
