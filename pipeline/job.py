@@ -204,9 +204,9 @@ class JobSpec(BaseModel):
         default_factory=dict, repr=False,
         description="fsspec/s3fs options (endpoint_url, key, secret, config_kwargs, ...); default: AWS environment "
                     "variables; secrets are masked in JSON dumps")
-    # at least 1 s: a run renews its lease several times per TTL (1e-9 failed every run after the model loaded,
-    # "could not renew its lease for 0 s"); finite: an inf lease would never expire
-    lease_ttl_s: float = Field(60.0, ge=1, allow_inf_nan=False,
+    # at least 0.1 s: a run renews its lease 4 times per TTL (1e-9 failed every run after the model loaded,
+    # "could not renew its lease for 0 s"; the fault tests run 0.5 s); finite: an inf lease would never expire
+    lease_ttl_s: float = Field(60.0, ge=0.1, allow_inf_nan=False,
                                description="seconds a run's lease on the output lasts without a heartbeat (a dead "
                                            "run's lease expires after it)")
 

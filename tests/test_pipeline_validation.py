@@ -361,11 +361,11 @@ def test_an_integer_option_too_large_for_int64_is_refused_naming_it(tmp_path, fi
     assert JobSpec(**{**fields, field: 2 ** 62}).model_dump()[field] == 2 ** 62
 
 
-def test_a_lease_shorter_than_a_second_is_refused(tmp_path):
+def test_a_lease_shorter_than_a_tenth_of_a_second_is_refused(tmp_path):
     fields = {"input": write_input(tmp_path / "in.parquet"), "output": str(tmp_path / "out")}
-    with pytest.raises(ValueError, match="lease_ttl_s\n  Input should be greater than or equal to 1"):
+    with pytest.raises(ValueError, match="lease_ttl_s\n  Input should be greater than or equal to 0.1"):
         JobSpec(**fields, lease_ttl_s=1e-9)
-    assert JobSpec(**fields, lease_ttl_s=1).lease_ttl_s == 1
+    assert JobSpec(**fields, lease_ttl_s=0.1).lease_ttl_s == 0.1
 
 
 @pytest.mark.parametrize("field,value,message", [
