@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .structured.params import StructuredOutputsParams
-from .threads import available_cpus
 
 
 @dataclass
@@ -140,9 +139,6 @@ class EngineConfig:
                 not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads <= 0):
             raise ValueError(f"num_threads must be a positive integer or None (the default: TOKENMILL_NUM_THREADS, "
                              f"else the CPUs this process may use), got {self.num_threads!r}")
-        if self.num_threads is not None and self.num_threads > available_cpus():
-            raise ValueError(f"num_threads={self.num_threads} is more than the {available_cpus()} CPUs this process may "
-                             f"use: threads beyond them only wait on one another (one 2-core run went 7x slower)")
         if not isinstance(self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be a positive number, got {self.distributed_timeout_s!r}")
         if self.kv_cache_memory_bytes is not None and (

@@ -323,7 +323,7 @@ class JobSpec(BaseModel):
 
     @field_validator("*")
     @classmethod
-    def _int_fits(cls, v: Any, info: Any) -> Any:
+    def _int_fits(cls, v: Any) -> Any:
         """Every integer option fits an int64 with room to spare: 10**23 tokens, bytes or devices overflowed
         in the planner, the KV cache sizing or the cost report ("int too big to convert"), after the lease."""
         if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_OPTION_MAX:
@@ -810,6 +810,13 @@ def validate_spec(spec: JobSpec) -> None:
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from None
     _check_block_size(config, source)
+    if spec.cluster is None:  # (a cluster's workers check their own CPUs)
+        from engine.threads import check_num_threads
+
+        try:
+            check_num_threads(config.num_threads)
+        except ValueError as exc:
+            raise ValueError(f"invalid engine option: {exc}") from None
     if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
         _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
     draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(

@@ -302,7 +302,8 @@ def test_a_bad_thread_count_is_refused_by_name_before_any_pool_is_touched(n):
     cpus = available_cpus()
     assert EngineConfig(model="smollm2-135m-instruct", num_threads=cpus).num_threads == cpus
     with pytest.raises(ValueError, match=f"num_threads={cpus + 1} is more than the {cpus} CPUs this process may use"):
-        EngineConfig(model="smollm2-135m-instruct", num_threads=cpus + 1)
+        LLM(num_threads=cpus + 1)
+    assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("kw,why", [({"dtype": "bfloat16"}, "here: dtype bfloat16"),

@@ -404,3 +404,17 @@ def test_a_blank_system_value_makes_its_row_an_error_row_naming_the_system_colum
     assert df["error"].to_list() == [None, "system is empty ('   '): leave it null for the job's system prompt, if any",
                                      None]
     assert (report.rows_ok, report.rows_error) == (2, 1)
+
+
+def test_more_threads_than_cpus_is_refused_for_a_local_job_not_for_a_cluster(tmp_path):
+    """This machine's CPU count bounds num_threads only where the job runs here: a cluster's workers
+    may have more CPUs than the process that plans (they check their own when the engine starts)."""
+    from engine.threads import available_cpus
+    from pipeline.job import validate_spec
+
+    cpus = available_cpus()
+    fields = {"input": write_input(tmp_path / "in.parquet"), "output": str(tmp_path / "out"), "num_threads": cpus + 1}
+    with pytest.raises(ValueError, match=re.escape(f"invalid engine option: num_threads={cpus + 1} is more than the "
+                                                   f"{cpus} CPUs this process may use")):
+        validate_spec(JobSpec(**fields))
+    validate_spec(JobSpec(**fields, cluster="tcp://127.0.0.1:8786"))  # not refused here
