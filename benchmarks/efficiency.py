@@ -40,7 +40,7 @@ other processes), as in `benchmarks.hf_compare`.
 Usage::
 
     python -m benchmarks.efficiency [--quick] [--batch 64] [--schemes fp32,int8,gguf,w8a8]
-                                    [--kv-cache-dtype auto|int8] [--output-json F]
+                                    [--kv-cache-dtype auto|fp16|int8] [--output-json F]
 """
 from __future__ import annotations
 
@@ -328,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--matmul-size", type=int, default=None, help="cube of the peak matmul (2048; quick 1024)")
     p.add_argument("--schemes", default="fp32,int8,gguf", help=f"MBU at batch 1 for these ({','.join(SCHEMES)})")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|int8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|fp16|int8")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)

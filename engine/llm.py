@@ -171,9 +171,12 @@ def w8a8_unservable(cpu_kernels: bool, device: str, dtype: torch.dtype) -> Optio
 
 def make_attention_backend(attention_backend: str, kv_cache_dtype: str, cpu_kernels: bool, dtype: torch.dtype):
     """(attention backend, KV cache storage dtype) for resolved engine settings (the driver and
-    every tensor-parallel worker build theirs here)."""
-    if kv_cache_dtype == "auto":
-        backend, kv_dtype = get_backend(attention_backend), dtype
+    every tensor-parallel worker build theirs here): "auto" stores the model dtype, "fp16" IEEE
+    halves (the float backends write `k.to(torch.float16)` and widen what they read), "int8" and
+    "fp8_e4m3" codes with a scale per row (`TorchQuantKVAttentionBackend`)."""
+    if kv_cache_dtype in ("auto", "fp16"):
+        backend = get_backend(attention_backend)
+        kv_dtype = dtype if kv_cache_dtype == "auto" else torch.float16
     else:
         backend = TorchQuantKVAttentionBackend(kv_cache_dtype)
         kv_dtype = backend.storage_dtype

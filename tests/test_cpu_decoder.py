@@ -24,7 +24,7 @@ def _run(llm, use: bool, params):
 
 
 @pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("gguf", "auto"), ("int8", "auto"), ("w8a8", "auto"),
-                                             ("gguf", "int8")])
+                                             ("gguf", "int8"), (None, "fp16")])
 def test_driver_equals_the_python_layer_loop_bit_for_bit(quantization, kv):
     # a small token budget splits prefills into chunks that share steps with decodes; no prefix
     # cache, so both runs compute the same rows in the same steps

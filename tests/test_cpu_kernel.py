@@ -141,10 +141,12 @@ def test_backend_decode_through_kernel_matches_dense_with_shared_blocks(n):
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
-def test_engine_greedy_tokens_equal_with_and_without_kernel(monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "fp16"])
+def test_engine_greedy_tokens_equal_with_and_without_kernel(monkeypatch, kv):
     """The real engine on a 2-layer dummy Llama: the same greedy tokens whether decode attention
     runs in the C kernel or the PyTorch path, over steps that mix decodes, chunked prefill and a
-    prefix-cache hit."""
+    prefix-cache hit; with an fp32 cache and with an fp16 one (written by the C kernel or by
+    torch's conversion, read widened to fp32 by both paths)."""
     from engine import LLM, SamplingParams
     from engine.weights import PRESETS, ModelConfig
 
@@ -155,21 +157,27 @@ def test_engine_greedy_tokens_equal_with_and_without_kernel(monkeypatch):
     long = torch.randint(3, 49152, (40,), generator=g).tolist()
     prompts = [torch.randint(3, 49152, (7,), generator=g).tolist(), long, long[:32] + [5, 6, 7],
                torch.randint(3, 49152, (19,), generator=g).tolist()]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    kw = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, block_size=BS)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    kw = dict(dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, block_size=BS, kv_cache_dtype=kv)
     runs = {}
     for use in (True, False):
         llm = LLM("dummy:tiny-gqa3", **kw)
         llm.backend.use_cpu_kernel = use
         runs[use] = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.kv_cache.layers[0][0].dtype == (torch.float16 if kv == "fp16" else torch.float32)
     assert [o.outputs[0].token_ids for o in runs[True]] == [o.outputs[0].token_ids for o in runs[False]]
     assert all(len(o.outputs[0].token_ids) == 12 for o in runs[True])
+    # and the same logprobs to float rounding: both paths attend over what the cache holds (the
+    # PyTorch path's first prefill chunk too, which takes its rows before they are stored)
+    for a, b in zip(runs[True], runs[False]):
+        for pa, pb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert abs(pa[t] - pb[t]) < 1e-5  # 3e-5 (fp16) when that chunk attended over unrounded rows
     assert runs[True][2].num_cached_tokens == 32
 
 
 @pytest.mark.parametrize("variant", ["native", "avx2", "generic"])
 @pytest.mark.parametrize("hkv,gqa,d", [(3, 3, 64), (2, 4, 128), (1, 2, 20), (2, 16, 32)])
-@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "int8", "float16"])
 @pytest.mark.parametrize("bs", [16, 20])
 def test_prefill_rows_attend_causally_over_their_cached_prefix(variant, hkv, gqa, d, kv, bs):
     """A step of decode rows and prefill chunks (one from position 0, one after a 37-token cached
@@ -195,6 +203,9 @@ def test_prefill_rows_attend_causally_over_their_cached_prefix(variant, hkv, gqa
             slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
             keys.append(kd[:, slots].transpose(0, 1))
             vals.append(vd[:, slots].transpose(0, 1))
+    elif kv == "float16":  # the kernel widens the halves and computes in fp32: dense attention over them
+        kc, vc = kc.half(), vc.half()
+        keys, vals = [x.half().float() for x in keys], [x.half().float() for x in vals]
     g = torch.Generator().manual_seed(7)
     t = sum(n for _, n in specs)
     q = torch.randn(t, hkv * gqa, d, generator=g)

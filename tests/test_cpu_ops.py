@@ -66,7 +66,7 @@ def test_rope_in_place_on_fused_qkv_rows(lib, t, hq, hkv, d):
     assert torch.equal(got[:, (hq + hkv) * d:], qkv[:, (hq + hkv) * d:])  # v untouched
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "float16"])
 @pytest.mark.parametrize("t,d", [(7, 64), (37, 64), (5, 20)])
 def test_kv_write_matches_the_reference_codec(lib, dtype, t, d):
     g = torch.Generator().manual_seed(1)
@@ -81,6 +81,11 @@ def test_kv_write_matches_the_reference_codec(lib, dtype, t, d):
         want_k, want_v = kc.clone(), vc.clone()
         want_k.index_copy_(1, slot_mapping, k.transpose(0, 1))
         want_v.index_copy_(1, slot_mapping, v.transpose(0, 1))
+    elif dtype == "float16":  # the bits torch's conversion gives (round to nearest even)
+        kc, vc = torch.zeros(hkv, slots, d, dtype=torch.float16), torch.zeros(hkv, slots, d, dtype=torch.float16)
+        want_k, want_v = kc.clone(), vc.clone()
+        want_k.index_copy_(1, slot_mapping, k.transpose(0, 1).half())
+        want_v.index_copy_(1, slot_mapping, v.transpose(0, 1).half())
     else:
         codec = TorchQuantKVAttentionBackend("int8")
         kc = torch.zeros(hkv, slots, d + 4, dtype=torch.int8)
@@ -90,6 +95,26 @@ def test_kv_write_matches_the_reference_codec(lib, dtype, t, d):
         want_v.index_copy_(1, slot_mapping, codec.encode(v))
     cpu.kv_write(k, v, kc, vc, slot_mapping, lib=lib)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # bit for bit, scales included
+
+
+def test_fp16_kv_write_rounds_every_kind_of_value_as_torch(lib):
+    """Values at the edges of binary16: ties between two halves (to even), the largest half and what
+    rounds past it (inf), subnormals and what underflows to zero, signed zeros, infinities, and
+    random values over the whole exponent range; d = 21 runs the vector loop and its scalar tail."""
+    g = torch.Generator().manual_seed(3)
+    special = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, 2049.0, 2051.0, 65504.0, 65519.99, 65520.0, 1e6,
+                            2 ** -24, 2 ** -25, 2 ** -25 * 1.0001, 3 * 2 ** -25, 2 ** -14 - 2 ** -25, 1e-10, 0.0, -0.0,
+                            float("inf"), float("-inf"), -65520.0, -(2 ** -24) * 1.5, 6.1e-5])
+    rand = torch.randn(6, 21, generator=g) * torch.pow(2.0, torch.randint(-26, 17, (6, 21), generator=g).float())
+    rows = torch.cat([special.view(1, 21), -special.view(1, 21), rand])  # [8, 21]
+    t, hkv, d = rows.shape[0], 1, rows.shape[1]
+    kc = torch.zeros(hkv, 16, d, dtype=torch.float16)
+    vc = torch.zeros_like(kc)
+    slots = torch.arange(t) * 2
+    cpu.kv_write(rows.view(t, 1, d), (-rows).view(t, 1, d), kc, vc, slots, lib=lib)
+    assert torch.equal(kc[0, slots].view(torch.int16), rows.half().view(torch.int16))
+    assert torch.equal(vc[0, slots].view(torch.int16), (-rows).half().view(torch.int16))
+    assert torch.isinf(kc[0, 0, 6]) and kc[0, 0, 5].item() == 65504.0  # 65520 rounds up to inf, 65519.99 down
 
 
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 15), (17, 16), (5, 17), (64, 49152 + 5)])

@@ -167,9 +167,10 @@ def test_write_kv_skips_negative_slots():
 # ---------------------------------------------------------------- the backend on a mixed step
 
 
-def _mixed_step(backend_cls, hkv, gqa, d, dtype, bs=16, **kw):
+def _mixed_step(backend_cls, hkv, gqa, d, dtype, bs=16, cache_dtype=None, **kw):
     """One step: 2 decodes + 3 prefill chunks (no prefix / odd; prefix 32 = 2 blocks + 7;
-    prefix 5 + a chunk of exactly one block), run through the backend's write + attention.
+    prefix 5 + a chunk of exactly one block), run through the backend's write + attention, with
+    a KV cache of `cache_dtype` (default: `dtype`, the model's).
     Returns (output, [(keys, vals) per sequence], queries' positions, and the layout's cache)."""
     backend = backend_cls(**kw)
     g = torch.Generator().manual_seed(gqa * 1000 + d)
@@ -184,7 +185,7 @@ def _mixed_step(backend_cls, hkv, gqa, d, dtype, bs=16, **kw):
         tables.append([perm.pop() for _ in range(-(-n // bs))])
         full.append((torch.randn(n, hkv, d, generator=g).to(DEV, dtype), torch.randn(n, hkv, d, generator=g).to(DEV, dtype)))
     shape = backend.cache_shape(num_blocks, bs, hkv, d)
-    kc = torch.zeros(shape, dtype=dtype, device=DEV)
+    kc = torch.zeros(shape, dtype=cache_dtype or dtype, device=DEV)
     vc = torch.zeros_like(kc)
     # the cached prefixes, written by the backend itself as an earlier step would have
     pre_slots, pre_k, pre_v = [], [], []
@@ -194,8 +195,8 @@ def _mixed_step(backend_cls, hkv, gqa, d, dtype, bs=16, **kw):
         pre_v.append(v[:pre])
     if isinstance(backend, TorchAttentionBackend):
         sl = torch.tensor(pre_slots, device=DEV)
-        kc.index_copy_(1, sl, torch.cat(pre_k).transpose(0, 1))
-        vc.index_copy_(1, sl, torch.cat(pre_v).transpose(0, 1))
+        kc.index_copy_(1, sl, torch.cat(pre_k).transpose(0, 1).to(kc.dtype))
+        vc.index_copy_(1, sl, torch.cat(pre_v).transpose(0, 1).to(vc.dtype))
     else:
         write_kv(torch.cat(pre_k), torch.cat(pre_v), kc, vc, torch.tensor(pre_slots, device=DEV))
     slots, ks, vs, qpos = [], [], [], []
@@ -240,6 +241,25 @@ def test_triton_backend_matches_torch_backend_on_mixed_step(gqa, d, dtype):
     for (pre, new), (k, v) in zip(specs, full):
         want = _dense_ref(q[row:row + new], k, v, d ** -0.5, qpos[row:row + new])
         _close(out[row:row + new], want, dtype)
+        row += new
+
+
+def test_triton_backend_reads_an_fp16_cache_for_fp32_queries():
+    """kv_cache_dtype="fp16" under an fp32 model: the Triton kernels store halves and widen them as
+    they read, and agree with the PyTorch backend over the same cache and with dense attention over
+    the half-rounded keys and values."""
+    out, q, full, qpos, specs = _mixed_step(TritonAttentionBackend, 2, 4, 64, torch.float32,
+                                            cache_dtype=torch.float16, num_splits=2, block_m=16, block_n=16,
+                                            decode_block_n=16)
+    ref, *_ = _mixed_step(TorchAttentionBackend, 2, 4, 64, torch.float32, cache_dtype=torch.float16)
+    exact, *_ = _mixed_step(TorchAttentionBackend, 2, 4, 64, torch.float32)
+    assert out.dtype == torch.float32
+    _close(out, ref, torch.float32)
+    assert (ref - exact).abs().max().item() > 1e-5  # the halves' rounding is visible: the caches differ
+    row = 0
+    for (pre, new), (k, v) in zip(specs, full):
+        want = _dense_ref(q[row:row + new], k.half().float(), v.half().float(), 64 ** -0.5, qpos[row:row + new])
+        _close(out[row:row + new], want, torch.float32)
         row += new
 
 

@@ -33,7 +33,7 @@ BAD_OPTIONS = [
                                            "'block_size'"),
     ({"sampling_options": {"top_q": 0.5}}, "invalid sampling option: unknown 'top_q'; known: ['frequency_penalty', "
                                            "'ignore_eos', 'logprobs', 'min_p', 'min_tokens', "),
-    ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|int8|fp8_e4m3"),
+    ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|fp16|int8|fp8_e4m3"),
     ({"num_threads": -1}, "invalid engine option: num_threads must be a positive integer or None"),
     ({"num_threads": 0}, "invalid engine option: num_threads must be a positive integer or None"),
     # the engine refused it only at load, after the manifest was written: the fix then needed --overwrite

@@ -202,6 +202,7 @@ def engines(llm):
         "int8": LLM(MODEL, quantization="int8", **kw),
         "int4": LLM(MODEL, quantization="int4", quant_group_size=32, **kw),
         "kv-int8": LLM(MODEL, kv_cache_dtype="int8", **kw),
+        "kv-fp16": LLM(MODEL, kv_cache_dtype="fp16", **kw),
     }
 
 
@@ -230,6 +231,8 @@ def test_engines_really_hold_quantized_layers(llm, engines):
     assert bits == {"gguf": {4, 8}, "int8": {8}, "int4": {4}}  # gguf: Q4_1 layers, Q8_0 head
     assert engines["kv-int8"].kv_bytes_per_token == 2 * 30 * 3 * (64 + 4)  # vs 2*30*3*64*4 in fp32
     assert llm.kv_bytes_per_token == 46080
+    assert engines["kv-fp16"].kv_bytes_per_token == 46080 // 2
+    assert engines["kv-fp16"].kv_cache.layers[0][0].dtype == torch.float16
     assert engines["kv-int8"].kv_capacity_tokens > 3.3 * (KV_BYTES // 46080 // 16 * 16)
 
 
@@ -261,6 +264,7 @@ def test_int8_keeps_the_tied_lm_head_in_float_and_counts_its_bytes(llm, engines)
 # Q4 x Q8 product, as llama.cpp's); measured: mean |dlogprob| 0.145, perplexity -0.24% (bit-exact
 # float products gave 1e-4 and 0%, so the activations' rounding is all of it)
 @pytest.mark.parametrize("name,mean_tol,ppl_tol", [("gguf", 0.2, 0.01), ("int8", 0.15, 0.01), ("kv-int8", 0.05, 0.01),
+                                                   ("kv-fp16", 0.005, 0.001),
                                                    ("int4", 0.3, 0.08)])
 def test_quantized_logprobs_close_to_fp32(engines, windows, ref_scores, name, mean_tol, ppl_tol):
     got = torch.cat(engines[name].score(windows))

@@ -36,26 +36,23 @@ def generic_build() -> ctypes.CDLL:
     return lib
 
 
-def _int8_rows(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """True for an int8 cache of rows [D codes, 4 scale bytes], False for fp32; ValueError otherwise."""
-    if k_cache.dtype == torch.float32 and k_cache.shape[-1] == q.shape[-1]:
-        return False
-    if k_cache.dtype == torch.int8 and k_cache.shape[-1] == q.shape[-1] + 4:
-        return True
-    raise ValueError(f"the C decode-attention kernel reads fp32 caches [Hkv, S, D] or int8 rows [Hkv, S, D + 4]; "
-                     f"got {k_cache.dtype} {tuple(k_cache.shape)} for head_dim {q.shape[-1]}")
+def _row_format(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """The cache's row format (`engine.kernels.cpu.kv_row_format`); ValueError for one the kernel cannot read."""
+    fmt = _cpu.kv_row_format(k_cache, q.shape[-1])
+    if fmt is None:
+        raise ValueError(f"the C decode-attention kernel reads fp32 or fp16 caches [Hkv, S, D] or int8 rows "
+                         f"[Hkv, S, D + 4]; got {k_cache.dtype} {tuple(k_cache.shape)} for head_dim {q.shape[-1]}")
+    return fmt
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, block_size: int) -> bool:
-    """Whether the kernel serves these tensors: CPU, fp32 queries, an fp32 cache or an int8
-    cache of rows [D codes, fp32 scale] (torch_quant_kv's layout; not fp8 codes, which share
+    """Whether the kernel serves these tensors: CPU, fp32 queries, an fp32 or fp16 cache or an
+    int8 cache of rows [D codes, fp32 scale] (torch_quant_kv's layout; not fp8 codes, which share
     the int8 storage: the caller decides), head_dim <= 256, at most 16 query heads per KV
     head, block_size <= 64, and the kernel built."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.device.type != "cpu":
         return False
-    try:
-        _int8_rows(q, k_cache)
-    except ValueError:
+    if _cpu.kv_row_format(k_cache, q.shape[-1]) is None:
         return False
     hkv, d = k_cache.shape[0], q.shape[-1]
     if d > _MAX_D or block_size > _MAX_BLOCK_SIZE or q.shape[1] % hkv or q.shape[1] // hkv > _MAX_G:
@@ -71,14 +68,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Decode attention over a paged KV cache, reading each sequence's blocks in place.
 
     For an int8 cache each row holds D codes and its fp32 scale (value = code * scale), read
-    without expanding the cache.
+    without expanding the cache; an fp16 cache's values are widened to fp32 as they are read.
 
     out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, where K_b/V_b are the first seq_lens[b]
     slots reached through block_tables[b], for KV head h // (Hq // Hkv) (GQA).
 
     Args:
         q: [B, Hq, D] float32 (one query token per sequence); made contiguous if it is not.
-        k_cache, v_cache: [Hkv, num_blocks * block_size, D] float32, or int8
+        k_cache, v_cache: [Hkv, num_blocks * block_size, D] float32 or float16, or int8
             [Hkv, num_blocks * block_size, D + 4]; contiguous (the torch backends' head-major layouts).
         block_tables: [B, max_blocks] int32 block ids (entries past a sequence's length ignored).
         seq_lens: [B] int64 KV lengths (>= 1; the new token included).
@@ -103,7 +100,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"the C decode-attention kernel needs float32 queries and K/V caches of one dtype, got "
                          f"q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-    is_int8 = _int8_rows(q, k_cache)
+    _row_format(q, k_cache)
     q = q.contiguous()
     bt = block_tables.to(torch.int32).contiguous()
     sl = seq_lens.to(torch.int64).contiguous()

@@ -28,13 +28,12 @@ def _kv_write_fast(k, v, k_cache, v_cache, meta) -> None:
             or k.stride(1) != d or v.stride(1) != d or not k_cache.is_contiguous()):
         _cpu.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.cache is not None and k.stride(1) == d and v.stride(1) == d and k.stride(2) == 1 and v.stride(2) == 1:
-            meta.cache["kv_write"] = (_cpu._lib(None).tm_kv_write, k.stride(0), v.stride(0))
+            meta.cache["kv_write"] = (_cpu._lib(None).tm_kv_write, k.stride(0), v.stride(0),
+                                      _cpu.kv_row_format(k_cache, d))  # every layer's cache has one format
         return
-    fn, ldk, ldv = call
-    row = k_cache.shape[2]
-    is_int8 = k_cache.dtype == torch.int8
-    fn(k.data_ptr(), ldk, v.data_ptr(), ldv, t, hkv, row - 4 if is_int8 else row, meta.slot_mapping.data_ptr(),
-       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], int(is_int8))
+    fn, ldk, ldv, fmt = call
+    fn(k.data_ptr(), ldk, v.data_ptr(), ldv, t, hkv, d, meta.slot_mapping.data_ptr(),
+       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], fmt)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -209,8 +208,9 @@ class TorchAttentionBackend(AttentionBackend):
                 out[idx] = od
 
     def _write_kv(self, k, v, k_cache, v_cache, meta) -> None:
-        """New K/V rows into the cache: one C call on the CPU (fp32), else two index_copy_."""
-        if (self.use_cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
+        """New K/V rows into the cache: one C call on the CPU (fp32 rows, fp32 or fp16 cache), else
+        two index_copy_ (the same fp16 bits: both round to nearest even)."""
+        if (self.use_cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.float16)
                 and k.dtype == torch.float32 and cpu_kernel.available()):
             _kv_write_fast(k, v, k_cache, v_cache, meta)
             return
@@ -287,6 +287,9 @@ class TorchAttentionBackend(AttentionBackend):
             if blocks is None:
                 ks = k[start : start + qlen].transpose(0, 1)
                 vs = v[start : start + qlen].transpose(0, 1)
+                if k_cache.dtype != ks.dtype:  # a narrower cache (fp16 for fp32 rows): attend over what it
+                    # holds, as decode steps and the C kernel do, so chunking does not change a logit
+                    ks, vs = ks.to(k_cache.dtype).to(ks.dtype), vs.to(v_cache.dtype).to(vs.dtype)
                 o = _sdpa(qs, ks, vs, None, scale)
             else:
                 ks = self._read(self._gather_blocks(k_cache, blocks, meta.block_size)[:, :slen], q.dtype)

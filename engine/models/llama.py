@@ -269,7 +269,7 @@ class LlamaModel(nn.Module):
 
     def _c_decoder_plan(self, q: torch.Tensor, kv_caches, backend: AttentionBackend, meta: AttentionMetadata):
         """The attention backend's kernel plan when `engine.kernels.cpu.decoder` can run this
-        step's layers (C small ops and linear layers, fp32 or int8 KV caches, the torch
+        step's layers (C small ops and linear layers, fp32, fp16 or int8 KV caches, the torch
         backend's C kernel serving the step), else None. The model's description is made on first use and
         remade after a layer swap."""
         if (not self.use_c_decoder or getattr(self.ops, "name", "") != "cpu" or not kv_caches
@@ -281,7 +281,7 @@ class LlamaModel(nn.Module):
         kc = kv_caches[0][0]
         kind = type(backend)
         if kind is TorchAttentionBackend:
-            ok = kc.dtype == torch.float32
+            ok = kc.dtype in (torch.float32, torch.float16)
         else:  # the int8 cache (rows of codes and a scale) goes through the same C kernels
             ok = kind is TorchQuantKVAttentionBackend and backend.kv_cache_dtype == "int8" and kc.dtype == torch.int8
         if not (ok and backend.use_cpu_kernel and backend._kernel_serves(q, kc, meta)):

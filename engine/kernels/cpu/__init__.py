@@ -33,6 +33,21 @@ from . import build
 from .memory import huge_empty
 
 W_F32, W_Q8, W_Q4 = 0, 1, 2
+KV_F32, KV_I8, KV_F16 = 0, 1, 2  # KV cache row formats (tm_cpu.h's TM_KV_*)
+
+
+def kv_row_format(cache: torch.Tensor, head_dim: int) -> Optional[int]:
+    """The C kernels' code for a KV cache's rows: `KV_F32` (float32 [Hkv, S, D]), `KV_F16`
+    (float16 [Hkv, S, D], widened to fp32 as it is read) or `KV_I8` (int8 rows [Hkv, S, D + 4]:
+    D codes, then the fp32 scale); None for anything else."""
+    row = cache.shape[-1]
+    if cache.dtype == torch.float32 and row == head_dim:
+        return KV_F32
+    if cache.dtype == torch.float16 and row == head_dim:
+        return KV_F16
+    if cache.dtype == torch.int8 and row == head_dim + 4:
+        return KV_I8
+    return None
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -569,21 +584,28 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> None:
     """Write rows k, v [t, hkv, d] (or [t, hkv * d] views) into the caches at `slot_mapping` [t] int64.
 
-    Caches: [hkv, slots, d] float32, or int8 rows [hkv, slots, d + 4] (codes, then the fp32 scale
+    Caches: [hkv, slots, d] float32; [hkv, slots, d] float16 (rounded to nearest even, the bits
+    `k.to(torch.float16)` gives); or int8 rows [hkv, slots, d + 4] (codes, then the fp32 scale
     max|x| / 127, as `TorchQuantKVAttentionBackend.encode`).
+
+    Raises:
+        ValueError: for caches of another dtype or layout, or not contiguous.
     """
     lib = _lib(lib)
     hkv, s, row = k_cache.shape
     t = k.shape[0]
-    is_int8 = k_cache.dtype == torch.int8
-    d = row - 4 if is_int8 else row
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or (not is_int8 and k_cache.dtype != torch.float32):
-        raise ValueError("caches must be contiguous float32 [hkv, s, d] or int8 [hkv, s, d + 4]")
+    d = row - 4 if k_cache.dtype == torch.int8 else row
+    fmt = kv_row_format(k_cache, d)
+    if (fmt is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.dtype != k_cache.dtype
+            or v_cache.shape != k_cache.shape):
+        raise ValueError("caches must be contiguous float32 or float16 [hkv, s, d], or int8 [hkv, s, d + 4], "
+                         f"K and V alike; got {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} "
+                         f"{tuple(v_cache.shape)}")
     k2, v2 = k.reshape(t, hkv * d), v.reshape(t, hkv * d)
     _check2d("k", k2, torch.float32)
     _check2d("v", v2, torch.float32)
     lib.tm_kv_write(k2.data_ptr(), k2.stride(0), v2.data_ptr(), v2.stride(0), t, hkv, d, slot_mapping.data_ptr(),
-                    k_cache.data_ptr(), v_cache.data_ptr(), s, int(is_int8))
+                    k_cache.data_ptr(), v_cache.data_ptr(), s, fmt)
 
 
 # ---------------------------------------------------------------- attention
@@ -600,7 +622,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Args:
         q: [T, Hq, D] float32 (rows may be strided, heads and D contiguous).
-        k_cache, v_cache: [Hkv, S, D] float32, or int8 rows [Hkv, S, D + 4]; contiguous.
+        k_cache, v_cache: [Hkv, S, D] float32 or float16, or int8 rows [Hkv, S, D + 4]; contiguous
+            (`kv_row_format`).
         block_tables: [num_seqs, max_blocks] int32 contiguous.
         row_seq: [T] int32, the block-table row of each query row (None: row r uses row r).
         kv_len: [T] int64, keys row r sees (its position + 1).
@@ -615,9 +638,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lib = _lib(lib)
     t, hq, d = q.shape
     hkv, s, _ = k_cache.shape
-    is_int8 = k_cache.dtype == torch.int8
+    fmt = kv_row_format(k_cache, d)
+    if fmt is None or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the CPU attention kernel reads float32 or float16 [Hkv, S, D] or int8 [Hkv, S, D + 4] "
+                         f"caches, K and V alike; got {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} "
+                         f"for head_dim {d}")
     rc = lib.tm_paged_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(is_int8), block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), fmt, block_tables.data_ptr(),
         block_tables.shape[1], None if row_seq is None else row_seq.data_ptr(), kv_len.data_ptr(),
         tiles.data_ptr(), tiles.shape[0], out.data_ptr(), out.stride(0), hq, hkv, d, s, block_size, float(scale))
     if rc:

@@ -16,7 +16,8 @@
  *   q            rows [T] of stride ldq floats; head j of row r at q + r * ldq + j * D
  *   k/v_cache    [Hkv, S, D] fp32, S = num_blocks * block_size slots (head-major); or
  *                int8 rows [Hkv, S, D + 4]: D codes and the row's fp32 scale (value =
- *                code * scale; engine/attention/torch_quant_kv.py's layout)
+ *                code * scale; engine/attention/torch_quant_kv.py's layout); or [Hkv, S, D]
+ *                fp16, widened to fp32 as they are loaded (the arithmetic is fp32 throughout)
  *   block_tables [num_seqs, max_blocks] int32
  *   row_seq      [T] int32, the block-table row of each query row (NULL: row r -> r)
  *   kv_len       [T] int64, keys visible to each row (>= 1)
@@ -47,7 +48,7 @@ typedef struct {
     const float *q;
     int64_t ldq;
     const void *k_cache, *v_cache;
-    int is_int8;
+    int kv; /* TM_KV_F32, TM_KV_I8 or TM_KV_F16 rows (tm_cpu.h) */
     const int32_t *block_tables;
     int64_t max_blocks;
     const int32_t *row_seq;
@@ -71,7 +72,7 @@ static inline float row_scale(const char *row, int64_t d) {
 static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
     const int64_t r0 = j->tiles[2 * tile], nr = j->tiles[2 * tile + 1];
     const int64_t g_n = j->hq / j->hkv, d = j->d, bs = j->block_size;
-    const int64_t rb = j->is_int8 ? d + 4 : d * 4;
+    const int64_t rb = tm_kv_row_bytes(j->kv, d);
     const char *kh = (const char *)j->k_cache + h * j->s * rb;
     const char *vh = (const char *)j->v_cache + h * j->s * rb;
     float acc[TM_MAX_D];
@@ -86,9 +87,11 @@ static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
                 const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;
                 const char *kr = kh + slot * rb, *vr = vh + slot * rb;
                 float sc = 0.0f;
-                if (j->is_int8) {
+                if (j->kv == TM_KV_I8) {
                     for (int64_t i = 0; i < d; ++i) sc += q[i] * (float)((const int8_t *)kr)[i];
                     sc *= row_scale(kr, d);
+                } else if (j->kv == TM_KV_F16) {
+                    for (int64_t i = 0; i < d; ++i) sc += q[i] * tm_half_to_float(((const uint16_t *)kr)[i]);
                 } else {
                     for (int64_t i = 0; i < d; ++i) sc += q[i] * ((const float *)kr)[i];
                 }
@@ -97,9 +100,12 @@ static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
                 const float corr = tm_expf(m - m_new), p = tm_expf(sc - m_new);
                 l = l * corr + p;
                 m = m_new;
-                if (j->is_int8) {
+                if (j->kv == TM_KV_I8) {
                     const float w = p * row_scale(vr, d);
                     for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] * corr + w * (float)((const int8_t *)vr)[i];
+                } else if (j->kv == TM_KV_F16) {
+                    for (int64_t i = 0; i < d; ++i)
+                        acc[i] = acc[i] * corr + p * tm_half_to_float(((const uint16_t *)vr)[i]);
                 } else {
                     for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] * corr + p * ((const float *)vr)[i];
                 }
@@ -128,8 +134,10 @@ typedef __m512 vf;
 #define _mm_max_helper(a, b) _mm512_max_ps(a, b)
 #define V_HMAX(v) _mm512_reduce_max_ps(v)
 #define V_HSUM(v) _mm512_reduce_add_ps(v)
-TM_INLINE vf load_row(const char *row, int64_t i, int is_int8) {
-    if (is_int8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+/* VL values of a K/V row from element i, as fp32: int8 codes (unscaled), halves or floats */
+TM_INLINE vf load_row(const char *row, int64_t i, int kv) {
+    if (kv == TM_KV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+    if (kv == TM_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
     return _mm512_loadu_ps((const float *)row + i);
 }
 /* lanes >= n of v replaced by `fill` */
@@ -177,8 +185,17 @@ static inline float hsum8(__m256 v) {
 }
 #define V_HMAX(v) hmax8(v)
 #define V_HSUM(v) hsum8(v)
-TM_INLINE vf load_row(const char *row, int64_t i, int is_int8) {
-    if (is_int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+TM_INLINE vf load_row(const char *row, int64_t i, int kv) {
+    if (kv == TM_KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+    if (kv == TM_KV_F16) {
+#if defined(__F16C__)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+#else
+        float t[8];
+        for (int u = 0; u < 8; ++u) t[u] = tm_half_to_float(((const uint16_t *)row)[i + u]);
+        return _mm256_loadu_ps(t);
+#endif
+    }
     return _mm256_loadu_ps((const float *)row + i);
 }
 TM_INLINE vf keep_first(vf v, int64_t n, float fill) {
@@ -227,7 +244,7 @@ TM_INLINE vf reduce_vl(const vf part[VL]) {
 
 /* acc[x] += sum_u p[x][u0 + u] V[u] over `seg` keys, for QG queries (compile-time), D/VL vectors
  * each, all held in registers: each V row is loaded once for every query. */
-TM_INLINE void pv_regs(const int QG, const int D, const int is_int8, float (*acc)[TM_MAX_D],
+TM_INLINE void pv_regs(const int QG, const int D, const int kv, float (*acc)[TM_MAX_D],
                        const float (*p)[TM_CHUNK + VL], int64_t u0, const char *vb, int64_t rb, int64_t seg) {
     vf a[6][TM_MAX_D / VL];
 #pragma GCC unroll 6
@@ -238,7 +255,7 @@ TM_INLINE void pv_regs(const int QG, const int D, const int is_int8, float (*acc
         const char *vr = vb + u * rb;
         vf v[TM_MAX_D / VL];
 #pragma GCC unroll 16
-        for (int c = 0; c < D / VL; ++c) v[c] = load_row(vr, c * VL, is_int8);
+        for (int c = 0; c < D / VL; ++c) v[c] = load_row(vr, c * VL, kv);
 #pragma GCC unroll 6
         for (int x = 0; x < QG; ++x) {
             const vf w = V_SET1(p[x][u0 + u]);
@@ -254,7 +271,7 @@ TM_INLINE void pv_regs(const int QG, const int D, const int is_int8, float (*acc
 
 /* The same, one query at a time (any count and head_dim), skipping queries that see none of
  * these keys; probabilities past a row's position are 0. */
-static inline void pv_loop(int64_t qg, int64_t d, const int is_int8, float (*acc)[TM_MAX_D],
+static inline void pv_loop(int64_t qg, int64_t d, const int kv, float (*acc)[TM_MAX_D],
                            const float (*p)[TM_CHUNK + VL], int64_t u0, const char *vb, int64_t rb, int64_t seg,
                            const int64_t *lim, int64_t pos0) {
     for (int64_t x = 0; x < qg; ++x) {
@@ -263,7 +280,11 @@ static inline void pv_loop(int64_t qg, int64_t d, const int is_int8, float (*acc
         for (int64_t i = 0; i < d; i += VL) {
             vf a0 = V_LOAD(acc[x] + i);
             for (int64_t u = 0; u < vis; ++u)
-                a0 = V_FMA(V_SET1(p[x][u0 + u]), is_int8 ? load_row(vb + u * rb, i, 1) : load_row(vb + u * rb, i, 0), a0);
+                a0 = V_FMA(V_SET1(p[x][u0 + u]),
+                           kv == TM_KV_I8 ? load_row(vb + u * rb, i, TM_KV_I8)
+                                          : (kv == TM_KV_F16 ? load_row(vb + u * rb, i, TM_KV_F16)
+                                                             : load_row(vb + u * rb, i, TM_KV_F32)),
+                           a0);
             V_STORE(acc[x] + i, a0);
         }
     }
@@ -442,7 +463,7 @@ static inline void prefetch_next_tile(const tm_attn *j, int64_t t, int64_t chunk
     }
     const int64_t r0 = j->tiles[2 * t], nr = j->tiles[2 * t + 1];
     const int64_t seq = j->row_seq ? j->row_seq[r0] : r0, len = j->kv_len[r0 + nr - 1];
-    const int64_t rb = j->is_int8 ? j->d + 4 : j->d * 4;
+    const int64_t rb = tm_kv_row_bytes(j->kv, j->d);
     pf_set(c, (const char *)j->k_cache, (const char *)j->v_cache, j->block_tables + seq * j->max_blocks,
            j->block_size, rb, 0, len < chunk ? len : chunk);
 }
@@ -451,10 +472,11 @@ static inline void prefetch_next_tile(const tm_attn *j, int64_t t, int64_t chunk
  * Keys are taken in chunks of up to TM_CHUNK: the scores of every query over the chunk are
  * formed sub-block by sub-block (VL keys: VL partial vectors reduced together), then one
  * online-softmax update per query and chunk, then acc += p V for all queries at once. */
-TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const int is_int8, const int D) {
+TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const int kv, const int D) {
     const int64_t r0 = j->tiles[2 * tile], nr = j->tiles[2 * tile + 1];
     const int64_t g_n = j->hq / j->hkv, d = D ? D : j->d, bs = j->block_size, qg = nr * g_n;
-    const int64_t rb = is_int8 ? d + 4 : d * 4;
+    const int64_t rb = tm_kv_row_bytes(kv, d);
+    const int is_int8 = kv == TM_KV_I8;
     const char *kh = (const char *)j->k_cache + h * j->s * rb;
     const char *vh = (const char *)j->v_cache + h * j->s * rb;
     const int64_t seq = j->row_seq ? j->row_seq[r0] : r0;
@@ -558,7 +580,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                         if (u < cnt) {
                             const char *kr = kb + u * rb;
 #pragma GCC unroll 16
-                            for (int c = 0; c < D / VL; ++c) a = V_FMA(qv[c], load_row(kr, c * VL, is_int8), a);
+                            for (int c = 0; c < D / VL; ++c) a = V_FMA(qv[c], load_row(kr, c * VL, kv), a);
                         }
                         part[u] = a;
                     }
@@ -567,7 +589,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                         vf a = V_ZERO();
                         if (u < cnt) {
                             const char *kr = kb + u * rb;
-                            for (int64_t i = 0; i < d; i += VL) a = V_FMA(V_LOAD(qs[x] + i), load_row(kr, i, is_int8), a);
+                            for (int64_t i = 0; i < d; i += VL) a = V_FMA(V_LOAD(qs[x] + i), load_row(kr, i, kv), a);
                         }
                         part[u] = a;
                     }
@@ -646,16 +668,16 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
             pf_advance(&pfc, pf_quota);
             if (D && all && D / VL * qg <= 24) {
                 switch (qg) {
-                    case 1: pv_regs(1, D, is_int8, acc, sb, u0, vb, rb, seg); break;
-                    case 2: pv_regs(2, D, is_int8, acc, sb, u0, vb, rb, seg); break;
-                    case 3: pv_regs(3, D, is_int8, acc, sb, u0, vb, rb, seg); break;
-                    case 4: pv_regs(4, D, is_int8, acc, sb, u0, vb, rb, seg); break;
-                    case 5: pv_regs(5, D, is_int8, acc, sb, u0, vb, rb, seg); break;
-                    case 6: pv_regs(6, D, is_int8, acc, sb, u0, vb, rb, seg); break;
-                    default: pv_loop(qg, d, is_int8, acc, sb, u0, vb, rb, seg, lim, pos0); break;
+                    case 1: pv_regs(1, D, kv, acc, sb, u0, vb, rb, seg); break;
+                    case 2: pv_regs(2, D, kv, acc, sb, u0, vb, rb, seg); break;
+                    case 3: pv_regs(3, D, kv, acc, sb, u0, vb, rb, seg); break;
+                    case 4: pv_regs(4, D, kv, acc, sb, u0, vb, rb, seg); break;
+                    case 5: pv_regs(5, D, kv, acc, sb, u0, vb, rb, seg); break;
+                    case 6: pv_regs(6, D, kv, acc, sb, u0, vb, rb, seg); break;
+                    default: pv_loop(qg, d, kv, acc, sb, u0, vb, rb, seg, lim, pos0); break;
                 }
             } else {
-                pv_loop(qg, d, is_int8, acc, sb, u0, vb, rb, seg, lim, pos0);
+                pv_loop(qg, d, kv, acc, sb, u0, vb, rb, seg, lim, pos0);
             }
             u0 += seg;
         }
@@ -686,7 +708,7 @@ static void prefetch_tile(const tm_attn *j, int64_t tile) {
     const int64_t seq = j->row_seq ? j->row_seq[r0] : r0;
     const int32_t *table = j->block_tables + seq * j->max_blocks;
     const int64_t len = j->kv_len[r0 + nr - 1], bs = j->block_size;
-    const int64_t rb = j->is_int8 ? j->d + 4 : j->d * 4;
+    const int64_t rb = tm_kv_row_bytes(j->kv, j->d);
     for (int64_t h = 0; h < j->hkv; ++h) {
         const char *kh = (const char *)j->k_cache + h * j->s * rb, *vh = (const char *)j->v_cache + h * j->s * rb;
         for (int64_t p = 0; p < TM_CHUNK && p < len; p += bs) {
@@ -706,18 +728,26 @@ static void attn_chunk(void *vctx, int64_t tile) {
     for (int64_t h = 0; h < j->hkv; ++h) {
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (j->d % VL == 0) {
-            if (j->d == 64 && j->is_int8)
-                attn_task_simd(j, tile, h, 1, 64);
-            else if (j->d == 64)
-                attn_task_simd(j, tile, h, 0, 64);
-            else if (j->d == 128 && j->is_int8)
-                attn_task_simd(j, tile, h, 1, 128);
-            else if (j->d == 128)
-                attn_task_simd(j, tile, h, 0, 128);
-            else if (j->is_int8)
-                attn_task_simd(j, tile, h, 1, 0);
+            /* compile-time (row format, head_dim) pairs, so that the loads and loops specialise */
+            const int kv = j->kv, d = (int)j->d;
+            if (d == 64 && kv == TM_KV_I8)
+                attn_task_simd(j, tile, h, TM_KV_I8, 64);
+            else if (d == 64 && kv == TM_KV_F16)
+                attn_task_simd(j, tile, h, TM_KV_F16, 64);
+            else if (d == 64)
+                attn_task_simd(j, tile, h, TM_KV_F32, 64);
+            else if (d == 128 && kv == TM_KV_I8)
+                attn_task_simd(j, tile, h, TM_KV_I8, 128);
+            else if (d == 128 && kv == TM_KV_F16)
+                attn_task_simd(j, tile, h, TM_KV_F16, 128);
+            else if (d == 128)
+                attn_task_simd(j, tile, h, TM_KV_F32, 128);
+            else if (kv == TM_KV_I8)
+                attn_task_simd(j, tile, h, TM_KV_I8, 0);
+            else if (kv == TM_KV_F16)
+                attn_task_simd(j, tile, h, TM_KV_F16, 0);
             else
-                attn_task_simd(j, tile, h, 0, 0);
+                attn_task_simd(j, tile, h, TM_KV_F32, 0);
             continue;
         }
 #endif
@@ -730,15 +760,16 @@ int tm_attention_tile_rows(int64_t g) { return g >= TM_MAX_QG ? 1 : (int)(TM_MAX
 
 /* Returns 0, or -1 for a shape this build does not serve (G > 16, D > 256, block size > 64,
  * or a tile of more rows than tm_attention_tile_rows allows). */
-int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int is_int8,
+int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int kv,
                        const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
                        const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *out, int64_t ldo,
                        int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale) {
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > TM_MAX_G || d > TM_MAX_D || block_size > TM_MAX_BS) return -1;
+    if (kv != TM_KV_F32 && kv != TM_KV_I8 && kv != TM_KV_F16) return -1;
     const int64_t rows_max = tm_attention_tile_rows(hq / hkv);
     for (int64_t t = 0; t < num_tiles; ++t)
         if (tiles[2 * t + 1] < 1 || tiles[2 * t + 1] > rows_max) return -1;
-    tm_attn j = {.q = q, .ldq = ldq, .k_cache = k_cache, .v_cache = v_cache, .is_int8 = is_int8,
+    tm_attn j = {.q = q, .ldq = ldq, .k_cache = k_cache, .v_cache = v_cache, .kv = kv,
                  .block_tables = block_tables, .max_blocks = max_blocks, .row_seq = row_seq, .kv_len = kv_len,
                  .tiles = tiles, .num_tiles = num_tiles, .out = out, .ldo = ldo, .hq = hq, .hkv = hkv, .d = d, .s = s,
                  .block_size = block_size, .scale = scale};

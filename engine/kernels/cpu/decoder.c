@@ -35,8 +35,8 @@ void tm_rope(float *x, int64_t ldx, int64_t t, int64_t heads, int64_t d, const i
              const float *cos_t, const float *sin_t);
 void tm_silu_mul(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t m, int64_t n);
 void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t t, int64_t hkv, int64_t d,
-                 const int64_t *slots, void *k_cache, void *v_cache, int64_t s, int is_int8);
-int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int is_int8,
+                 const int64_t *slots, void *k_cache, void *v_cache, int64_t s, int kv);
+int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int kv,
                        const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
                        const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *out, int64_t ldo,
                        int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale);
@@ -126,7 +126,8 @@ static int linear_silu(const int64_t *l, const float *x, int64_t ldx, float *act
 /*
  * Every decoder layer over t tokens, in place on the residual stream h [t, hidden].
  *
- * dims: hidden, q heads, kv heads, head_dim, intermediate, kv slots (s), block size, is_int8 cache.
+ * dims: hidden, q heads, kv heads, head_dim, intermediate, kv slots (s), block size, the KV cache's row
+ * format (TM_KV_F32, TM_KV_I8 or TM_KV_F16).
  * positions [t] int64; cos/sin [max_pos, head_dim / 2] fp32; slots [t] int64 (KV write targets);
  * block_tables [rows, max_blocks] int32, row_seq [t] int32 or NULL, kv_len [t] int64, tiles
  * [num_tiles, 2] int64 (the attention plan, as tm_paged_attention takes it).
@@ -141,7 +142,7 @@ int tm_decoder_forward(const int64_t *desc, int64_t num_layers, const int64_t *d
                        float *a, float *gu, float *act, unsigned char *codes, float *scales) {
     const int64_t hidden = dims[0], hq = dims[1], hkv = dims[2], d = dims[3], inter = dims[4], s = dims[5];
     const int64_t bs = dims[6];
-    const int is_int8 = (int)dims[7];
+    const int kv = (int)dims[7];
     const int64_t q_size = hq * d, kv_size = hkv * d, ldqkv = q_size + 2 * kv_size;
     for (int64_t i = 0; i < num_layers; ++i) {
         const int64_t *L = desc + i * TM_DEC_LAYER_WORDS;
@@ -153,8 +154,8 @@ int tm_decoder_forward(const int64_t *desc, int64_t num_layers, const int64_t *d
         if (rc) return (int)i + 1;
         TIMED(T_ROPE, tm_rope(qkv, ldqkv, t, hq + hkv, d, positions, cos_t, sin_t));
         TIMED(T_KV_WRITE,
-              tm_kv_write(qkv + q_size, ldqkv, qkv + q_size + kv_size, ldqkv, t, hkv, d, slots, kc, vc, s, is_int8));
-        TIMED(T_ATTENTION, rc = tm_paged_attention(qkv, ldqkv, kc, vc, is_int8, block_tables, max_blocks, row_seq,
+              tm_kv_write(qkv + q_size, ldqkv, qkv + q_size + kv_size, ldqkv, t, hkv, d, slots, kc, vc, s, kv));
+        TIMED(T_ATTENTION, rc = tm_paged_attention(qkv, ldqkv, kc, vc, kv, block_tables, max_blocks, row_seq,
                                                    kv_len, tiles, num_tiles, a, q_size, hq, hkv, d, s, bs, scale));
         if (rc) return (int)i + 1;
         TIMED(T_LINEAR, rc = linear(lin + TM_DEC_LIN_WORDS, a, q_size, h, hidden, t, 1, codes, scales));

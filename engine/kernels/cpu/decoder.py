@@ -10,7 +10,7 @@ bit for bit the loop's.
 
 It serves a step only when everything the loop would do is one of those kernels: every
 linear layer a `CpuLinear`, `CpuQuantLinear` or `W8A8Linear` without hooks, `CpuOps` for
-the small ops, fp32 or int8 KV caches and the torch attention backend (or its int8-cache
+the small ops, fp32, fp16 or int8 KV caches and the torch attention backend (or its int8-cache
 subclass) with its C kernel serving the step. Anything else (a hook observing a layer for
 calibration, another backend, a layer of another class) runs the Python loop.
 """
@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from . import W_Q4, W_Q8, _lib
+from . import W_Q4, W_Q8, _lib, kv_row_format
 
 DEC_F32, DEC_Q, DEC_W8A8 = 0, 1, 2
 
@@ -50,7 +50,7 @@ class CpuDecoder:
 
     Args:
         model: the model (its `layers`, `cfg`).
-        kv_caches: per layer (k_cache, v_cache), contiguous: fp32 [Hkv, S, D], or int8 rows
+        kv_caches: per layer (k_cache, v_cache), contiguous: fp32 or fp16 [Hkv, S, D], or int8 rows
             [Hkv, S, D + 4] (D codes and the fp32 scale, `TorchQuantKVAttentionBackend`'s layout).
         lib: a specific build (tests); default the native one.
     Attributes:
@@ -76,7 +76,7 @@ class CpuDecoder:
         self.num_layers = len(model.layers)
         kc = kv_caches[0][0]
         self.dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  cfg.intermediate_size, kc.shape[1], 0, int(kc.dtype == torch.int8)],
+                                  cfg.intermediate_size, kc.shape[1], 0, kv_row_format(kc, cfg.head_dim)],
                                  dtype=torch.int64)
         self.eps = float(cfg.rms_norm_eps)
         self.w8a8 = [lin for lin in self.modules if desc_kind(lin) == DEC_W8A8]
@@ -101,9 +101,7 @@ class CpuDecoder:
         words = []
         d = model.cfg.head_dim
         for layer, (kc, vc) in zip(model.layers, kv_caches):
-            fp32 = kc.dtype == torch.float32 and kc.shape[-1] == d
-            int8 = kc.dtype == torch.int8 and kc.shape[-1] == d + 4  # rows of D codes and an fp32 scale
-            if not ((fp32 or int8) and vc.dtype == kc.dtype and vc.shape == kc.shape and kc.is_contiguous()
+            if not (kv_row_format(kc, d) is not None and vc.dtype == kc.dtype and vc.shape == kc.shape and kc.is_contiguous()
                     and vc.is_contiguous() and kc.device.type == "cpu"):
                 return None
             w = [layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), kc.data_ptr(), vc.data_ptr()]

@@ -4,7 +4,7 @@
  *   tm_rope       rotary embedding in place, "rotate half" pairs (i, i + D/2)
  *                 (Su et al. 2021, arXiv 2104.09864), angles from cos/sin tables
  *   tm_silu_mul   out = silu(g) * u for a fused [g | u] row  (SwiGLU, Shazeer 2020, arXiv 2002.05202)
- *   tm_kv_write   new K/V rows into the paged cache at their slots, fp32 or int8 rows
+ *   tm_kv_write   new K/V rows into the paged cache at their slots, fp32, int8 or fp16 rows
  *                 (D codes + the fp32 scale max|x| / 127, as engine/attention/torch_quant_kv.py;
  *                 with AVX-512 a row is coded in vectors, the same max, division and rounding)
  *   tm_argmax_rows  the index of each row's largest value (greedy sampling), the first on ties
@@ -123,12 +123,27 @@ typedef struct {
     int64_t ldk, ldv, t, hkv, d, s, rpc;
     const int64_t *slots;
     void *kc, *vc;
-    int is_int8;
+    int kv; /* TM_KV_* (tm_cpu.h) */
 } kvw_ctx;
 
-static void write_row(const float *src, void *cache, int64_t h, int64_t slot, int64_t s, int64_t d, int is_int8) {
-    if (!is_int8) {
+static void write_row(const float *src, void *cache, int64_t h, int64_t slot, int64_t s, int64_t d, int kv) {
+    if (kv == TM_KV_F32) {
         memcpy((float *)cache + (h * s + slot) * d, src, sizeof(float) * d);
+        return;
+    }
+    if (kv == TM_KV_F16) { /* round to nearest even, as torch's .to(torch.float16) */
+        uint16_t *row = (uint16_t *)cache + (h * s + slot) * d;
+        int64_t i = 0;
+#if defined(TM_AVX512)
+        for (; i + 16 <= d; i += 16)
+            _mm256_storeu_si256((__m256i *)(row + i),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(TM_AVX2) && defined(__F16C__)
+        for (; i + 8 <= d; i += 8)
+            _mm_storeu_si128((__m128i *)(row + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; i < d; ++i) row[i] = tm_float_to_half(src[i]);
         return;
     }
     int8_t *row = (int8_t *)cache + (h * s + slot) * (d + 4);
@@ -166,19 +181,19 @@ static void kvw_chunk(void *vctx, int64_t chunk) {
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t slot = c->slots[r];
         for (int64_t h = 0; h < c->hkv; ++h) {
-            write_row(c->k + r * c->ldk + h * c->d, c->kc, h, slot, c->s, c->d, c->is_int8);
-            write_row(c->v + r * c->ldv + h * c->d, c->vc, h, slot, c->s, c->d, c->is_int8);
+            write_row(c->k + r * c->ldk + h * c->d, c->kc, h, slot, c->s, c->d, c->kv);
+            write_row(c->v + r * c->ldv + h * c->d, c->vc, h, slot, c->s, c->d, c->kv);
         }
     }
 }
 
-/* k, v: [t, hkv * d] rows (strides ldk, ldv); caches [hkv, s, d] fp32 or [hkv, s, d + 4] int8 rows;
- * row r goes to slot slots[r]. */
+/* k, v: [t, hkv * d] rows (strides ldk, ldv); caches [hkv, s, d] fp32 (kv = TM_KV_F32) or fp16
+ * (TM_KV_F16), or [hkv, s, d + 4] int8 rows (TM_KV_I8); row r goes to slot slots[r]. */
 void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t t, int64_t hkv, int64_t d,
-                 const int64_t *slots, void *k_cache, void *v_cache, int64_t s, int is_int8) {
+                 const int64_t *slots, void *k_cache, void *v_cache, int64_t s, int kv) {
     kvw_ctx c = {.k = k, .v = v, .ldk = ldk, .ldv = ldv, .t = t, .hkv = hkv, .d = d, .s = s,
                  .rpc = 8, .slots = slots, .kc = k_cache, .vc = v_cache, /* 8 tokens: even shares */
-                 .is_int8 = is_int8};
+                 .kv = kv};
     tm_parallel_for(cdiv(t, c.rpc), kvw_chunk, &c);
 }
 

@@ -101,6 +101,58 @@ static inline float tm_absmax(const float *x, int64_t n) {
     return amax;
 }
 
+/* ---------------------------------------------------------------- KV cache rows
+ * The row formats of a paged KV cache [Hkv, S, row] (tm_kv_write, tm_paged_attention):
+ *   TM_KV_F32  D fp32 values
+ *   TM_KV_I8   D int8 codes, then the row's fp32 scale (value = code * scale)
+ *   TM_KV_F16  D IEEE 754 binary16 values (llama.cpp's default KV type), widened to fp32 on
+ *              load; written from fp32 rounding to nearest, ties to even, as torch's
+ *              .to(torch.float16) and vcvtps2ph do, so both write the same bits */
+#define TM_KV_F32 0
+#define TM_KV_I8 1
+#define TM_KV_F16 2
+
+static inline int64_t tm_kv_row_bytes(int kv, int64_t d) {
+    return kv == TM_KV_I8 ? d + 4 : (kv == TM_KV_F16 ? 2 * d : 4 * d);
+}
+
+/* binary16 bits -> fp32 (exact: every half is a float) */
+static inline float tm_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits;
+    float f;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (man << 13); /* inf, NaN */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13); /* rebias 15 -> 127 */
+    } else {
+        f = (float)man * 0x1p-24f; /* zero or subnormal: man units of 2^-24, exact */
+        __builtin_memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* fp32 -> binary16 bits, rounding to nearest, ties to even; beyond the largest half (65504)
+ * by half a step or more -> inf; NaN stays a (quiet) NaN */
+static inline uint16_t tm_float_to_half(float f) {
+    uint32_t x;
+    __builtin_memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x1FFu));
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* 65520 and up, inf */
+    if (ax < 0x38800000u) { /* below 2^-14: a multiple of 2^-24 (1024 of them: the least normal) */
+        float a;
+        __builtin_memcpy(&a, &ax, sizeof a);
+        return (uint16_t)(sign | (uint16_t)__builtin_rintf(a * 0x1p24f)); /* exact scaling, then RNE */
+    }
+    uint32_t r = ax - 0x38000000u;     /* exponent rebias 127 -> 15 */
+    r += 0x0FFFu + ((r >> 13) & 1u); /* round the 13 dropped bits, ties to even (a carry bumps the exponent) */
+    return (uint16_t)(sign | (r >> 13));
+}
+
 /* SwiGLU's silu(g) * u, as tm_silu_mul and the gate/up GEMM's fused epilogue compute it */
 static inline float tm_silu_mul1(float g, float u) { return g / (1.0f + tm_expf(-g)) * u; }
 
