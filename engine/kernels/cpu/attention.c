@@ -486,6 +486,10 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
     /* scores, then probabilities; a group of keys stores VL lanes, so VL more of room */
     float sb[TM_MAX_QG][TM_CHUNK + VL] __attribute__((aligned(64)));
     float ks[TM_CHUNK + VL], vs[TM_CHUNK + VL];
+    /* fp16 K of a compile-time head_dim, several queries per task (GQA): the chunk's K rows are
+     * widened once into kf and every query's scores read them as fp32 rows */
+    const int use_kf = kv == TM_KV_F16 && D && qg > 1;
+    float kf[TM_CHUNK * (D ? D : 1)] __attribute__((aligned(64)));
     float m[TM_MAX_QG], l[TM_MAX_QG];
     int64_t lim[TM_MAX_QG];
     int64_t maxlen = 0, minlen = INT64_MAX;
@@ -551,6 +555,17 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                 }
                 u += cnt;
             }
+        if (use_kf)
+            for (int64_t u = 0; u < n;) { /* block by block: the chunk's K rows, widened */
+                const int64_t p = pos0 + u, off = p % bs, cnt = bs - off < n - u ? bs - off : n - u;
+                const char *kr = kh + ((int64_t)table[p / bs] * bs + off) * rb;
+                for (int64_t e = 0; e < cnt; ++e)
+#pragma GCC unroll 16
+                    for (int c = 0; c < D / VL; ++c)
+                        V_STORE(kf + (u + e) * D + c * VL, load_row(kr + e * rb, c * VL, TM_KV_F16));
+                u += cnt;
+            }
+        const int64_t rbk = use_kf ? (int64_t)D * 4 : rb; /* the score loop's K row stride */
         /* scores: sb[x][0..n) */
         for (int64_t x = 0; x < qg; ++x) {
             if (lim[x] <= pos0) continue; /* this row sees none of these keys */
@@ -559,7 +574,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                 pf_advance(&pfc, pf_quota);
                 /* up to VL keys of one block (a block size that VL does not divide splits a group) */
                 const int64_t p0 = pos0 + u0, off = p0 % bs;
-                const char *kb = kh + ((int64_t)table[p0 / bs] * bs + off) * rb;
+                const char *kb = use_kf ? (const char *)(kf + u0 * D) : kh + ((int64_t)table[p0 / bs] * bs + off) * rb;
                 cnt = vis - u0 < VL ? vis - u0 : VL;
                 if (bs - off < cnt) cnt = bs - off;
                 vf part[VL];
@@ -578,9 +593,14 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                     for (int u = 0; u < VL; ++u) {
                         vf a = V_ZERO();
                         if (u < cnt) {
-                            const char *kr = kb + u * rb;
+                            const char *kr = kb + u * rbk;
+                            if (use_kf) {
 #pragma GCC unroll 16
-                            for (int c = 0; c < D / VL; ++c) a = V_FMA(qv[c], load_row(kr, c * VL, kv), a);
+                                for (int c = 0; c < D / VL; ++c) a = V_FMA(qv[c], V_LOAD((const float *)kr + c * VL), a);
+                            } else {
+#pragma GCC unroll 16
+                                for (int c = 0; c < D / VL; ++c) a = V_FMA(qv[c], load_row(kr, c * VL, kv), a);
+                            }
                         }
                         part[u] = a;
                     }
