@@ -83,6 +83,79 @@ def test_key_is_a_content_hash_and_pydantic_models_become_schemas():
     assert SO(json_object=True).spec() == {"type": "object"}
 
 
+def test_objects_are_closed_by_default_everywhere_in_a_schema():
+    obj = lambda **props: {"type": "object", "properties": props}  # noqa: E731
+    user = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": obj(k={"type": "string"})},
+            "pair": {"type": "array", "prefixItems": [obj(a={}), {"type": "integer"}]},
+            "either": {"anyOf": [obj(x={}), {"oneOf": [obj(y={}), {"type": "null"}]}]},
+            "free": {**obj(z={}), "additionalProperties": True},  # explicit: kept open
+            "typed": {**obj(z={}), "additionalProperties": obj(v={})},  # a schema: kept, its object closed
+            "pattern": {**obj(z={}), "patternProperties": {"^x": obj(w={})}},
+            "ref": {"$ref": "#/$defs/Inner"},
+        },
+        "required": ["tags"],
+        "$defs": {"Inner": obj(deep=obj(d={}))},
+        "definitions": {"Old": obj(o={})},
+    }
+    before = json.loads(json.dumps(user))
+    closed = lambda **props: {"type": "object", "properties": props, "additionalProperties": False}  # noqa: E731
+    assert SO(json=user).spec() == {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": closed(k={"type": "string"})},
+            "pair": {"type": "array", "prefixItems": [closed(a={}), {"type": "integer"}]},
+            "either": {"anyOf": [closed(x={}), {"oneOf": [closed(y={}), {"type": "null"}]}]},
+            "free": {**obj(z={}), "additionalProperties": True},
+            "typed": closed(z={}) | {"additionalProperties": closed(v={})},
+            "pattern": {**obj(z={}), "patternProperties": {"^x": closed(w={})}},
+            "ref": {"$ref": "#/$defs/Inner"},
+        },
+        "required": ["tags"],
+        "$defs": {"Inner": closed(deep=closed(d={}))},
+        "definitions": {"Old": closed(o={})},
+        "additionalProperties": False,
+    }
+    assert user == before  # the caller's dict is untouched
+    assert SO(json=json.dumps(user)).spec() == SO(json=user).spec()  # JSON text alike
+    assert SO(json=user).key() == SO(json=SO(json=user).spec()).key()  # the same constraint, one compile
+    assert SO(json=True).spec() is True and SO(json_object=True).spec() == {"type": "object"}
+
+
+def test_objects_in_an_intersection_stay_open():
+    """Closing one part of an `allOf` would forbid the keys the other parts declare."""
+    base = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    user = {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {"properties": {"c": {}}}}}],
+            "$defs": {"Base": base, "Other": base}}
+    got = SO(json=user).spec()
+    assert got["$defs"]["Base"] == base  # named by an allOf branch: open
+    assert got["$defs"]["Other"] == {**base, "additionalProperties": False}
+    part = got["allOf"][1]
+    assert "additionalProperties" not in part and "additionalProperties" not in got
+    assert part["properties"]["b"] == {"properties": {"c": {}}, "additionalProperties": False}
+
+
+def test_readme_label_example_gives_exactly_its_keys(eng):
+    """README's pydantic `Label`, asked for extra keys by the prompt: the model wrote `reason` and
+    `language` while the schema was read as open; closed by default, the keys are the schema's."""
+    class Label(BaseModel):
+        topic: str
+        confidence: float
+
+    prompt = _chat(eng, "Label this text with a topic and a confidence, as JSON with keys topic, confidence, "
+                        "reason and language: 'import socket'")
+    p = SamplingParams(temperature=0, max_tokens=32, structured_outputs=SO(json=Label))
+    c = eng.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.valid is True, c
+    assert set(json.loads(c.text)) == {"topic", "confidence"}, c.text
+    open_label = {**Label.model_json_schema(), "additionalProperties": True}  # how to allow extra keys
+    c = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=32, structured_outputs=SO(json=open_label)),
+                     use_tqdm=False)[0].outputs[0]
+    assert set(json.loads(c.text)) > {"topic", "confidence"}, c.text
+
+
 def test_unpack_matches_a_bit_by_bit_reference_and_apply_masks_in_place():
     g = torch.Generator().manual_seed(0)
     bm = torch.randint(-2**31, 2**31 - 1, (3, 5), generator=g, dtype=torch.int64).to(torch.int32)
