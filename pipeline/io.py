@@ -39,7 +39,7 @@ from fsspec.core import url_to_fs
 from fsspec.utils import glob_translate
 
 from pipeline.storage import (
-    bucket_of, config_kwargs, no_such_bucket, s3fs_retries, storage_call, write_deadline_s,
+    bucket_of, config_kwargs, no_such_bucket, printable, s3fs_retries, storage_call, write_deadline_s,
 )
 
 
@@ -246,12 +246,29 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
             try:
                 pf = pq.ParquetFile(f)
             except pa.ArrowInvalid as exc:  # e.g. "Parquet magic bytes not found", without the file's name
-                raise ValueError(f"{full} is not a Parquet file ({exc})") from None
+                raise ValueError(f"{full} is not a Parquet file ({printable(exc)})") from None
             num_rows, columns = pf.metadata.num_rows, tuple(pf.schema_arrow.names)
             schema = pf.schema_arrow
         files.append(InputFile(path=full, size=int(info["size"]), etag=_etag(info),
                                num_rows=num_rows, columns=columns, schema=schema))
     return files
+
+
+@contextlib.contextmanager
+def _damaged_data(url: str) -> Iterator[None]:
+    """Name the file when pyarrow finds its data damaged (`ArrowInvalid`, e.g. "Invalid or truncated
+    PLAIN-encoded BYTE_ARRAY data", which names no file); its first line is quoted through `printable`.
+    Damage pyarrow reports as an OSError (a page header that does not parse) becomes a StorageError
+    in `storage_call`, quoted the same way.
+
+    Raises:
+        ValueError: `cannot read <url>: <pyarrow's message>`.
+    """
+    try:
+        yield
+    except pa.ArrowInvalid as exc:
+        text = str(exc).strip()
+        raise ValueError(f"cannot read {url}: {printable(text.splitlines()[0]) if text else 'ArrowInvalid'}") from None
 
 
 INVALID_UTF8_COLUMN = "__tokenmill_invalid_utf8__"
@@ -329,10 +346,12 @@ def read_rows(url: str, offset: int, length: int, storage_options: Optional[dict
     (text that is not valid UTF-8: see `_to_polars`).
 
     Raises:
-        StorageError: the read failed (names the URL and the cause).
+        StorageError: the read failed (names the URL and the cause, in printable characters).
+        ValueError: the file's data is damaged (`cannot read <url>: ...`).
     """
     fs, path = filesystem(url, storage_options)
-    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), _damaged_data(url), \
+            fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         groups, start, first_start = [], 0, None
         for g in range(pf.metadata.num_row_groups):
@@ -531,9 +550,15 @@ def remove(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
 def iter_batches(url: str, columns: list[str], batch_rows: int = 4096,
                  storage_options: Optional[dict[str, Any]] = None) -> Iterator[pl.DataFrame]:
     """The file's `columns` (only those are read), `batch_rows` rows at a time, in file order
-    (text that is not valid UTF-8: see `_to_polars`)."""
+    (text that is not valid UTF-8: see `_to_polars`).
+
+    Raises:
+        StorageError: the read failed (names the URL and the cause, in printable characters).
+        ValueError: the file's data is damaged (`cannot read <url>: ...`).
+    """
     fs, path = filesystem(url, storage_options)
-    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), _damaged_data(url), \
+            fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
             yield _to_polars(pa.Table.from_batches([batch]))
@@ -544,11 +569,17 @@ def read_rows_at(url: str, rows: Sequence[int], storage_options: Optional[dict[s
     (text that is not valid UTF-8: see `_to_polars`).
 
     Reads only the row groups that hold them, one at a time (memory: one row group plus the result).
+
+    Raises:
+        StorageError: the read failed (names the URL and the cause, in printable characters).
+        ValueError: the file's data is damaged (`cannot read <url>: ...`).
+        IndexError: a row number past the file's end.
     """
     fs, path = filesystem(url, storage_options)
     want = sorted(set(rows))
     pieces = []
-    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), _damaged_data(url), \
+            fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         start, k = 0, 0
         for g in range(pf.metadata.num_row_groups):

@@ -402,6 +402,77 @@ def test_input_that_is_not_parquet_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _damaged_copies(tmp_path, good: bytes, page_start: int, page_end: int):
+    """Copies of a Parquet file with a few bytes of one column's pages overwritten (fixed seeds), each
+    with the message pyarrow itself gives when reading it (None when it still reads)."""
+    import random
+
+    import pyarrow.parquet as pq
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        data = bytearray(good)
+        at = rng.randrange(page_start, page_end - 8)
+        for k in range(at, at + rng.randrange(1, 8)):
+            data[k] = rng.randrange(256)
+        path = tmp_path / f"damaged-{seed}.parquet"
+        path.write_bytes(bytes(data))
+        try:
+            for _ in pq.ParquetFile(path).iter_batches(columns=["prompt"]):  # as the planner reads it
+                pass
+            yield path, None
+        except Exception as exc:  # noqa: BLE001 - whatever pyarrow raises is what the pipeline must quote
+            yield path, str(exc)
+
+
+def test_a_damaged_parquet_page_gives_a_printable_message_naming_the_file(tmp_path):
+    """pyarrow quotes raw bytes of a damaged page header ("don't know what type: \\x0f"); the message
+    that reaches the user names the file and escapes them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.storage import StorageError, printable
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(200)], "prompt": [f"prompt {i} " * 5 for i in range(200)]}),
+                   good, compression="NONE", use_dictionary=False)
+    column = pq.ParquetFile(good).metadata.row_group(0).column(1)
+    start = column.data_page_offset
+    raw_unprintable = 0
+    checked = 0
+    for path, raw in _damaged_copies(tmp_path, good.read_bytes(), start, start + 200):  # header and first values
+        if raw is None:
+            continue
+        quoted = raw.strip().splitlines()[0]  # the line a message quotes (a dump may follow it)
+        raw_unprintable += not quoted.isprintable()
+        with pytest.raises((StorageError, ValueError)) as exc:
+            io.read_rows(str(path), 0, 200)
+        message = str(exc.value)
+        assert message.isprintable() and message.startswith(f"cannot read {path}: "), message
+        assert message.endswith(printable(quoted)), (message, raw)
+        with pytest.raises((StorageError, ValueError)) as exc:
+            list(io.iter_batches(str(path), ["prompt"]))
+        assert str(exc.value) == message
+        checked += 1
+    assert checked >= 10 and raw_unprintable >= 1, (checked, raw_unprintable)  # the case this test is about
+
+    # one of them, through a job: the same one printable line
+    path = next(p for p, raw in _damaged_copies(tmp_path, good.read_bytes(), start, start + 200)
+                if raw is not None and not raw.strip().splitlines()[0].isprintable())
+    with pytest.raises(StorageError) as exc:
+        run_job(spec_for(path, tmp_path / "out"), FakeLLM())
+    assert str(exc.value).isprintable() and "\\x" in str(exc.value), str(exc.value)
+
+
+def test_printable_escapes_control_characters_and_caps_the_length():
+    from pipeline.storage import printable
+
+    assert printable("type: \x0f\x00 end\n\ttab") == "type: \\x0f\\x00 end\\n\\ttab"
+    assert printable("café ✓") == "café ✓"  # printable non-ASCII stays as it is
+    long = printable("\x01" * 500, max_chars=40)
+    assert long == "\\x01" * 10 + "... (1960 more characters)" and long.isprintable()
+
+
 def test_a_glob_input_reads_the_files_it_matches_sorted_and_resumes(tmp_path):
     d = tmp_path / "in"
     (d / "2026-02").mkdir(parents=True)
