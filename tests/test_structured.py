@@ -281,13 +281,35 @@ def test_bad_constraints_are_error_outputs_and_the_other_rows_run(eng):
                SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(choice=LABELS))]
     outs = eng.generate([prompt] * len(params), params, use_tqdm=False)
     errors = [o.error for o in outs]
-    assert errors[0].startswith("structured_outputs.regex") and "unclosed group" in errors[0]
+    assert errors[0] == 'structured_outputs.regex: invalid regex "a(b": unclosed group at offset 1'
+    assert all("\n" not in e for e in errors[:5]), errors
     assert errors[1].startswith("structured_outputs.choice") and "duplicate" in errors[1]
     assert errors[2].startswith("structured_outputs.json") and "nonsense" in errors[2]
     assert errors[3].startswith("structured_outputs.grammar") and "undefined_rule" in errors[3]
     assert errors[4].startswith("structured_outputs.choice: must be a non-empty list")
     assert all(o.outputs[0].finish_reason == "error" for o in outs[:5])
     assert errors[5] is None and outs[5].outputs[0].text in LABELS
+
+
+@pytest.mark.parametrize("so,message", [
+    (SO(regex="(ab"), 'regex: invalid regex "(ab": unclosed group at offset 0'),
+    # the offset is in the pattern as written, though llguidance compiles \d as [0-9]
+    (SO(regex=r"\d\d[z-a]"), r'regex: invalid regex "\d\d[z-a]": invalid character class range, the start must '
+                                r'be <= the end at offset 5'),
+    (SO(regex="a\n("), 'regex: invalid regex "a\\n(": unclosed group at offset 2'),  # the newline escaped
+    (SO(grammar='start: x\nx: "a" y'), 'grammar: unknown name: "y" at line 2, column 4'),
+    (SO(grammar="start: /[/"), 'grammar: invalid regex "[": unclosed character class at offset 0 (line 1, column 8 '
+                               'of the grammar)'),
+])
+def test_a_constraint_that_does_not_compile_is_one_line_naming_the_problem_and_where(eng, so, message):
+    """llguidance reports six lines with carets; the error a user sees is one, the position kept."""
+    from engine.structured import GrammarError
+    from engine.structured.llguidance_backend import LLGuidanceBackend, check_constraint
+
+    assert check_constraint(so) == "structured_outputs." + message
+    with pytest.raises(GrammarError) as exc:
+        LLGuidanceBackend(eng.tokenizer).compile(so)
+    assert str(exc.value) == "structured_outputs." + message and isinstance(exc.value, ValueError)
 
 
 def test_a_constraint_the_grammar_engine_gives_up_on_is_an_error_completion_not_an_empty_stop(eng):
