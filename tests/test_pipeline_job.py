@@ -402,6 +402,50 @@ def test_input_that_is_not_parquet_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_unreachable_http_input_says_so_naming_the_url_and_the_error(tmp_path):
+    """fsspec's HTTP file system reads a refused connection as "no such file"; the user is told the
+    URL could not be reached, and a server that answers 404 still gets "no Parquet files"."""
+    import functools
+    import http.server
+    import socket
+    import threading
+
+    from pipeline.storage import StorageError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/x.parquet"
+    with pytest.raises(StorageError) as exc:
+        io.list_input_files(url)
+    message = str(exc.value)
+    assert message.startswith(f"cannot read {url}: the URL could not be reached (ClientConnectorError: Cannot "
+                              f"connect to host 127.0.0.1:{port}"), message
+    assert "\n" not in message and "no Parquet files" not in message and exc.value.kind == "connect"
+    with pytest.raises(StorageError, match="could not be reached"):
+        run_job(spec_for(url, tmp_path / "out"), FakeLLM())
+
+    served = tmp_path / "served"
+    served.mkdir()
+    dataset(3).write_parquet(served / "a.parquet")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(FileNotFoundError, match=f"^no Parquet files at {base}/missing.parquet$"):
+            io.list_input_files(f"{base}/missing.parquet")  # the server answered 404
+        [f] = io.list_input_files(f"{base}/a.parquet")
+        assert (f.path, f.num_rows) == (f"{base}/a.parquet", 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _damaged_copies(tmp_path, good: bytes, page_start: int, page_end: int):
     """Copies of a Parquet file with a few bytes of one column's pages overwritten (fixed seeds), each
     with the message pyarrow itself gives when reading it (None when it still reads)."""
