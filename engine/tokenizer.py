@@ -8,7 +8,8 @@ Three pieces the engine needs around the model:
   Face folder; nothing is downloaded.
 - `IncrementalDetokenizer`: turns generated token ids into text a few tokens
   at a time, decoding only a small window of recent ids per step, and never
-  emitting U+FFFD for a character whose UTF-8 bytes are split across tokens.
+  emitting U+FFFD for a character whose UTF-8 bytes are split across tokens
+  (nor, at the end, for one that generation stopped inside).
 - `StopStringMatcher`: finds the earliest stop string that overlaps newly
   appended text, searching only the tail window that can contain one.
 
@@ -17,6 +18,7 @@ indices (code points), never bytes.
 """
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import importlib.metadata
@@ -50,6 +52,54 @@ END_OF_TURN_TOKENS: tuple[str, ...] = (
 _REPLACEMENT_CHAR = "\ufffd"
 
 logger = logging.getLogger(__name__)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable stand-in character of each byte in byte-level BPE vocabularies (GPT-2 style),
+    mapped back to its byte value.
+
+    Bytes that are printable Latin-1 characters ('!'..'~', '¡'..'¬', '®'..'ÿ') stand for
+    themselves; every other byte, in ascending order, gets the next code point from U+0100 up
+    (so the space 0x20 is 'Ġ' and the newline 0x0A is 'Ċ').
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    extra = 0x100
+    for b in range(256):
+        if b not in printable:
+            table[chr(extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL_CHARS = _byte_level_alphabet()
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def incomplete_utf8_tail(data: bytes) -> int:
+    """Number of bytes at the end of `data` that begin a UTF-8 character without finishing it (0-3).
+
+    Only a valid start counts (a lead byte followed by fewer continuation bytes than it needs,
+    each one allowed there), since a later byte could complete it; a byte that can never start
+    or continue a character (0xC0, 0xFF, a stray continuation byte) is invalid already and
+    counts 0, as does a complete character, U+FFFD's own bytes EF BF BD included.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data[-4:], final=False)  # a cut character is at most 3 bytes: 4 always reach its lead byte
+    pending = decoder.getstate()[0]
+    if not pending:
+        return 0
+    # Python's decoder also waits on starts no byte can finish (ED A0 opens a surrogate): keep only
+    # those that some continuation completes (E0 needs A0.., F0 needs 90.., ED and F4 take 80..)
+    need = 2 if pending[0] < 0xE0 else 3 if pending[0] < 0xF0 else 4
+    for second in (0x80, 0x90, 0xA0):
+        rest = bytes([second]) + b"\x80" * 2 if len(pending) == 1 else b"\x80" * 3
+        try:
+            (pending + rest[: need - len(pending)]).decode("utf-8")
+            return len(pending)
+        except UnicodeDecodeError:
+            continue
+    return 0
 
 
 def resolve_default_gguf() -> str:
@@ -278,6 +328,9 @@ class Tokenizer:
         template = str(getattr(hf_tokenizer, "chat_template", None) or "")
         self.chat_roles: tuple[str, ...] = CHAT_ROLES + (
             (TOOL_ROLE,) if re.search(rf"""["']{TOOL_ROLE}["']""", template) else ())
+        self._byte_scheme: Optional[str] = _byte_scheme(backend)
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {})
+        self._special_ids: frozenset[int] = frozenset(int(i) for i, t in added.items() if getattr(t, "special", False))
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -371,6 +424,51 @@ class Tokenizer:
         """Text of `ids` (invalid UTF-8 byte runs become U+FFFD, as in Hugging Face)."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_complete(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` without a last character whose UTF-8 bytes are not all in `ids`.
+
+        Byte-level BPE spells one character as several tokens; ids that stop inside one (a
+        generation cut by `max_tokens`) end, under `decode`, in a U+FFFD that no model wrote.
+        This drops it and keeps everything before it (`' 🎉'` cut after its first bytes gives
+        `' '`). A complete U+FFFD (bytes EF BF BD) and invalid bytes that no later byte could
+        make valid still read as U+FFFD, as in `decode`. For tokenizers whose tokens do not
+        map to bytes (neither byte-level nor `<0xHH>` byte fallback) this is `decode`.
+        """
+        ids = list(ids)
+        text = self.decode(ids, skip_special_tokens)
+        if not text.endswith(_REPLACEMENT_CHAR) or self._byte_scheme is None:
+            return text
+        tail, first = b"", len(ids)  # the last >= 4 bytes, and the index of the first token they come from
+        while first > 0 and len(tail) < 4:
+            first -= 1
+            tail = self._token_bytes(ids[first], skip_special_tokens) + tail
+        cut = incomplete_utf8_tail(tail)
+        if cut == 0:
+            return text
+        if self._byte_scheme == "byte_level":  # one U+FFFD for the whole cut character (maximal-subpart rule)
+            return text[:-1]
+        # byte fallback: one `<0xHH>` token per cut byte, and a run that fails as a whole becomes
+        # U+FFFD byte by byte; decoding without those tokens gives the complete characters back
+        k, dropped = len(ids), 0
+        while dropped < cut:
+            k -= 1
+            dropped += len(self._token_bytes(ids[k], skip_special_tokens))
+        return self.decode(ids[:k], skip_special_tokens)
+
+    def _token_bytes(self, token_id: int, skip_special_tokens: bool) -> bytes:
+        """The bytes one id contributes to `decode`'s output (b"" for a skipped special token or an unknown id)."""
+        if skip_special_tokens and token_id in self._special_ids:
+            return b""
+        token = self.backend.id_to_token(int(token_id))
+        if token is None:
+            return b""
+        if self._byte_scheme == "byte_level":
+            if all(ch in _BYTE_LEVEL_CHARS for ch in token):
+                return bytes(_BYTE_LEVEL_CHARS[ch] for ch in token)
+            return token.encode()  # an added token, written as it is
+        m = _BYTE_FALLBACK_TOKEN.fullmatch(token)
+        return bytes([int(m.group(1), 16)]) if m else token.encode()
+
     def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         """`decode` for many id lists in one backend call."""
         return self.backend.decode_batch([list(x) for x in batch], skip_special_tokens=skip_special_tokens)
@@ -415,6 +513,23 @@ class Tokenizer:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos_token_ids={sorted(self.eos_token_ids)})"
 
 
+def _byte_scheme(backend: Any) -> Optional[str]:
+    """How a Rust tokenizer's decoder turns tokens into bytes: "byte_level" (GPT-2 style: every
+    token spells bytes), "byte_fallback" (SentencePiece: `<0xHH>` tokens for bytes), or None."""
+    try:
+        spec = json.loads(backend.decoder.__getstate__())
+    except (ValueError, AttributeError, TypeError):  # no decoder, or one that does not serialize
+        return None
+    if not isinstance(spec, dict):
+        return None
+    kinds = {d.get("type") for d in spec.get("decoders", [])} if spec.get("type") == "Sequence" else {spec.get("type")}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if "ByteFallback" in kinds:
+        return "byte_fallback"
+    return None
+
+
 class IncrementalDetokenizer:
     """Streams the text of generated tokens, a few ids at a time, UTF-8 safe.
 
@@ -428,7 +543,9 @@ class IncrementalDetokenizer:
     14 us per token here for ordinary text.
 
     For byte-level BPE tokenizers (SmolLM2, Llama 3, Qwen2, GPT-2), the
-    concatenated chunks plus `finish()` equal `tokenizer.decode(generated_ids)`.
+    concatenated chunks plus `finish()` equal
+    `tokenizer.decode_complete(generated_ids)`: `decode`'s text, less a last
+    character that generation stopped inside (its ids stay in `token_ids`).
     (SentencePiece tokenizers drop a leading space when decoding ids alone;
     the prompt context here keeps it, as vLLM does.)
 
@@ -470,16 +587,20 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def finish(self) -> str:
-        """Flush held-back text (at the end of generation; may contain U+FFFD if
-        generation stopped inside a character). After it, `text` equals
-        `tokenizer.decode(token_ids)` for byte-level tokenizers."""
+        """Flush held-back text at the end of generation. A character that generation stopped
+        inside (only some of its bytes generated) is left out rather than written as U+FFFD, as
+        vLLM does; a U+FFFD the model wrote whole is kept. After it, `text` equals
+        `tokenizer.decode_complete(token_ids)` for byte-level tokenizers."""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
         decode = self.tokenizer.decode
         skip = self.skip_special_tokens
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip)
-        new_text = decode(self._ids[self._prefix_offset :], skip)
+        if final:
+            new_text = self.tokenizer.decode_complete(self._ids[self._prefix_offset :], skip)
+        else:
+            new_text = decode(self._ids[self._prefix_offset :], skip)
         if len(new_text) <= len(prefix_text):
             return ""
         if not final and new_text.endswith(_REPLACEMENT_CHAR):

@@ -21,6 +21,7 @@ stores have no folders, so a write never calls `makedirs` there, and
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -39,7 +40,7 @@ from fsspec.core import url_to_fs
 from fsspec.utils import glob_translate
 
 from pipeline.storage import (
-    bucket_of, config_kwargs, no_such_bucket, s3fs_retries, storage_call, write_deadline_s,
+    StorageError, bucket_of, config_kwargs, no_such_bucket, printable, s3fs_retries, storage_call, write_deadline_s,
 )
 
 
@@ -212,6 +213,8 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
 
     Raises:
         FileNotFoundError: when nothing is found (for a pattern: no Parquet file matches it, named).
+        StorageError: an http(s) URL whose server cannot be reached (`cannot read <url>: the URL could
+            not be reached (<error class>: <message>)`), or another storage failure.
         ValueError: a file that is not Parquet (the message names it).
     """
     fs, path = filesystem(url, storage_options)
@@ -220,6 +223,8 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
     pattern = is_glob(path)
     base = glob_base(path) if pattern else path
     _invalidate(fs, base)
+    if not pattern and _is_web(fs):
+        _check_reachable(fs, path, url, so)
     with storage_call("list", url, so, passthrough=(FileNotFoundError,)):
         try:
             if pattern:
@@ -246,12 +251,63 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
             try:
                 pf = pq.ParquetFile(f)
             except pa.ArrowInvalid as exc:  # e.g. "Parquet magic bytes not found", without the file's name
-                raise ValueError(f"{full} is not a Parquet file ({exc})") from None
+                raise ValueError(f"{full} is not a Parquet file ({printable(exc)})") from None
             num_rows, columns = pf.metadata.num_rows, tuple(pf.schema_arrow.names)
             schema = pf.schema_arrow
         files.append(InputFile(path=full, size=int(info["size"]), etag=_etag(info),
                                num_rows=num_rows, columns=columns, schema=schema))
     return files
+
+
+@contextlib.contextmanager
+def _damaged_data(url: str) -> Iterator[None]:
+    """Name the file when pyarrow finds its data damaged (`ArrowInvalid`, e.g. "Invalid or truncated
+    PLAIN-encoded BYTE_ARRAY data", which names no file); its first line is quoted through `printable`.
+    Damage pyarrow reports as an OSError (a page header that does not parse) becomes a StorageError
+    in `storage_call`, quoted the same way.
+
+    Raises:
+        ValueError: `cannot read <url>: <pyarrow's message>`.
+    """
+    try:
+        yield
+    except pa.ArrowInvalid as exc:
+        text = str(exc).strip()
+        raise ValueError(f"cannot read {url}: {printable(text.splitlines()[0]) if text else 'ArrowInvalid'}") from None
+
+
+def _is_web(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for fsspec's HTTP file system (http:// and https:// URLs)."""
+    return bool({"http", "https"} & set(_protocols(fs)))
+
+
+def _check_reachable(fs: fsspec.AbstractFileSystem, path: str, url: str, storage_options: dict[str, Any]) -> None:
+    """Raise when the server of an http(s) URL cannot be reached at all.
+
+    fsspec's HTTP file system answers "no such file" (`isfile` False, `find` empty) whatever went
+    wrong, so a refused connection, an unknown host or a timeout would read as "no Parquet files at
+    <url>". One HEAD/GET here tells them apart: a server that answers, with an error status
+    included, passes (the listing then says what it finds).
+
+    Raises:
+        StorageError: kind "connect", naming the URL and the connection error's class and message.
+    """
+    import aiohttp  # fsspec's HTTP file system runs on it
+
+    try:
+        fs.info(path)
+        return
+    except FileNotFoundError as exc:  # fsspec's wrapping of whatever the request raised
+        cause = exc.__cause__ or exc.__context__
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        cause = exc
+    if cause is None or isinstance(cause, aiohttp.ClientResponseError):  # the server answered
+        return
+    if not isinstance(cause, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
+        return
+    text = str(cause).strip()
+    detail = f"{type(cause).__name__}: {printable(text.splitlines()[0])}" if text else type(cause).__name__
+    raise StorageError("read", url, f"the URL could not be reached ({detail})", kind="connect")
 
 
 INVALID_UTF8_COLUMN = "__tokenmill_invalid_utf8__"
@@ -329,10 +385,12 @@ def read_rows(url: str, offset: int, length: int, storage_options: Optional[dict
     (text that is not valid UTF-8: see `_to_polars`).
 
     Raises:
-        StorageError: the read failed (names the URL and the cause).
+        StorageError: the read failed (names the URL and the cause, in printable characters).
+        ValueError: the file's data is damaged (`cannot read <url>: ...`).
     """
     fs, path = filesystem(url, storage_options)
-    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), _damaged_data(url), \
+            fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         groups, start, first_start = [], 0, None
         for g in range(pf.metadata.num_row_groups):
@@ -531,9 +589,15 @@ def remove(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
 def iter_batches(url: str, columns: list[str], batch_rows: int = 4096,
                  storage_options: Optional[dict[str, Any]] = None) -> Iterator[pl.DataFrame]:
     """The file's `columns` (only those are read), `batch_rows` rows at a time, in file order
-    (text that is not valid UTF-8: see `_to_polars`)."""
+    (text that is not valid UTF-8: see `_to_polars`).
+
+    Raises:
+        StorageError: the read failed (names the URL and the cause, in printable characters).
+        ValueError: the file's data is damaged (`cannot read <url>: ...`).
+    """
     fs, path = filesystem(url, storage_options)
-    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), _damaged_data(url), \
+            fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
             yield _to_polars(pa.Table.from_batches([batch]))
@@ -544,11 +608,17 @@ def read_rows_at(url: str, rows: Sequence[int], storage_options: Optional[dict[s
     (text that is not valid UTF-8: see `_to_polars`).
 
     Reads only the row groups that hold them, one at a time (memory: one row group plus the result).
+
+    Raises:
+        StorageError: the read failed (names the URL and the cause, in printable characters).
+        ValueError: the file's data is damaged (`cannot read <url>: ...`).
+        IndexError: a row number past the file's end.
     """
     fs, path = filesystem(url, storage_options)
     want = sorted(set(rows))
     pieces = []
-    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
+    with storage_call("read", url, resolve_storage_options(url, storage_options)), _damaged_data(url), \
+            fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         start, k = 0, 0
         for g in range(pf.metadata.num_row_groups):

@@ -298,6 +298,8 @@ class JobSpec(BaseModel):
         if kind == "json_object":
             return kind
         value, content = getattr(self, kind), so.spec()
+        if kind == "json_schema":  # as written: spec() has its objects closed (additionalProperties: false)
+            content = json.loads(so.json) if isinstance(so.json, str) else so.json
         text = json.dumps(content, sort_keys=True, separators=(",", ":")) if kind == "json_schema" else repr(content)
         if len(text) > width:
             text = text[:width - 3] + "..."

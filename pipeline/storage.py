@@ -52,12 +52,13 @@ OPERATIONS = ("list", "read", "write", "delete", "check")
 
 
 class StorageError(OSError):
-    """An object-store (or file-system) operation failed.
+    """An object-store (or file-system) operation failed. Its message is one line (two with a hint),
+    every character printable (see `printable`).
 
     Attributes:
         operation: "list" | "read" | "write" | "delete" | "check".
         url: the URL operated on.
-        cause: what went wrong, in words (one line).
+        cause: what went wrong, in words (one printable line, at most about `MAX_CAUSE_CHARS`).
         hint: what to do about it (one line), or "".
         kind: "timeout" | "connect" | "denied" | "no-bucket" | "not-found" | "credentials" | "reset" | "other".
     """
@@ -125,6 +126,20 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+MAX_CAUSE_CHARS = 300  # a cause longer than this is cut in messages (a library may quote a whole page)
+
+
+def printable(text: Any, max_chars: int = MAX_CAUSE_CHARS) -> str:
+    """`text` (an exception's message, say) made safe for one line of a message: every character that
+    is not printable (control bytes a decoder quoted from a damaged file, newlines, tabs) written as
+    its Python escape (`\\x0f`, `\\n`), then cut to `max_chars` characters with a note of how many
+    more there were. The result satisfies `str.isprintable()`."""
+    out = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(text))
+    if len(out) > max_chars:
+        out = f"{out[:max_chars]}... ({len(out) - max_chars} more characters)"
+    return out
+
+
 def _names(exc: BaseException) -> set[str]:
     """Class names of the exception, its causes and contexts (botocore/aiohttp types without importing them)."""
     out: set[str] = set()
@@ -138,11 +153,12 @@ def _names(exc: BaseException) -> set[str]:
 
 
 def explain(exc: BaseException, operation: str, url: str, storage_options: dict[str, Any]) -> StorageError:
-    """A StorageError naming the URL, the operation and the likely cause of `exc`."""
+    """A StorageError naming the URL, the operation and the likely cause of `exc` (whose message is
+    quoted through `printable`: a damaged Parquet page makes pyarrow quote raw bytes)."""
     names = _names(exc)
     endpoint = endpoint_of(storage_options)
     cfg = config_kwargs(storage_options)
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = printable(str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
     bucket = bucket_of(url)
     resume = "Re-run the same command to resume: committed shards are kept."
     if names & {"ReadTimeoutError", "FSTimeoutError", "TimeoutError", "timeout", "ServerTimeoutError"}:

@@ -226,6 +226,21 @@ def test_errors_are_short_unless_verbose(tmp_path, capsys):
     assert err.startswith("Traceback (most recent call last):") and "EndpointConnectionError" in err
 
 
+def test_a_bad_regex_or_grammar_is_one_line_with_its_position(tmp_path, capsys):
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: item\nitem: "a" other\n')
+    for flag, value, expected in [
+        ("--regex", r"\d{4}-(\d{2}", 'structured_outputs.regex: invalid regex "\\d{4}-(\\d{2}": unclosed group at offset 6'),
+        ("--grammar", str(grammar), 'structured_outputs.grammar: unknown name: "other" at line 2, column 7'),
+    ]:
+        assert main(["run", "--input", str(inp), "--output", str(tmp_path / "out"), flag, value]) == 1  # refused before anything is written
+        err = capsys.readouterr().err
+        assert err == f"tokenmill: invalid default output constraint: {expected}\n", err
+        assert not (tmp_path / "out").exists()
+
+
 def test_every_run_option_is_described():
     parser = build_parser()
     run = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]

@@ -238,12 +238,10 @@ def test_streamed_text_equals_one_shot_decode(llm):
         ids = list(c.token_ids)
         while ids and ids[-1] in eos:
             ids.pop()
-        one_shot = llm.tokenizer.decode(ids)
+        one_shot = llm.tokenizer.decode_complete(ids)
         assert c.text == one_shot, f"request {i}: streamed {c.text!r} != decode {one_shot!r}"
-        # U+FFFD only where max_tokens cut a character in half, at the very end.
-        assert "\ufffd" not in c.text.rstrip("\ufffd"), f"request {i}: {c.text!r}"
-        if c.finish_reason == "stop":
-            assert "\ufffd" not in c.text
+        # not even where max_tokens cut a character in half: its first bytes are left out
+        assert "\ufffd" not in c.text, f"request {i}: {c.text!r}"
         split_chars += sum("\ufffd" in llm.tokenizer.decode([t]) for t in ids)
         texts.append(c.text)
     joined = "".join(texts)
@@ -251,6 +249,23 @@ def test_streamed_text_equals_one_shot_decode(llm):
     assert _has(joined, 0x3040, 0x9FFF), "no CJK in the outputs"
     assert _has(joined, 0xC0, 0x17F), "no accented Latin in the outputs"
     assert split_chars > 0, "no character was split across tokens"
+
+
+def test_max_tokens_inside_a_character_leaves_it_out_of_the_text(llm):
+    """A greedy answer full of emoji, cut by max_tokens at every point inside a character: the
+    text is the complete characters only (no U+FFFD), the token ids are every token generated."""
+    prompt = _chat(llm, DETOK_REQUESTS[0])
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    ids = list(full.token_ids)
+    cuts = [k for k in range(1, len(ids)) if llm.tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts, f"no cut falls inside a character of {full.text!r}"
+    outs = llm.generate([prompt] * len(cuts), [SamplingParams(temperature=0.0, max_tokens=k) for k in cuts],
+                        use_tqdm=False)
+    for k, out in zip(cuts, outs):
+        c = out.outputs[0]
+        assert c.token_ids == ids[:k] and c.finish_reason == "length"
+        assert c.text == llm.tokenizer.decode(ids[:k])[:-1], k  # the whole text, less the cut character
+        assert "\ufffd" not in c.text and full.text.startswith(c.text)
 
 
 def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token():

@@ -402,6 +402,121 @@ def test_input_that_is_not_parquet_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_unreachable_http_input_says_so_naming_the_url_and_the_error(tmp_path):
+    """fsspec's HTTP file system reads a refused connection as "no such file"; the user is told the
+    URL could not be reached, and a server that answers 404 still gets "no Parquet files"."""
+    import functools
+    import http.server
+    import socket
+    import threading
+
+    from pipeline.storage import StorageError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/x.parquet"
+    with pytest.raises(StorageError) as exc:
+        io.list_input_files(url)
+    message = str(exc.value)
+    assert message.startswith(f"cannot read {url}: the URL could not be reached (ClientConnectorError: Cannot "
+                              f"connect to host 127.0.0.1:{port}"), message
+    assert "\n" not in message and "no Parquet files" not in message and exc.value.kind == "connect"
+    with pytest.raises(StorageError, match="could not be reached"):
+        run_job(spec_for(url, tmp_path / "out"), FakeLLM())
+
+    served = tmp_path / "served"
+    served.mkdir()
+    dataset(3).write_parquet(served / "a.parquet")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(FileNotFoundError, match=f"^no Parquet files at {base}/missing.parquet$"):
+            io.list_input_files(f"{base}/missing.parquet")  # the server answered 404
+        [f] = io.list_input_files(f"{base}/a.parquet")
+        assert (f.path, f.num_rows) == (f"{base}/a.parquet", 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _damaged_copies(tmp_path, good: bytes, page_start: int, page_end: int):
+    """Copies of a Parquet file with a few bytes of one column's pages overwritten (fixed seeds), each
+    with the message pyarrow itself gives when reading it (None when it still reads)."""
+    import random
+
+    import pyarrow.parquet as pq
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        data = bytearray(good)
+        at = rng.randrange(page_start, page_end - 8)
+        for k in range(at, at + rng.randrange(1, 8)):
+            data[k] = rng.randrange(256)
+        path = tmp_path / f"damaged-{seed}.parquet"
+        path.write_bytes(bytes(data))
+        try:
+            for _ in pq.ParquetFile(path).iter_batches(columns=["prompt"]):  # as the planner reads it
+                pass
+            yield path, None
+        except Exception as exc:  # noqa: BLE001 - whatever pyarrow raises is what the pipeline must quote
+            yield path, str(exc)
+
+
+def test_a_damaged_parquet_page_gives_a_printable_message_naming_the_file(tmp_path):
+    """pyarrow quotes raw bytes of a damaged page header ("don't know what type: \\x0f"); the message
+    that reaches the user names the file and escapes them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.storage import StorageError, printable
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(200)], "prompt": [f"prompt {i} " * 5 for i in range(200)]}),
+                   good, compression="NONE", use_dictionary=False)
+    column = pq.ParquetFile(good).metadata.row_group(0).column(1)
+    start = column.data_page_offset
+    raw_unprintable = 0
+    checked = 0
+    for path, raw in _damaged_copies(tmp_path, good.read_bytes(), start, start + 200):  # header and first values
+        if raw is None:
+            continue
+        quoted = raw.strip().splitlines()[0]  # the line a message quotes (a dump may follow it)
+        raw_unprintable += not quoted.isprintable()
+        with pytest.raises((StorageError, ValueError)) as exc:
+            io.read_rows(str(path), 0, 200)
+        message = str(exc.value)
+        assert message.isprintable() and message.startswith(f"cannot read {path}: "), message
+        assert message.endswith(printable(quoted)), (message, raw)
+        with pytest.raises((StorageError, ValueError)) as exc:
+            list(io.iter_batches(str(path), ["prompt"]))
+        assert str(exc.value) == message
+        checked += 1
+    assert checked >= 10 and raw_unprintable >= 1, (checked, raw_unprintable)  # the case this test is about
+
+    # one of them, through a job: the same one printable line
+    path = next(p for p, raw in _damaged_copies(tmp_path, good.read_bytes(), start, start + 200)
+                if raw is not None and not raw.strip().splitlines()[0].isprintable())
+    with pytest.raises(StorageError) as exc:
+        run_job(spec_for(path, tmp_path / "out"), FakeLLM())
+    assert str(exc.value).isprintable() and "\\x" in str(exc.value), str(exc.value)
+
+
+def test_printable_escapes_control_characters_and_caps_the_length():
+    from pipeline.storage import printable
+
+    assert printable("type: \x0f\x00 end\n\ttab") == "type: \\x0f\\x00 end\\n\\ttab"
+    assert printable("café ✓") == "café ✓"  # printable non-ASCII stays as it is
+    long = printable("\x01" * 500, max_chars=40)
+    assert long == "\\x01" * 10 + "... (1960 more characters)" and long.isprintable()
+
+
 def test_a_glob_input_reads_the_files_it_matches_sorted_and_resumes(tmp_path):
     d = tmp_path / "in"
     (d / "2026-02").mkdir(parents=True)

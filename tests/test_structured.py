@@ -83,6 +83,79 @@ def test_key_is_a_content_hash_and_pydantic_models_become_schemas():
     assert SO(json_object=True).spec() == {"type": "object"}
 
 
+def test_objects_are_closed_by_default_everywhere_in_a_schema():
+    obj = lambda **props: {"type": "object", "properties": props}  # noqa: E731
+    user = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": obj(k={"type": "string"})},
+            "pair": {"type": "array", "prefixItems": [obj(a={}), {"type": "integer"}]},
+            "either": {"anyOf": [obj(x={}), {"oneOf": [obj(y={}), {"type": "null"}]}]},
+            "free": {**obj(z={}), "additionalProperties": True},  # explicit: kept open
+            "typed": {**obj(z={}), "additionalProperties": obj(v={})},  # a schema: kept, its object closed
+            "pattern": {**obj(z={}), "patternProperties": {"^x": obj(w={})}},
+            "ref": {"$ref": "#/$defs/Inner"},
+        },
+        "required": ["tags"],
+        "$defs": {"Inner": obj(deep=obj(d={}))},
+        "definitions": {"Old": obj(o={})},
+    }
+    before = json.loads(json.dumps(user))
+    closed = lambda **props: {"type": "object", "properties": props, "additionalProperties": False}  # noqa: E731
+    assert SO(json=user).spec() == {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": closed(k={"type": "string"})},
+            "pair": {"type": "array", "prefixItems": [closed(a={}), {"type": "integer"}]},
+            "either": {"anyOf": [closed(x={}), {"oneOf": [closed(y={}), {"type": "null"}]}]},
+            "free": {**obj(z={}), "additionalProperties": True},
+            "typed": closed(z={}) | {"additionalProperties": closed(v={})},
+            "pattern": {**obj(z={}), "patternProperties": {"^x": closed(w={})}},
+            "ref": {"$ref": "#/$defs/Inner"},
+        },
+        "required": ["tags"],
+        "$defs": {"Inner": closed(deep=closed(d={}))},
+        "definitions": {"Old": closed(o={})},
+        "additionalProperties": False,
+    }
+    assert user == before  # the caller's dict is untouched
+    assert SO(json=json.dumps(user)).spec() == SO(json=user).spec()  # JSON text alike
+    assert SO(json=user).key() == SO(json=SO(json=user).spec()).key()  # the same constraint, one compile
+    assert SO(json=True).spec() is True and SO(json_object=True).spec() == {"type": "object"}
+
+
+def test_objects_in_an_intersection_stay_open():
+    """Closing one part of an `allOf` would forbid the keys the other parts declare."""
+    base = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    user = {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {"properties": {"c": {}}}}}],
+            "$defs": {"Base": base, "Other": base}}
+    got = SO(json=user).spec()
+    assert got["$defs"]["Base"] == base  # named by an allOf branch: open
+    assert got["$defs"]["Other"] == {**base, "additionalProperties": False}
+    part = got["allOf"][1]
+    assert "additionalProperties" not in part and "additionalProperties" not in got
+    assert part["properties"]["b"] == {"properties": {"c": {}}, "additionalProperties": False}
+
+
+def test_readme_label_example_gives_exactly_its_keys(eng):
+    """README's pydantic `Label`, asked for extra keys by the prompt: the model wrote `reason` and
+    `language` while the schema was read as open; closed by default, the keys are the schema's."""
+    class Label(BaseModel):
+        topic: str
+        confidence: float
+
+    prompt = _chat(eng, "Label this text with a topic and a confidence, as JSON with keys topic, confidence, "
+                        "reason and language: 'import socket'")
+    p = SamplingParams(temperature=0, max_tokens=32, structured_outputs=SO(json=Label))
+    c = eng.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.valid is True, c
+    assert set(json.loads(c.text)) == {"topic", "confidence"}, c.text
+    open_label = {**Label.model_json_schema(), "additionalProperties": True}  # how to allow extra keys
+    c = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=32, structured_outputs=SO(json=open_label)),
+                     use_tqdm=False)[0].outputs[0]
+    assert set(json.loads(c.text)) > {"topic", "confidence"}, c.text
+
+
 def test_unpack_matches_a_bit_by_bit_reference_and_apply_masks_in_place():
     g = torch.Generator().manual_seed(0)
     bm = torch.randint(-2**31, 2**31 - 1, (3, 5), generator=g, dtype=torch.int64).to(torch.int32)
@@ -208,13 +281,35 @@ def test_bad_constraints_are_error_outputs_and_the_other_rows_run(eng):
                SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(choice=LABELS))]
     outs = eng.generate([prompt] * len(params), params, use_tqdm=False)
     errors = [o.error for o in outs]
-    assert errors[0].startswith("structured_outputs.regex") and "unclosed group" in errors[0]
+    assert errors[0] == 'structured_outputs.regex: invalid regex "a(b": unclosed group at offset 1'
+    assert all("\n" not in e for e in errors[:5]), errors
     assert errors[1].startswith("structured_outputs.choice") and "duplicate" in errors[1]
     assert errors[2].startswith("structured_outputs.json") and "nonsense" in errors[2]
     assert errors[3].startswith("structured_outputs.grammar") and "undefined_rule" in errors[3]
     assert errors[4].startswith("structured_outputs.choice: must be a non-empty list")
     assert all(o.outputs[0].finish_reason == "error" for o in outs[:5])
     assert errors[5] is None and outs[5].outputs[0].text in LABELS
+
+
+@pytest.mark.parametrize("so,message", [
+    (SO(regex="(ab"), 'regex: invalid regex "(ab": unclosed group at offset 0'),
+    # the offset is in the pattern as written, though llguidance compiles \d as [0-9]
+    (SO(regex=r"\d\d[z-a]"), r'regex: invalid regex "\d\d[z-a]": invalid character class range, the start must '
+                                r'be <= the end at offset 5'),
+    (SO(regex="a\n("), 'regex: invalid regex "a\\n(": unclosed group at offset 2'),  # the newline escaped
+    (SO(grammar='start: x\nx: "a" y'), 'grammar: unknown name: "y" at line 2, column 4'),
+    (SO(grammar="start: /[/"), 'grammar: invalid regex "[": unclosed character class at offset 0 (line 1, column 8 '
+                               'of the grammar)'),
+])
+def test_a_constraint_that_does_not_compile_is_one_line_naming_the_problem_and_where(eng, so, message):
+    """llguidance reports six lines with carets; the error a user sees is one, the position kept."""
+    from engine.structured import GrammarError
+    from engine.structured.llguidance_backend import LLGuidanceBackend, check_constraint
+
+    assert check_constraint(so) == "structured_outputs." + message
+    with pytest.raises(GrammarError) as exc:
+        LLGuidanceBackend(eng.tokenizer).compile(so)
+    assert str(exc.value) == "structured_outputs." + message and isinstance(exc.value, ValueError)
 
 
 def test_a_constraint_the_grammar_engine_gives_up_on_is_an_error_completion_not_an_empty_stop(eng):

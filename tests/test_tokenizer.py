@@ -18,6 +18,7 @@ from engine.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     Tokenizer,
+    incomplete_utf8_tail,
     resolve_default_gguf,
 )
 
@@ -300,7 +301,10 @@ def test_streaming_random_byte_heavy_sequences(tok: Tokenizer):
             out += detok.add(ids[i : i + k])
             i += k
         out += detok.finish()
-        assert out == detok.text == tok.decode(ids, skip_special_tokens=skip)
+        assert out == detok.text == tok.decode_complete(ids, skip_special_tokens=skip)
+        full = tok.decode(ids, skip_special_tokens=skip)
+        # at most the one U+FFFD of a character cut at the end is left out
+        assert full == out or (full == out + FFFD and detok.token_ids == ids)
 
 
 def test_stream_never_emits_prompt_text(tok: Tokenizer):
@@ -318,14 +322,72 @@ def test_prompt_ending_inside_a_character(tok: Tokenizer):
     assert "".join(chunks) == tok.decode(ids[cut:])
 
 
-def test_finish_flushes_an_incomplete_character(tok: Tokenizer):
+def test_finish_leaves_out_a_character_cut_by_the_end_of_generation(tok: Tokenizer):
+    """Generation stopped inside a character (max_tokens): the final text omits its bytes instead of
+    ending in U+FFFD; the token ids keep every token."""
     ids = tok.encode("ok 🎉")
+    assert [tok.decode([i]) for i in ids] == ["ok", " " + FFFD, FFFD, FFFD]  # 🎉 spans three ids
+    for cut in (2, 3):  # after F0 9F, after F0 9F 8E
+        assert tok.decode(ids[:cut]) == "ok " + FFFD  # what the final text used to be
+        chunks, detok = stream(tok, [], ids[:cut])
+        assert chunks == ["ok"] + [""] * (cut - 1) + [" "]  # the space comes out, the cut emoji never does
+        assert detok.text == "ok " == tok.decode_complete(ids[:cut])
+        assert detok.token_ids == ids[:cut]
+    chunks, detok = stream(tok, [], ids)
+    assert detok.text == "ok 🎉"
+
+
+def test_finish_leaves_out_a_cut_cjk_character(tok: Tokenizer):
+    ids = tok.encode("東京")
     cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith(FFFD))
-    detok = IncrementalDetokenizer(tok, [])
-    streamed = detok.add(ids[:cut])
-    assert FFFD not in streamed
-    streamed += detok.finish()
-    assert streamed == detok.text == tok.decode(ids[:cut])
+    assert tok.decode(ids[:cut]).rstrip(FFFD) in ("", "東")
+    chunks, detok = stream(tok, [], ids[:cut])
+    assert detok.text == tok.decode(ids[:cut])[:-1]
+    assert FFFD not in detok.text
+
+
+def test_a_whole_replacement_character_is_kept(tok: Tokenizer):
+    """U+FFFD written whole by the model (bytes EF BF BD, one token here) is text, not a cut character."""
+    ids = tok.encode("a" + FFFD)
+    assert tok.convert_ids_to_tokens(ids) == ["a", "ï¿½"]  # the byte-level spelling of EF BF BD
+    chunks, detok = stream(tok, [], ids)
+    assert "".join(chunks) == detok.text == tok.decode_complete(ids) == "a" + FFFD
+    # so is a byte no later byte could complete (a lone continuation byte)
+    lone = tok.encode("🎉")[-1]
+    assert tok.decode_complete([*tok.encode("x"), lone]) == "x" + FFFD
+
+
+def test_a_cut_character_with_sentencepiece_byte_fallback():
+    """SentencePiece-style tokenizers spell a rare character as `<0xHH>` tokens and decode a
+    failing byte run as one U+FFFD per byte, the complete characters in the run included."""
+    from tokenizers import Tokenizer as RustTokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    vocab.update({"▁": 256, "a": 257, "▁a": 258})
+    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], byte_fallback=True))
+    rust.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    rust.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    sp = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust))
+    ids = sp.encode("a 🎉🎉")
+    assert sp.convert_ids_to_tokens(ids)[2:] == ["<0xF0>", "<0x9F>", "<0x8E>", "<0x89>"] * 2
+    assert sp.decode(ids[:8]) == "a " + FFFD * 6  # the first, complete, emoji is lost too
+    for cut in (7, 8, 9):
+        assert sp.decode_complete(ids[:cut]) == "a 🎉"
+        chunks, detok = stream(sp, [], ids[:cut])
+        assert "".join(chunks) == detok.text == "a 🎉"
+    assert sp.decode_complete(ids) == "a 🎉🎉"
+
+
+@pytest.mark.parametrize("data,cut", [
+    (b"ok", 0), (b"\xf0\x9f", 2), (b"a\xe4\xb8", 2), (b"\xc3", 1), (b"\xf4\x8f\x80", 3),
+    (b"\xef\xbf\xbd", 0),  # U+FFFD itself
+    (b"\xe0\x80", 0), (b"\xed\xa0", 0), (b"\xf4\x90", 0), (b"\xc0", 0), (b"\x80", 0),  # no byte completes these
+    (b"\x80\x80\x80\xf0", 1),
+])
+def test_incomplete_utf8_tail(data: bytes, cut: int):
+    assert incomplete_utf8_tail(data) == cut
 
 
 def test_special_tokens_in_stream(tok: Tokenizer):

@@ -1,6 +1,7 @@
 """Structured outputs: constrain generation to a JSON Schema, regex, choice or grammar.
 
 - `params.StructuredOutputsParams`: what a request asks for (vLLM's names).
+- `schema.close_objects`: JSON Schema objects closed by default (no keys beyond `properties`).
 - `backend`: the grammar-backend seam (`GrammarBackend`, `CompiledGrammar`, `GrammarMatcher`).
 - `llguidance_backend.LLGuidanceBackend`: the implementation (llguidance).
 - `bitmask`: the int32 token bitmask and its vectorised apply to logits.

@@ -8,6 +8,11 @@ Exactly one kind is set per request:
 - `grammar`: a Lark grammar (or GBNF / EBNF text, converted to Lark);
 - `json_object`: True for any JSON object.
 
+Objects in a JSON Schema are closed by default, as in vLLM's default (xgrammar's strict
+mode): an object schema that lists `properties` and says nothing of other keys is read as
+`additionalProperties: false` (`schema.close_objects`); `additionalProperties: true` keeps
+it open.
+
 JSON is compact by default (`disable_any_whitespace=True`): no whitespace between
 tokens of the JSON text, so a model cannot loop on blanks until `max_tokens`. This is
 the opposite of vLLM's default; set it False for JSON with free whitespace.
@@ -23,6 +28,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
+
+from .schema import close_objects
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -40,7 +47,10 @@ class StructuredOutputsParams:
 
     Attributes:
         json: JSON Schema as a dict or JSON text (a pydantic `BaseModel` subclass is turned
-            into its `model_json_schema()` at construction).
+            into its `model_json_schema()` at construction). Objects are closed by default:
+            one that lists `properties` without `additionalProperties` (or
+            `patternProperties` / `unevaluatedProperties`) allows no other keys; set
+            `"additionalProperties": true` to allow them. The given dict is never modified.
         regex: regular expression the whole output must match.
         choice: the allowed outputs (non-empty, distinct, non-empty strings).
         grammar: Lark grammar text (GBNF / EBNF accepted and converted).
@@ -109,11 +119,19 @@ class StructuredOutputsParams:
         return None
 
     def spec(self) -> Any:
-        """The constraint's content in canonical form (a schema dict, the text, the list)."""
+        """The constraint's content in canonical form (a schema dict, the text, the list).
+
+        A JSON Schema comes back as a new dict with its objects closed (`close_objects`:
+        `additionalProperties: false` wherever an object lists `properties` and says nothing
+        of other keys), so both grammar backends, and `key()`, see the same closed schema.
+
+        Raises:
+            json.JSONDecodeError: `json` is text that does not parse (`validate()` says so first).
+        """
         kind = self.kind
         v = getattr(self, kind) if kind else None
-        if kind == "json" and isinstance(v, str):
-            v = json.loads(v)
+        if kind == "json":
+            v = close_objects(json.loads(v) if isinstance(v, str) else v)
         if kind == "json_object":
             v = {"type": "object"}
         return v

@@ -125,8 +125,8 @@ class XGrammarBackend(GrammarBackend):
             if kind in ("json", "json_object"):
                 schema = spec if kind == "json" else {"type": "object"}
                 text = schema if isinstance(schema, str) else json.dumps(schema)
-                # strict_mode=False: JSON Schema's own defaults (extra properties allowed unless
-                # additionalProperties says otherwise), as llguidance reads a schema
+                # strict_mode=False: the schema as written; objects are already closed by default
+                # (StructuredOutputsParams.spec), the same for both backends
                 g = c.compile_json_schema(text, any_whitespace=not compact,
                                           separators=(",", ":") if compact else None, strict_mode=False)
             elif kind == "regex":
