@@ -43,7 +43,7 @@ class TorchAttentionBackend(AttentionBackend):
     (head-major), so that gathering slots yields tensors that the batched
     matmuls and SDPA read without another transpose copy.
 
-    On the CPU (fp32 queries; fp32 or int8 KV) one C kernel call per layer (`engine.kernels.cpu`,
+    On the CPU (fp32 queries; fp32, fp16 or int8 KV) one C kernel call per layer (`engine.kernels.cpu`,
     attention.c) serves every row of the step, decodes and prefill chunks alike, reading each
     sequence's blocks in place (no gather, no padding), and new K/V rows are written by one C
     call. What follows is the PyTorch path (other devices, no compiler, and the tests' oracle). Elsewhere, or without a C compiler:

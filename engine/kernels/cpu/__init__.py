@@ -7,7 +7,7 @@ What it holds (see each C file's header for the algorithm and its source):
   times int8 activations in integer arithmetic (`gemm_q4_reference` is its definition).
 - `gemm_i8.c`: W8A8 (int8 weights x int8 per-token activations, int32 sums), on AMX
   tiles where the CPU has them (`w8a8_amx`).
-- `ops.c`: RMSNorm, RoPE, SiLU x up, and the KV-cache write (fp32 and int8 rows).
+- `ops.c`: RMSNorm, RoPE, SiLU x up, and the KV-cache write (fp32, fp16 and int8 rows).
 - `attention.c`: paged decode attention reading KV blocks in place.
 - `pool.c`: the persistent thread pool all of them share (dynamic chunks, spin then sleep).
 
