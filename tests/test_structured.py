@@ -297,6 +297,10 @@ def test_bad_constraints_are_error_outputs_and_the_other_rows_run(eng):
     (SO(regex=r"\d\d[z-a]"), r'regex: invalid regex "\d\d[z-a]": invalid character class range, the start must '
                                 r'be <= the end at offset 5'),
     (SO(regex="a\n("), 'regex: invalid regex "a\\n(": unclosed group at offset 2'),  # the newline escaped
+    # a lone backslash at the end (llguidance's rewrite dropped it and compiled "abc"); an escaped one is fine
+    (SO(regex="abc\\"), 'regex: invalid regex "abc\\": incomplete escape at offset 3'),
+    (SO(regex="\\"), 'regex: invalid regex "\\": incomplete escape at offset 0'),
+    (SO(regex="a\\\\\\"), 'regex: invalid regex "a\\\\\\": incomplete escape at offset 3'),
     (SO(grammar='start: x\nx: "a" y'), 'grammar: unknown name: "y" at line 2, column 4'),
     (SO(grammar="start: /[/"), 'grammar: invalid regex "[": unclosed character class at offset 0 (line 1, column 8 '
                                'of the grammar)'),

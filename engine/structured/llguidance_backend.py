@@ -188,6 +188,12 @@ class LLGuidanceBackend(GrammarBackend):
         """
         llg = _llg()
         kind, spec = params.kind, params.spec()
+        if kind == "regex" and (len(spec) - len(spec.rstrip("\\"))) % 2:
+            # an odd run of backslashes at the end leaves the last one escaping nothing; llguidance's
+            # rewrite below drops it, which compiled a pattern "abc" + backslash as "abc" (Rust's regex,
+            # Python's re and xgrammar all refuse such a pattern)
+            raise GrammarError(f"structured_outputs.regex: invalid regex {_shown(spec)}: incomplete escape at offset "
+                               f"{len(spec) - 1}")
         try:
             if kind in ("json", "json_object"):
                 opts = {"whitespace_flexible": not params.disable_any_whitespace}
