@@ -261,7 +261,9 @@ class SamplingParams:
 
     Attributes:
         n: number of completions for the prompt.
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it,
+            raised to 0.01 when it is smaller (as vLLM does: logits divided by
+            1e-39 overflow fp32; `engine.sampler.MIN_TEMPERATURE`).
         top_p: nucleus sampling mass in (0, 1] (Holtzman et al. 2019, arXiv 1904.09751).
         top_k: keep the k most likely tokens; -1 or 0 keeps all.
         min_p: drop tokens whose probability is below min_p x the top probability.

@@ -43,6 +43,10 @@ import torch
 from .request import Sequence
 from .structured.bitmask import apply_token_bitmask_
 
+MIN_TEMPERATURE = 0.01
+"""The smallest temperature a draw divides the logits by: a request's temperature in (0, 0.01) is raised
+to it (as vLLM does), so that the scaled logits stay finite in fp32."""
+
 
 @dataclass
 class SampleRow:
@@ -328,7 +332,11 @@ class Sampler:
     def probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The sampling distribution of processed rows [R, V]: temperature, top-k, top-p, min-p."""
         dev = logits.device
-        temps = torch.tensor([r.seq.request.params.temperature for r in rows], device=dev, dtype=logits.dtype)
+        # at least MIN_TEMPERATURE (vLLM's floor too): logits over 1e-39 overflow fp32 to inf, and the
+        # softmax of those is NaN, which drew tokens at random where a near-zero temperature means
+        # nearly greedy
+        temps = torch.tensor([max(r.seq.request.params.temperature, MIN_TEMPERATURE) for r in rows], device=dev,
+                             dtype=logits.dtype)
         logits = logits / temps[:, None]
         top_ks = [r.seq.request.params.top_k for r in rows]
         if any(k > 0 for k in top_ks):

@@ -92,6 +92,20 @@ def test_top_k_1_equals_greedy(llm):
             assert got.text == want.text
 
 
+def test_a_near_zero_temperature_draws_near_greedy_not_at_random(llm):
+    """Temperatures below fp32's range (1e-39 is subnormal, 5e-324 is 0 in fp32) made the scaled
+    logits inf and their softmax NaN, which drew garbage ('ectableectable...'); they are raised to
+    MIN_TEMPERATURE (0.01, vLLM's floor) and give what greedy gives on these prompts."""
+    from engine.sampler import MIN_TEMPERATURE
+
+    assert MIN_TEMPERATURE == 0.01
+    prompts = ["The capital of France is", "for i in range(10):", "Water boils at"]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    for t in (1e-39, 1e-45, 5e-324):
+        outs = llm.generate(prompts, SamplingParams(temperature=t, seed=3, max_tokens=MAX_TOKENS), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy], t
+
+
 # ------------------------------------------------------------------ stop strings
 STOP_PROMPT = "Repeat after me: The quick brown fox jumps over the lazy dog."
 
