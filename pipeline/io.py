@@ -122,13 +122,34 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     Raises:
         ValueError: an unknown protocol or a bad storage option (the message names the URL).
     """
+    opts = resolve_storage_options(url, storage_options)
+    if str(url).startswith(("http://", "https://")):
+        opts = _http_options(opts)
     try:
-        fs, path = url_to_fs(str(url), **resolve_storage_options(url, storage_options))
+        fs, path = url_to_fs(str(url), **opts)
     except (ValueError, TypeError, ImportError) as exc:
         raise ValueError(f"cannot open {url}: {exc}") from None
     if "s3" in _protocols(fs):
         fs.retries = s3fs_retries(storage_options)  # s3fs's own retry layer, on top of botocore's attempts
     return fs, path
+
+
+def _http_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """fsspec HTTP options with the same connect and read limits as s3:// URLs get (`connect_timeout`,
+    `read_timeout` of `pipeline.storage.DEFAULT_CONFIG_KWARGS`, overridden by a `config_kwargs` option),
+    as aiohttp's `ClientTimeout(sock_connect, sock_read)`; no limit on a whole transfer. Without them a
+    server that accepts the connection and never answers held a job for aiohttp's 5 minutes per
+    request, HEAD and then GET. A `timeout` in the given `client_kwargs` is kept."""
+    import aiohttp  # fsspec's HTTP file system runs on it
+
+    out = dict(opts)
+    cfg = config_kwargs(out)
+    out.pop("config_kwargs", None)  # botocore's settings: the HTTP file system would pass them to each request
+    client = dict(out.get("client_kwargs") or {})
+    client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=float(cfg["connect_timeout"]),
+                                                       sock_read=float(cfg["read_timeout"])))
+    out["client_kwargs"] = client
+    return out
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

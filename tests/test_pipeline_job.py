@@ -446,6 +446,48 @@ def test_an_unreachable_http_input_says_so_naming_the_url_and_the_error(tmp_path
         server.server_close()
 
 
+def test_an_http_input_that_never_answers_fails_within_the_read_timeout(tmp_path):
+    """A server that accepts the connection and then says nothing: the job is refused once the read
+    timeout (the same `config_kwargs` limits as for s3://, 1 s here) has passed, naming the URL,
+    where it had waited for aiohttp's 5 minutes per request."""
+    import socket
+    import threading
+    import time
+
+    from pipeline.storage import StorageError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])  # kept open, never answered
+            except OSError:
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/x.parquet"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as exc:
+            io.list_input_files(url, {"config_kwargs": {"read_timeout": 1}})
+        waited = time.monotonic() - t0
+    finally:
+        stop.set()
+        for c in held:
+            c.close()
+        listener.close()
+    assert waited < 10, waited
+    message = str(exc.value)
+    assert message.startswith(f"cannot read {url}: the URL could not be reached (") and "Timeout" in message, message
+    assert len(held) >= 1  # it did connect: the silence, not the connection, timed out
+
+
 def _damaged_copies(tmp_path, good: bytes, page_start: int, page_end: int):
     """Copies of a Parquet file with a few bytes of one column's pages overwritten (fixed seeds), each
     with the message pyarrow itself gives when reading it (None when it still reads)."""
