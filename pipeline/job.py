@@ -1071,12 +1071,15 @@ def check_ids(files: list[io.InputFile], id_column: str, limit: Optional[int] = 
     except (pl.exceptions.SchemaError, pl.exceptions.ComputeError):  # files with unlike id types
         ids = pl.concat([p.with_columns(pl.col("id").cast(pl.Utf8)) for p in pieces])
     problems = []
-    null = ids.filter(pl.col("id").is_null())
+    missing = pl.col("id").is_null()
+    if ids.schema["id"].is_float():  # NaN: how pandas writes a missing value of an int column
+        missing = missing | pl.col("id").is_nan()
+    null = ids.filter(missing)
     if null.height:
         rows = ", ".join(str(r) for r in null["row"].head(ID_EXAMPLES))
-        problems.append(f"{null.height} row(s) with a null {id_column!r} (rows {rows}"
+        problems.append(f"{null.height} row(s) with a null or NaN {id_column!r} (rows {rows}"
                         f"{', ...' if null.height > ID_EXAMPLES else ''}); each becomes an error row")
-    valued = ids.filter(pl.col("id").is_not_null())
+    valued = ids.filter(~missing)
     repeat = valued.filter(~pl.col("id").is_first_distinct())
     if repeat.height:
         shown = ", ".join(f"row {r} ({v!r})" for r, v in repeat.head(ID_EXAMPLES).iter_rows())

@@ -285,8 +285,12 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
     if bad_text:
         raise ValueError(f"{bad_text} {'is' if ',' not in bad_text else 'are'} not valid UTF-8 text (the Parquet "
                          f"file holds other bytes in a string column)")
-    if layout.id_in_input and layout.id_column in row and row[layout.id_column] is None:
-        raise ValueError(f"{layout.id_column} is null")
+    if layout.id_in_input and layout.id_column in row:
+        rid = row[layout.id_column]
+        if rid is None:
+            raise ValueError(f"{layout.id_column} is null")
+        if isinstance(rid, float) and rid != rid:  # pandas writes a missing value of an int column as NaN
+            raise ValueError(f"{layout.id_column} is NaN (a missing value)")
     overrides: dict[str, Any] = {}
     for name in layout.overrides:
         value = row.get(name)

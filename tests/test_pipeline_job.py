@@ -343,6 +343,19 @@ def test_output_dot_beside_a_single_input_file_works_and_keeps_it(tmp_path, monk
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["x.parquet"]
 
 
+def test_a_nan_id_is_a_missing_id_not_a_value(tmp_path):
+    """pandas writes an int id column with a missing value as float64 with NaN: that row is an error
+    row and the warning counts it, as for a null id (it had been processed as the id NaN)."""
+    inp = tmp_path / "ids.parquet"
+    pl.DataFrame({"id": [1.0, float("nan"), 3.0], "prompt": ["p0", "p1", "p2"]}).write_parquet(inp)
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning, match=r"1 row\(s\) with a null or NaN 'id' \(rows 1\); each becomes an error row"):
+        report = run_job(spec_for(str(inp), out), FakeLLM())
+    df = read_output(out).sort("generation", nulls_last=True)
+    assert df["error"].to_list() == [None, None, "id is NaN (a missing value)"]
+    assert (report.rows_ok, report.rows_error) == (2, 1)
+
+
 def test_null_and_repeated_ids_warn_and_null_ids_become_error_rows(tmp_path):
     """Rows are numbered across the files in order: a.parquet holds rows 0-2, b.parquet rows 3-7."""
     from pipeline.job import check_ids
@@ -357,7 +370,7 @@ def test_null_and_repeated_ids_warn_and_null_ids_become_error_rows(tmp_path):
         report = run_job(spec_for(inp, out), FakeLLM())
     texts = [str(w.message) for w in caught]
     assert texts == [
-        f"{inp}: 2 row(s) with a null 'id' (rows 2, 6); each becomes an error row",
+        f"{inp}: 2 row(s) with a null or NaN 'id' (rows 2, 6); each becomes an error row",
         f"{inp}: 3 row(s) repeat an earlier row's 'id' (2 distinct ids; row 3 ('a'), row 5 ('b'), row 7 ('a')); "
         "they are processed, so the output holds those ids more than once",
     ]
@@ -367,7 +380,7 @@ def test_null_and_repeated_ids_warn_and_null_ids_become_error_rows(tmp_path):
     assert (report.rows_ok, report.rows_error) == (6, 2)
     # only the first `limit` rows are checked; at most ID_EXAMPLES rows are named
     files = io.list_input_files(str(inp))
-    assert check_ids(files, "id", limit=3) == ["1 row(s) with a null 'id' (rows 2); each becomes an error row"]
+    assert check_ids(files, "id", limit=3) == ["1 row(s) with a null or NaN 'id' (rows 2); each becomes an error row"]
     many = tmp_path / "many.parquet"
     pl.DataFrame({"id": [1] * 8, "prompt": ["x"] * 8}).write_parquet(many)
     assert check_ids(io.list_input_files(str(many)), "id") == [
