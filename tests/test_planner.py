@@ -369,7 +369,7 @@ def test_ideal_hit_rate_leaves_out_error_rows(tmp_path):
         "id": ["g0", "g1", "long0", "g2", "null-prompt", None, "long1", "g3"],
         "prompt": [good[0], good[1], too_long[0], good[2], None, "Q" * 26 + "9", too_long[1], good[3]],
     }).write_parquet(inp)
-    with pytest.warns(UserWarning, match="null 'id'"):
+    with pytest.warns(UserWarning, match="null or NaN 'id'"):
         report = run_job(JobSpec(input=str(inp), output=str(tmp_path / "out"), max_tokens=2, progress=False),
                          FakeLLM(max_model_len=64))
     assert (report.rows_ok, report.rows_error) == (4, 4)
