@@ -23,17 +23,8 @@ from . import cpu_kernel
 from .base import AttentionMetadata
 from .torch_ref import TorchAttentionBackend, _kv_write_fast, _sdpa
 
-KV_CACHE_DTYPES = ("auto", "fp16", "int8", "fp8_e4m3")
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 _SCALE_BYTES = 4
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                       dtype_bytes: int) -> int:
-    """Bytes of K and V for one token over all layers (codes plus per-head scales when quantized;
-    `dtype_bytes` is the model dtype's size, which "auto" stores)."""
-    per_head = {"auto": head_dim * dtype_bytes, "fp16": head_dim * 2}.get(kv_cache_dtype, head_dim + _SCALE_BYTES)
-    return 2 * num_layers * num_kv_heads * per_head
 
 
 class TorchQuantKVAttentionBackend(TorchAttentionBackend):
