@@ -236,3 +236,49 @@ def test_attention_refuses_tiles_beyond_its_limit():
     with pytest.raises(RuntimeError, match="refused"):
         cpu.paged_attention(q, kc, vc, tables, torch.zeros(2, dtype=torch.int32), torch.tensor([19, 20]),
                             too_many, 16, 1.0, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("variant", ["native", "avx2", "generic"])
+@pytest.mark.parametrize("hkv,gqa,d", [(3, 3, 64), (2, 4, 128), (1, 2, 20), (2, 8, 32), (1, 1, 64)])
+@pytest.mark.parametrize("kv", ["float32", "int8", "float16"])
+def test_a_rows_attention_does_not_depend_on_its_tile(variant, hkv, gqa, d, kv):
+    """Prefill rows computed in tiles of up to `attention_tile_rows` rows give, bit for bit, what the
+    same rows give one per tile (as decode rows are run): a token's attention output must not
+    depend on how the step grouped its rows, or a speculative verification step (several rows of a
+    sequence) and plain decoding (one row) could part on a near tie, and a recomputed (preempted)
+    sequence would not find its own cache again."""
+    from engine.kernels import cpu
+    from engine.kernels.cpu import build
+
+    if variant == "avx2" and not {"avx2", "fma"} <= build.cpu_flags():
+        pytest.skip("no AVX2/FMA")
+    lib = cpu.library(variant)
+    bs = 16
+    specs = [(0, 23), (37, 19), (130, 70), (3, 2)]  # (cached prefix, new rows) per sequence
+    lens = [p + n for p, n in specs]
+    _, kc, vc, tables, _, _, _ = _paged(lens, hkv, gqa, d, bs, seed=d + gqa)
+    if kv == "int8":
+        codec = TorchQuantKVAttentionBackend("int8")
+        kc, vc = (codec.encode(c.transpose(0, 1)).contiguous() for c in (kc, vc))
+    elif kv == "float16":
+        kc, vc = kc.half(), vc.half()
+    t = sum(n for _, n in specs)
+    q = torch.randn(t, hkv * gqa, d, generator=torch.Generator().manual_seed(3))
+    row_seq, kv_len, row = [], [], 0
+    for i, (p, n) in enumerate(specs):
+        row_seq += [i] * n
+        kv_len += list(range(p + 1, p + n + 1))
+    rows_per_tile = cpu.attention_tile_rows(gqa, lib=lib)
+    outs = []
+    for per in (rows_per_tile, 1):
+        tiles, row = [], 0
+        for p, n in specs:
+            tiles += [(row + o, min(per, n - o)) for o in range(0, n, per)]
+            row += n
+        out = torch.full_like(q, float("nan"))
+        cpu.paged_attention(q, kc, vc, tables, torch.tensor(row_seq, dtype=torch.int32), torch.tensor(kv_len),
+                            torch.tensor(tiles, dtype=torch.int64), bs, d ** -0.5, out, lib=lib)
+        outs.append(out)
+    assert rows_per_tile > 1
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
