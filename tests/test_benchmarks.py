@@ -446,3 +446,30 @@ def test_tp_allreduce_runs_and_reports(tmp_path):
     assert all(x["all_reduces_per_step"] == 2 * 4 + 1 == r["all_reduces_per_step"] for x in r["tp2"])
     assert all(0 < x["all_reduce_ms"] and 0 < x["all_reduce_share"] < 1 for x in r["tp2"])
     assert set(r["bare_all_reduce_ms"]) == {"1", "4"} and r["tp2_generate_tok_s"] > 0
+
+
+def test_step_phases_counts_every_token_and_splits_steps_by_phase(tok):
+    """`benchmarks.step_phases.run_phases` records each step once: prompt tokens computed plus
+    those the prefix cache served add up to the workload's, output tokens to its outputs, and
+    the driver's kernel seconds of a step never exceed the step's wall time."""
+    from benchmarks.step_phases import main, run_phases
+    from benchmarks.throughput import make_llm
+    from engine.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(f"no C kernels: {cpu.why_unavailable()}")
+    llm = make_llm(max_num_seqs=4, max_num_batched_tokens=64, speculative=None)
+    wl = W.build_workload("in99-out64", tok, num_prompts=3, seed=0, max_output_tokens=4)
+    steps_before = llm.stats.num_steps
+    recs = run_phases(llm, wl.prompt_token_ids, wl.sampling_params())
+    assert len(recs) == llm.stats.num_steps - steps_before
+    assert sum(r["prompt_tokens"] for r in recs) == wl.num_input_tokens  # no prefix shared, nothing cached
+    assert sum(r["output_tokens"] for r in recs) == wl.num_output_tokens == 12
+    assert any(r["prompt_tokens"] == 0 for r in recs) and any(r["prompt_tokens"] > 0 for r in recs)
+    for r in recs:
+        assert set(r["kernels"]) >= {"linear layers", "attention"}
+        assert 0.0 <= sum(r["kernels"].values()) <= r["wall_s"]
+    assert sum(r["kernels"]["linear layers"] for r in recs) > 0.0  # the driver ran the layers
+    assert "step" not in vars(llm.core)  # the timing wrapper is gone
+    assert main(["--workload", "in99-out64", "--num-prompts", "2", "--max-output-tokens", "3", "--steps",
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]) == 0
