@@ -174,7 +174,8 @@ def test_relative_paths_in_a_spec_file_are_relative_to_the_current_directory(tmp
         f"'{tmp_path}/label.json'"]
     spec_file.write_text("input: in.parquet\noutput: out\nengine_options:\n  seed: 14\nprogress: false\n")
     assert main(["run", "--spec", str(spec_file)]) == 1
-    assert capsys.readouterr().err.splitlines() == ["tokenmill: no Parquet files at in.parquet"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: input in.parquet does not exist (read from the current folder, {tmp_path})"]
     (sub / "in.parquet").rename(tmp_path / "in.parquet")
     assert main(["run", "--spec", str(spec_file)]) == 0
     assert (tmp_path / "out" / "part-00000.parquet").exists() and not (sub / "out").exists()

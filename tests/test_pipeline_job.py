@@ -415,9 +415,31 @@ def test_input_that_is_not_parquet_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_missing_local_input_says_it_does_not_exist(tmp_path, monkeypatch):
+    """A local input path that does not exist had read "no Parquet files at <path>", as an empty folder
+    does; it is named, with the folder a relative path was read from."""
+    missing = tmp_path / "nope.parquet"
+    with pytest.raises(FileNotFoundError) as exc:
+        run_job(spec_for(missing, tmp_path / "out"), FakeLLM())
+    assert str(exc.value) == f"input {missing} does not exist"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError) as exc:
+        io.list_input_files(f"file://{missing}")
+    assert str(exc.value) == f"input file://{missing} does not exist"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as exc:
+        io.list_input_files("in/")
+    assert str(exc.value) == f"input in/ does not exist (read from the current folder, {tmp_path})"
+    (tmp_path / "in").mkdir()  # a folder that exists but holds no Parquet file keeps its own message
+    with pytest.raises(FileNotFoundError) as exc:
+        io.list_input_files("in/")
+    assert str(exc.value) == "no Parquet files at in/"
+
+
 def test_an_unreachable_http_input_says_so_naming_the_url_and_the_error(tmp_path):
     """fsspec's HTTP file system reads a refused connection as "no such file"; the user is told the
-    URL could not be reached, and a server that answers 404 still gets "no Parquet files"."""
+    URL could not be reached. A server that answers 404 is named with its status (it had been "no
+    Parquet files at <url>", as for an empty folder)."""
     import functools
     import http.server
     import socket
@@ -450,8 +472,13 @@ def test_an_unreachable_http_input_says_so_naming_the_url_and_the_error(tmp_path
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        with pytest.raises(FileNotFoundError, match=f"^no Parquet files at {base}/missing.parquet$"):
+        with pytest.raises(StorageError) as exc:
             io.list_input_files(f"{base}/missing.parquet")  # the server answered 404
+        assert str(exc.value) == f"cannot read {base}/missing.parquet: the server answered HTTP 404 (File not found)"
+        assert exc.value.kind == "not-found"
+        with pytest.raises(StorageError, match="the server answered HTTP 404"):
+            run_job(spec_for(f"{base}/missing.parquet", tmp_path / "out"), FakeLLM())
+        assert not (tmp_path / "out").exists()
         [f] = io.list_input_files(f"{base}/a.parquet")
         assert (f.path, f.num_rows) == (f"{base}/a.parquet", 3)
     finally:
