@@ -304,6 +304,35 @@ def test_bad_constraints_are_error_outputs_and_the_other_rows_run(eng):
     (SO(grammar='start: x\nx: "a" y'), 'grammar: unknown name: "y" at line 2, column 4'),
     (SO(grammar="start: /[/"), 'grammar: invalid regex "[": unclosed character class at offset 0 (line 1, column 8 '
                                'of the grammar)'),
+    # llguidance's Lark lexer says only "lexer error" and a position: the text there is named
+    (SO(grammar='start: "yes" | "no'), 'grammar: lexer error at line 1, column 19: unclosed string \'"no\''),
+    (SO(grammar='start: "a" $'), "grammar: lexer error at line 1, column 12: unexpected '$'"),
+    (SO(grammar="start: x\nx: 'a'"), 'grammar: lexer error at line 2, column 4: unexpected "\'a\'" (strings take double '
+                                     'quotes)'),
+    # GBNF: positions in the text as written (llguidance quoted 20 characters each side, or none)
+    (SO(grammar='root ::= "a" | "b'), 'grammar: read as GBNF (no start: rule): Unexpected end of input at line 1, '
+                                      'column 18: unclosed string \'"b\''),
+    (SO(grammar='start "a"'), 'grammar: read as GBNF (no start: rule): Expected ::= at line 1, column 7: unexpected '
+                              '\'"a"\''),
+    (SO(grammar='root ::= "y" x\nx ::= "a" | "b" y'), "grammar: read as GBNF (no start: rule): unknown rule 'y' at "
+                                                     "line 2, column 17"),
+    # converted, then refused by llguidance at a line of its Lark text: the GBNF rule and its line
+    (SO(grammar='root ::= "a" foo-bar\nfoo-bar ::= "b"{3,1}'), "grammar: read as GBNF (no start: rule): range end "
+                                                             "must be >= start, got (3, 1) in rule foo-bar (line 2)"),
+    # JSON Schema: the path inside the schema
+    (SO(json={"type": "object", "properties": {"age": {"type": "integr"}}}),
+     "json: Invalid type: integr (at properties.age.type)"),
+    (SO(json={"anyOf": [{"type": "string"}, {"type": "integr"}]}), "json: Invalid type: integr (at anyOf[1].type)"),
+    (SO(json={"properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "number", "minimum": "x"}}}),
+     "json: Expected f64 for 'minimum', got \"x\" (at $defs.A.minimum)"),
+    (SO(json={"properties": {"a": {"$ref": "#/$defs/gone"}}}), "json: Pointer '/$defs/gone' does not exist (at "
+                                                               "properties.a.$ref)"),
+    (SO(json={"properties": {"a b": {"type": "string", "pattern": "(ab"}}}),
+     'json: invalid regex "(ab": unclosed group at offset 0 (at properties["a b"].pattern)'),
+    # behind "required property 'a' is unsatisfiable": why it is
+    (SO(json={"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}},
+              "required": ["a"]}),
+     "json: Unsatisfiable schema: minimum (5) is greater than maximum (2) (at properties.a.minimum)"),
 ])
 def test_a_constraint_that_does_not_compile_is_one_line_naming_the_problem_and_where(eng, so, message):
     """llguidance reports six lines with carets; the error a user sees is one, the position kept."""
