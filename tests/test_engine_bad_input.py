@@ -340,6 +340,26 @@ def test_engine_seed_and_switches_are_checked_at_construction(kwargs, message):
         EngineConfig(**kwargs)
 
 
+def test_a_seed_outside_64_bits_is_refused_naming_the_range(small_llm):
+    """SamplingParams(seed=2**80) ran (the sampler mixes a seed modulo 2**64: it drew what seed 0 draws)
+    while a job refused seeds above 2**62. Engine, request and job now take the same 64-bit range."""
+    from engine.config import EngineConfig
+
+    for seed in (2 ** 63 - 1, -(2 ** 63), 2 ** 62 + 1):
+        assert SamplingParams(seed=seed).validate() is None
+        assert EngineConfig(seed=seed).seed == seed
+    for seed in (2 ** 80, 2 ** 63, -(2 ** 63) - 1):
+        message = f"seed must be in [-2**63, 2**63 - 1] (a 64-bit integer), got {seed}"
+        assert SamplingParams(seed=seed).validate() == message
+        with pytest.raises(ValueError, match=re.escape(message)):
+            EngineConfig(seed=seed)
+    bad, good = small_llm.generate(["Hello", "Hello"], [SamplingParams(seed=2 ** 80, max_tokens=2),
+                                                        SamplingParams(seed=2 ** 63 - 1, max_tokens=2)], use_tqdm=False)
+    assert bad.error == "seed must be in [-2**63, 2**63 - 1] (a 64-bit integer), got 1208925819614629174706176"
+    assert bad.outputs[0].finish_reason == "error"
+    assert good.error is None and len(good.outputs[0].token_ids) == 2
+
+
 def test_scoring_refuses_bad_token_ids_and_choices_naming_the_parameter(small_llm):
     """score and score_choices raise a TypeError or ValueError naming the parameter (and the item by
     index), where they raised IndexError, a bare int() ValueError, or returned {} / dropped a repeat."""
