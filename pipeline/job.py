@@ -1023,7 +1023,8 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             booked = abort_job(plan, [], exc, model=spec.model, quantization=spec.quantization,
                                device=job_device(plan, [], look_up=False))  # gives the lease back
             raise JobInterrupted(0, None, int(getattr(exc, "signum", signal.SIGINT)), booked) from None
-        lease.release(quick_options(so) if isinstance(exc, StorageError) and exc.endpoint_failed else so)
+        # refused before any shard ran: the folders the lease created go too, where nothing else was written
+        lease.release(quick_options(so) if isinstance(exc, StorageError) and exc.endpoint_failed else so, tidy=True)
         raise
     pending = [s for s in shards if s.index not in done]
     structured = spec.constrained or any(c in f.columns for f in files for c in CONSTRAINT_COLUMNS)

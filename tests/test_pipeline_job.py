@@ -590,6 +590,36 @@ def test_a_damaged_parquet_page_gives_a_printable_message_naming_the_file(tmp_pa
     assert str(exc.value).isprintable() and "\\x" in str(exc.value), str(exc.value)
 
 
+def test_a_job_refused_for_a_damaged_input_leaves_no_folder_behind(tmp_path):
+    """The damage shows when the job plans, after it took the output's lease: the refusal left an empty
+    `out/_job/lease/`. The folders the lease created go with it; one that was there before stays."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.storage import StorageError
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(50)], "prompt": [f"prompt {i} " * 5 for i in range(50)]}),
+                   good, compression="NONE", use_dictionary=False)
+    start = pq.ParquetFile(good).metadata.row_group(0).column(1).data_page_offset
+    data = bytearray(good.read_bytes())
+    data[start + 20:start + 26] = b"\xff" * 6  # the prompt column's page header
+    bad = tmp_path / "in" / "bad.parquet"
+    bad.parent.mkdir()
+    bad.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(StorageError, match="cannot read .*bad.parquet"):
+        run_job(spec_for(bad, out), FakeLLM())
+    assert not out.exists()
+    (out / "mine").mkdir(parents=True)  # the user's own folder, with something in it: left as it was
+    with pytest.raises(StorageError, match="cannot read .*bad.parquet"):
+        run_job(spec_for(bad, out), FakeLLM())
+    assert sorted(p.name for p in out.iterdir()) == ["mine"]
+    bad.write_bytes(good.read_bytes())  # repaired: the job runs there as usual
+    run_job(spec_for(bad, out), FakeLLM())
+    assert read_output(out).height == 50 and (out / "_job" / "manifest.json").exists()
+
+
 def test_printable_escapes_control_characters_and_caps_the_length():
     from pipeline.storage import printable
 
