@@ -124,8 +124,9 @@ def test_objects_are_closed_by_default_everywhere_in_a_schema():
     assert SO(json=True).spec() is True and SO(json_object=True).spec() == {"type": "object"}
 
 
-def test_objects_in_an_intersection_stay_open():
-    """Closing one part of an `allOf` would forbid the keys the other parts declare."""
+def test_an_intersection_is_closed_as_a_whole_its_parts_stay_open():
+    """Closing one part of an `allOf` would forbid the keys the other parts declare; the schema holding
+    the `allOf` lists every part's keys and is closed instead (it had stayed open)."""
     base = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     user = {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {"properties": {"c": {}}}}}],
             "$defs": {"Base": base, "Other": base}}
@@ -133,8 +134,35 @@ def test_objects_in_an_intersection_stay_open():
     assert got["$defs"]["Base"] == base  # named by an allOf branch: open
     assert got["$defs"]["Other"] == {**base, "additionalProperties": False}
     part = got["allOf"][1]
-    assert "additionalProperties" not in part and "additionalProperties" not in got
+    assert "additionalProperties" not in part
     assert part["properties"]["b"] == {"properties": {"c": {}}, "additionalProperties": False}
+    assert (got["properties"], got["additionalProperties"]) == ({"a": {}, "b": {}}, False)  # a by the $ref
+    # a part that opens objects itself keeps the whole open; an allOf of no objects is left alone
+    opened = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}, "additionalProperties": True}]}
+    assert SO(json=opened).spec() == opened
+    strings = {"allOf": [{"type": "string", "minLength": 2}, {"maxLength": 4}]}
+    assert SO(json=strings).spec() == strings
+
+
+def test_an_intersection_accepts_what_every_part_accepts_and_no_other_key(eng):
+    """Two allOf parts that each define one property: an object with both keys is valid, one with a
+    key neither part defines is not (it was: the intersection stayed open), and each part's rule holds."""
+    from engine.structured.llguidance_backend import LLGuidanceBackend
+
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}
+    backend = LLGuidanceBackend(eng.tokenizer)
+
+    def accepts(text: str) -> bool:
+        ids = eng.tokenizer.encode(text, add_special_tokens=False)
+        return backend.compile(SO(json=schema)).matcher().validate_tokens(ids) == len(ids)
+
+    assert accepts('{"a":1,"b":"x"}')
+    assert not accepts('{"a":1,"b":"x","c":2}')
+    assert not accepts('{"a":"one","b":"x"}')
+    for text in ('{"a":1,"b":"x"}', '{"a":1,"b":"x","c":2}'):  # what a validator says of the schema as written
+        valid = jsonschema.Draft202012Validator(SO(json=schema).spec()).is_valid(json.loads(text))
+        assert valid == (text == '{"a":1,"b":"x"}')
 
 
 def test_readme_label_example_gives_exactly_its_keys(eng):

@@ -31,19 +31,26 @@ def close_objects(schema: Any) -> Any:
     sets any of them keeps its own rule. Sub-schemas are closed too, wherever they sit:
     `properties`, `patternProperties`, `additionalProperties` (a schema), `items`,
     `prefixItems`, `additionalItems`, `$defs` / `definitions`, `anyOf`, `oneOf`, `allOf`.
-    Objects that only make sense as part of an intersection stay open, since closing them
-    would forbid the keys the other parts declare: a direct branch of `allOf`, a schema
-    that has an `allOf`, and a `$defs` entry that an `allOf` branch names by `$ref`. Their
-    own sub-schemas are closed as usual. `not`, `if` / `then` / `else` and `dependentSchemas`
-    are copied unchanged.
+
+    An intersection is closed as a whole: closing each part of an `allOf` would forbid the
+    keys its sibling parts declare, so the parts stay open (a direct branch of `allOf`, and a
+    `$defs` entry that such a branch names by `$ref`) and the schema holding the `allOf`
+    lists every key any part declares (`{}` for those it does not declare itself) with
+    `additionalProperties: false`: an object valid under every part is accepted, a key no
+    part declares is not. The keys are gathered through the parts' `properties`, local
+    `$ref`s, nested `allOf` / `anyOf` / `oneOf` and `then` / `else`; an intersection with a
+    part that opens objects itself (`additionalProperties` other than false,
+    `patternProperties`, `unevaluatedProperties`) or names a schema outside this one stays
+    open. The parts' own sub-schemas are closed as usual. `not`, `if` / `then` / `else` and
+    `dependentSchemas` are copied unchanged.
 
     The argument is never modified; anything that is not a dict (a boolean schema, None) is
     returned as a copy, unchanged.
     """
-    return _close(schema, "", _refs_in_all_of(schema), in_all_of=False)
+    return _close(schema, "", _refs_in_all_of(schema), in_all_of=False, root=schema)
 
 
-def _close(node: Any, pointer: str, keep_open: set[str], in_all_of: bool) -> Any:
+def _close(node: Any, pointer: str, keep_open: set[str], in_all_of: bool, root: Any = None) -> Any:
     """`close_objects` of the sub-schema at JSON pointer `pointer` (no exceptions raised)."""
     if not isinstance(node, dict):
         return copy.deepcopy(node)
@@ -51,11 +58,11 @@ def _close(node: Any, pointer: str, keep_open: set[str], in_all_of: bool) -> Any
     for key, value in node.items():
         where = f"{pointer}/{_escape(key)}"
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _close(sub, f"{where}/{_escape(name)}", keep_open, False) for name, sub in value.items()}
+            out[key] = {name: _close(sub, f"{where}/{_escape(name)}", keep_open, False, root) for name, sub in value.items()}
         elif key in _SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_close(sub, f"{where}/{i}", keep_open, key == "allOf") for i, sub in enumerate(value)]
+            out[key] = [_close(sub, f"{where}/{i}", keep_open, key == "allOf", root) for i, sub in enumerate(value)]
         elif key in _SCHEMA_ONE and isinstance(value, dict):
-            out[key] = _close(value, where, keep_open, False)
+            out[key] = _close(value, where, keep_open, False, root)
         else:
             out[key] = copy.deepcopy(value)
     closable = (isinstance(node.get("properties"), dict)
@@ -63,7 +70,61 @@ def _close(node: Any, pointer: str, keep_open: set[str], in_all_of: bool) -> Any
                 and not in_all_of and "allOf" not in node and pointer not in keep_open)
     if closable:
         out["additionalProperties"] = False
+    elif (isinstance(node.get("allOf"), list) and not any(k in node for k in _OPENING_KEYWORDS)
+          and not in_all_of and pointer not in keep_open):
+        names = _declared_keys(node, root, set())
+        if names:  # None: a part opens objects or is unknown; empty: no part is an object with properties
+            own = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+            out["properties"] = {**own, **{name: {} for name in sorted(names) if name not in own}}
+            out["additionalProperties"] = False
     return out
+
+
+def _declared_keys(node: Any, root: Any, seen: set[str]) -> Optional[set[str]]:
+    """The object keys a schema declares (its `properties`, and those of its `allOf` / `anyOf` /
+    `oneOf` parts, `then` / `else` and the local `$ref`s it names), or None when it allows keys
+    it does not declare (`additionalProperties` other than false, `patternProperties`,
+    `unevaluatedProperties`) or names a schema outside this one."""
+    if not isinstance(node, dict):
+        return set()
+    if any(k in node for k in _OPENING_KEYWORDS) and node.get("additionalProperties", False) is not False:
+        return None
+    if "patternProperties" in node or "unevaluatedProperties" in node:
+        return None
+    names = set(node["properties"]) if isinstance(node.get("properties"), dict) else set()
+    parts: list[Any] = [sub for key in ("allOf", "anyOf", "oneOf") if isinstance(node.get(key), list)
+                        for sub in node[key]]
+    parts += [node[key] for key in ("then", "else") if isinstance(node.get(key), dict)]
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        if not ref.startswith("#"):
+            return None
+        if ref not in seen:
+            target = _resolve(root, ref[1:])
+            if target is None:
+                return None
+            seen.add(ref)
+            parts.append(target)
+    for part in parts:
+        more = _declared_keys(part, root, seen)
+        if more is None:
+            return None
+        names |= more
+    return names
+
+
+def _resolve(root: Any, pointer: str) -> Any:
+    """The sub-schema of `root` at a JSON pointer (`/$defs/Base`), or None."""
+    node = root
+    for token in pointer.split("/")[1:] if pointer else []:
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node
 
 
 def _refs_in_all_of(node: Any, found: Optional[set[str]] = None) -> set[str]:
