@@ -424,7 +424,9 @@ def prompt_type_error(prompt: Any) -> Optional[str]:
     A null prompt (None) is `prompt is null`; any other non-string (an int, a float, a dict) is
     `prompt must be a string, got int 12345`. The same function decides for `LLM.generate` (an error
     output) and for a job's row (an error row), so both refuse the same prompts with the same words;
-    `LLM.generate` also takes a list of token ids, which it checks before asking this.
+    `LLM.generate` also takes a list of token ids, which it checks before asking this (a flat list
+    of ints given as `prompts` is one such prompt, as in vLLM: its ints never reach this rule as
+    prompts of their own).
     """
     if isinstance(prompt, str):
         return None
