@@ -620,6 +620,20 @@ def test_a_job_refused_for_a_damaged_input_leaves_no_folder_behind(tmp_path):
     assert read_output(out).height == 50 and (out / "_job" / "manifest.json").exists()
 
 
+def test_fake_llm_drops_a_character_cut_by_max_tokens_as_the_engine_does():
+    """FakeLLM's one token per byte cut "é" (2 bytes) and "🎉" (4) after a byte and wrote U+FFFD; the
+    engine's texts drop the cut character (`Tokenizer.decode_complete`), and so does FakeLLM's now."""
+    from engine import SamplingParams
+
+    def text(prompt: str, max_tokens: int) -> tuple[str, int]:
+        [out] = FakeLLM().generate([prompt], SamplingParams(max_tokens=max_tokens))
+        return out.outputs[0].text, len(out.outputs[0].token_ids)
+
+    assert [text("Say é", n) for n in (1, 2, 3, 5)] == [("", 1), ("é", 2), ("é0", 3), ("é0 ", 5)]
+    assert [text("Party 🎉", n) for n in (1, 3, 4)] == [("", 1), ("", 3), ("🎉", 4)]
+    assert FakeLLM().tokenizer.decode_complete(FakeLLM().tokenizer.encode("a\ufffd")) == "a\ufffd"  # a whole U+FFFD stays
+
+
 def test_printable_escapes_control_characters_and_caps_the_length():
     from pipeline.storage import printable
 
