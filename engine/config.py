@@ -15,6 +15,24 @@ from typing import Any, Optional, Sequence
 
 from .structured.params import StructuredOutputsParams
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+SEED_RANGE = "[-2**63, 2**63 - 1] (a 64-bit integer)"
+"""The seeds the engine takes, an engine's (`EngineConfig.seed`), a request's (`SamplingParams.seed`)
+and a job's alike: the sampler mixes a seed modulo 2**64 (`engine.llm._mix_seed`) and torch's
+generators take 64 bits, so a larger seed would draw the same numbers as a smaller one."""
+
+
+def seed_problem(name: str, value: Any, none_ok: bool = False) -> Optional[str]:
+    """None for a seed in [SEED_MIN, SEED_MAX] (or None, when `none_ok`), else a message naming
+    `name` and the range: `seed must be in [-2**63, 2**63 - 1] (a 64-bit integer), got 2**80`."""
+    if value is None and none_ok:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"{name} must be an integer{' or None' if none_ok else ''}, got {value!r}"
+    if not SEED_MIN <= value <= SEED_MAX:
+        return f"{name} must be in {SEED_RANGE}, got {value}"
+    return None
+
 
 @dataclass
 class EngineConfig:
@@ -40,7 +58,8 @@ class EngineConfig:
         enable_chunked_prefill: spread long prompts over several steps.
         enable_prefix_caching: reuse KV blocks of identical prefixes.
         seed: engine seed; requests without their own seed draw from
-            generators derived from it, so a run is reproducible.
+            generators derived from it, so a run is reproducible. A 64-bit integer
+            ([-2**63, 2**63 - 1], `SEED_RANGE`).
         num_threads: CPU threads of both PyTorch's pool and the C kernel library's
             (None: TOKENMILL_NUM_THREADS, else the CPUs this process may use; see
             `engine.threads`).
@@ -132,8 +151,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if (problem := seed_problem("seed", self.seed)) is not None:
+            raise ValueError(problem)
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -268,9 +287,10 @@ class SamplingParams:
         top_k: keep the k most likely tokens; -1 or 0 keeps all.
         min_p: drop tokens whose probability is below min_p x the top probability.
         seed: per-request seed; the same seed gives the same tokens whatever
-            else is in the batch. With n > 1 the seed covers the whole set. Any integer,
-            negative ones too; -1 means None (no seed of its own: the request draws from the
-            engine's seed), as in vLLM.
+            else is in the batch. With n > 1 the seed covers the whole set. Any 64-bit integer
+            ([-2**63, 2**63 - 1], `SEED_RANGE`: the sampler uses 64 bits of it), negative ones
+            too; -1 means None (no seed of its own: the request draws from the engine's seed),
+            as in vLLM.
         max_tokens: most new tokens per completion.
         min_tokens: EOS and stop token ids are suppressed until this many tokens.
         stop: strings that end the completion; the text is cut before them.
@@ -355,8 +375,8 @@ class SamplingParams:
             return f"top_k must be -1, 0 (all) or a positive integer, got {self.top_k!r}"
         if not is_num(self.min_p) or math.isnan(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             return f"min_p must be in [0, 1], got {self.min_p!r}"
-        if self.seed is not None and not is_int(self.seed):
-            return f"seed must be an integer or None, got {self.seed!r}"
+        if (problem := seed_problem("seed", self.seed, none_ok=True)) is not None:
+            return problem
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             return f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -404,7 +424,9 @@ def prompt_type_error(prompt: Any) -> Optional[str]:
     A null prompt (None) is `prompt is null`; any other non-string (an int, a float, a dict) is
     `prompt must be a string, got int 12345`. The same function decides for `LLM.generate` (an error
     output) and for a job's row (an error row), so both refuse the same prompts with the same words;
-    `LLM.generate` also takes a list of token ids, which it checks before asking this.
+    `LLM.generate` also takes a list of token ids, which it checks before asking this (a flat list
+    of ints given as `prompts` is one such prompt, as in vLLM: its ints never reach this rule as
+    prompts of their own).
     """
     if isinstance(prompt, str):
         return None

@@ -96,14 +96,18 @@ def _model_string(source) -> str:
 
 def _prompt_list(prompts) -> list:
     """prompts as a list: a single string is one prompt (iterating it would give one prompt per
-    character); anything else is taken as a sequence of prompts (each a string or a list of token ids;
-    a bad one becomes an error output, never an exception).
+    character), and so is a flat, non-empty list (or tuple) of ints, one tokenized prompt, as vLLM
+    reads it (`generate([1, 2, 3])` is `generate([[1, 2, 3]])`, not three int prompts); anything
+    else is taken as a sequence of prompts (each a string or a list of token ids; a bad one becomes
+    an error output, never an exception).
 
     Raises:
         TypeError: prompts is None, a dict, bytes or not iterable (the message says what is accepted).
     """
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(_is_token_id(t) for t in prompts):
+        return [list(prompts)]
     try:
         if prompts is None or isinstance(prompts, (bytes, bytearray, Mapping)):
             raise TypeError
@@ -111,6 +115,11 @@ def _prompt_list(prompts) -> list:
     except TypeError:
         raise TypeError(f"prompts must be a string or a sequence of prompts (strings or lists of token ids), got "
                         f"{type(prompts).__name__} {reprlib.repr(prompts)}") from None
+
+
+def _is_token_id(value: Any) -> bool:
+    """An int that is not a bool (a token id's type; its range is checked per request)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _params_list(sampling_params, n: int) -> list:
@@ -1025,7 +1034,8 @@ class LLM:
 
         Args:
             prompts: strings, or lists of token ids; a single string is one prompt (as in vLLM),
-                not a sequence of one-character prompts.
+                not a sequence of one-character prompts, and a flat list of ints is one tokenized
+                prompt (`[1, 2, 3]` is `[[1, 2, 3]]`, as in vLLM).
             sampling_params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar (requests done, input and output tokens/s).
 
@@ -1178,7 +1188,7 @@ class LLM:
                 error = prompt_text_error(prompt)
                 if error is None and not ids:
                     error = "prompt is empty after tokenization"
-            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
                 ids = list(prompt)
                 if not ids:
                     error = "prompt is empty"

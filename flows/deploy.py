@@ -38,10 +38,17 @@ names a Prefect Secret block whose value is a dict of storage options.
 The flow runs of a served deployment execute in a new process that loads
 `flows/batch_generate.py` and validates the parameters from JSON; the test
 `tests/test_flow_deploy_server.py` runs this against a real `prefect server`.
+
+Stopping it (Ctrl-C, SIGTERM) ends with one line of its own, `flows.deploy: stopped ...`, exit
+status 0 once Prefect has paused the deployment's schedule (its runner shuts down on either
+signal and logs that it paused it), 128 + the signal's number when the signal came before the
+deployment was served (while the spec was read or the deployment registered), where it had
+printed the traceback of whatever Prefect was waiting on.
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Any, Optional, Sequence
 
@@ -127,12 +134,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cron", help='cron schedule, e.g. "0 2 * * *" (overrides the file)')
     parser.add_argument("--name", help="deployment name (overrides the file)")
     args = parser.parse_args(argv)
+    previous = _stop_on_sigterm()
     try:
         serve(args.spec_file, name=args.name, cron=args.cron)
     except (ValueError, FileNotFoundError) as exc:
         print(f"flows.deploy: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # before Prefect's runner took the signals over: nothing is served
+        signum = int(getattr(exc, "signum", signal.SIGINT))
+        print(f"flows.deploy: stopped by {signal.Signals(signum).name} before the deployment was served",
+              file=sys.stderr)
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print("flows.deploy: stopped; Prefect paused the deployment's schedule (serve it again to resume)",
+          file=sys.stderr)
     return 0
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM, raised as an interrupt (as Ctrl-C's SIGINT is), so that one `except` ends the command."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_sigterm() -> object:
+    """Make SIGTERM raise `_Stopped` until Prefect's runner installs its own handler (its graceful
+    shutdown); Python's default ends the process with no word. Returns the handler it replaced, or
+    None where it cannot set one (not the main thread)."""
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

@@ -233,9 +233,12 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
     are skipped (job metadata, temp files).
 
     Raises:
-        FileNotFoundError: when nothing is found (for a pattern: no Parquet file matches it, named).
+        FileNotFoundError: when nothing is found: a local path that does not exist (`input <url> does
+            not exist`, see `missing_local_input`), a folder or prefix without Parquet files (`no
+            Parquet files at <url>`), a pattern no Parquet file matches (named).
         StorageError: an http(s) URL whose server cannot be reached (`cannot read <url>: the URL could
-            not be reached (<error class>: <message>)`), or another storage failure.
+            not be reached (<error class>: <message>)`) or answers an error status (`cannot read <url>:
+            the server answered HTTP 404 (Not Found)`), or another storage failure.
         ValueError: a file that is not Parquet (the message names it).
     """
     fs, path = filesystem(url, storage_options)
@@ -264,6 +267,8 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
         check_bucket(url, storage_options, "list")
         if pattern:
             raise FileNotFoundError(f"no Parquet files match the pattern {url}")
+        if is_local(fs) and not fs.exists(path):
+            raise FileNotFoundError(missing_local_input(url, path))
         raise FileNotFoundError(f"no Parquet files at {url}")
     files = []
     for info in infos:
@@ -278,6 +283,14 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
         files.append(InputFile(path=full, size=int(info["size"]), etag=_etag(info),
                                num_rows=num_rows, columns=columns, schema=schema))
     return files
+
+
+def missing_local_input(url: str, path: str) -> str:
+    """The message for a local input path that does not exist: `input <url> does not exist`, and for a
+    relative path the folder it was read from (a spec file's relative paths are read from the current
+    folder, not the spec's)."""
+    where = "" if os.path.isabs(str(url)) or "://" in str(url) else f" (read from the current folder, {os.getcwd()})"
+    return f"input {url} does not exist{where}"
 
 
 @contextlib.contextmanager
@@ -303,15 +316,18 @@ def _is_web(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def _check_reachable(fs: fsspec.AbstractFileSystem, path: str, url: str, storage_options: dict[str, Any]) -> None:
-    """Raise when the server of an http(s) URL cannot be reached at all.
+    """Raise when the server of an http(s) URL cannot be reached at all, or answers an error status.
 
     fsspec's HTTP file system answers "no such file" (`isfile` False, `find` empty) whatever went
     wrong, so a refused connection, an unknown host or a timeout would read as "no Parquet files at
-    <url>". One HEAD/GET here tells them apart: a server that answers, with an error status
-    included, passes (the listing then says what it finds).
+    <url>", and so would a 404. One HEAD/GET here tells them apart: a server that answers with a
+    success status passes (the listing then says what it finds); an error status is named.
 
     Raises:
-        StorageError: kind "connect", naming the URL and the connection error's class and message.
+        StorageError: kind "connect", naming the URL and the connection error's class and message;
+            for an error status (HEAD and then GET both answered one), naming the status and its
+            reason: `cannot read <url>: the server answered HTTP 404 (Not Found)` (kind "not-found"
+            for 404 and 410, "denied" for 401 and 403, "other" otherwise).
     """
     import aiohttp  # fsspec's HTTP file system runs on it
 
@@ -322,7 +338,12 @@ def _check_reachable(fs: fsspec.AbstractFileSystem, path: str, url: str, storage
         cause = exc.__cause__ or exc.__context__
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         cause = exc
-    if cause is None or isinstance(cause, aiohttp.ClientResponseError):  # the server answered
+    if isinstance(cause, aiohttp.ClientResponseError):  # the server answered, with an error status
+        status, reason = cause.status, printable(cause.message or "").strip()
+        kind = {404: "not-found", 410: "not-found", 401: "denied", 403: "denied"}.get(status, "other")
+        raise StorageError("read", url, f"the server answered HTTP {status}" + (f" ({reason})" if reason else ""),
+                           kind=kind)
+    if cause is None:
         return
     if not isinstance(cause, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
         return

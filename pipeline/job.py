@@ -57,9 +57,11 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Literal, Optional, Union
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_serializer, field_validator,
+)
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import SEED_MAX, SEED_MIN, SEED_RANGE, EngineConfig, SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from pipeline import io, manifest
 from pipeline.cost import CostReport, TokenCounts, cost_report
@@ -149,7 +151,7 @@ class JobSpec(BaseModel):
                                                                    "free memory)")
     enable_prefix_caching: Optional[bool] = Field(None, description="reuse KV blocks of shared prefixes "
                                                                     "(engine default on)")
-    seed: int = Field(0, description="engine seed: sampled runs are reproducible")
+    seed: int = Field(0, description="engine seed: sampled runs are reproducible (a 64-bit integer, as a row's seed)")
     num_threads: Optional[int] = Field(None, description="CPU threads of torch and the C kernels (default: the "
                                                          "CPUs this process may use)")
     speculative: Optional[Literal["auto", "ngram", "suffix", "draft_model", "off"]] = Field(
@@ -325,11 +327,22 @@ class JobSpec(BaseModel):
 
     @field_validator("*")
     @classmethod
-    def _int_fits(cls, v: Any) -> Any:
+    def _int_fits(cls, v: Any, info: ValidationInfo) -> Any:
         """Every integer option fits an int64 with room to spare: 10**23 tokens, bytes or devices overflowed
-        in the planner, the KV cache sizing or the cost report ("int too big to convert"), after the lease."""
+        in the planner, the KV cache sizing or the cost report ("int too big to convert"), after the lease.
+        The seed is no count: it takes the engine's whole 64-bit range (`_seed_fits`)."""
+        if info.field_name == "seed":
+            return v
         if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_OPTION_MAX:
             raise ValueError(f"too large: at most {INT_OPTION_MAX:,}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits(cls, v: int) -> int:
+        """The seeds the engine takes (`engine.config.SEED_RANGE`), as `SamplingParams(seed=...)` does."""
+        if not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(f"must be in {SEED_RANGE}")
         return v
 
     @field_validator("speculative", mode="before")
@@ -526,7 +539,8 @@ def spec_errors(exc: ValidationError, sources: Optional[dict[str, str]] = None, 
         else:
             value = err.get("input")
             got = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
-            out.append(f"{where}{shown}: {err.get('msg', 'invalid')}{got}")
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")  # pydantic's prefix says nothing
+            out.append(f"{where}{shown}: {msg}{got}")
     return out
 
 
@@ -1009,7 +1023,8 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             booked = abort_job(plan, [], exc, model=spec.model, quantization=spec.quantization,
                                device=job_device(plan, [], look_up=False))  # gives the lease back
             raise JobInterrupted(0, None, int(getattr(exc, "signum", signal.SIGINT)), booked) from None
-        lease.release(quick_options(so) if isinstance(exc, StorageError) and exc.endpoint_failed else so)
+        # refused before any shard ran: the folders the lease created go too, where nothing else was written
+        lease.release(quick_options(so) if isinstance(exc, StorageError) and exc.endpoint_failed else so, tidy=True)
         raise
     pending = [s for s in shards if s.index not in done]
     structured = spec.constrained or any(c in f.columns for f in files for c in CONSTRAINT_COLUMNS)

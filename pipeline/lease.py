@@ -171,6 +171,7 @@ class Lease:
         self.output, self.storage_options, self.run_id = output, storage_options, run_id
         self.generation, self.ttl_s, self.doc = generation, ttl_s, doc
         self.lost: Optional[str] = None
+        self.created_folders: list[str] = []  # local folders the acquire created, innermost first
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -196,6 +197,7 @@ class Lease:
             StorageError: the lease could not be read or written.
         """
         so = dict(storage_options or {})
+        missing = _missing_local_folders(output, so)
         for _ in range(5):
             gens = _generations(output, so)
             nxt = 0
@@ -217,6 +219,7 @@ class Lease:
                    "expires_at_utc": _iso(now + ttl_s), "process_space": _process_space()}
             if io.create_exclusive(_url(output, nxt), json.dumps(doc).encode(), so):
                 lease = cls(output, so, run_id, nxt, ttl_s, doc)
+                lease.created_folders = missing
                 for g in gens:  # a dead run's lease, now superseded
                     try:
                         io.remove(_url(output, g), so)
@@ -275,12 +278,15 @@ class Lease:
             raise LeaseLost(f"{self.output}: {self.lost}; this run stops without committing more. "
                             f"Re-run the same command to resume.")
 
-    def release(self, storage_options: Optional[dict[str, Any]] = None) -> None:
+    def release(self, storage_options: Optional[dict[str, Any]] = None, tidy: bool = False) -> None:
         """Stop the heartbeat and delete this run's lease file (if it is still ours). Never raises a
         StorageError: a lease that cannot be deleted expires after `ttl_s`.
 
         Args:
             storage_options: options for the delete (e.g. quick limits after a storage failure).
+            tidy: also remove the local folders `acquire` created (`_job/lease/`, `_job/`, the output
+                folder itself), each only while it is empty: a run refused before it wrote anything
+                leaves the output as it found it. Object stores have no folders to remove.
         """
         held = self.lost is None
         self.lost = self.lost or "released"  # a renewal still in flight removes what it wrote (_beat_loop)
@@ -292,3 +298,20 @@ class Lease:
                 io.remove(self.url, storage_options if storage_options is not None else self.storage_options)
             except StorageError:
                 pass
+        if held and tidy:
+            for url in self.created_folders:
+                try:
+                    fs, path = io.filesystem(url, self.storage_options)
+                    fs.rmdir(path)  # only an empty folder: anything another run wrote there stays
+                except OSError:
+                    break
+
+
+def _missing_local_folders(output: str, storage_options: dict[str, Any]) -> list[str]:
+    """Of the lease's folder, `_job/` and the output folder (innermost first), those that do not
+    exist yet on a local disk, which taking the lease creates; [] for an object store."""
+    fs, _ = io.filesystem(output, storage_options)
+    if not io.is_local(fs):
+        return []
+    urls = [lease_dir(output), io.join(output, "_job"), output]
+    return [u for u in urls if not fs.exists(io.filesystem(u, storage_options)[1])]

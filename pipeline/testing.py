@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from engine.config import SamplingParams, prompt_length_error, prompt_text_error
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.tokenizer import incomplete_utf8_tail
 
 
 class FakeTokenizer:
@@ -29,6 +30,13 @@ class FakeTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
 
+    def decode_complete(self, ids: Sequence[int]) -> str:
+        """`decode` without a last character whose bytes are not all in `ids` (a generation cut by
+        `max_tokens` inside a multi-byte character), as `engine.tokenizer.Tokenizer.decode_complete`:
+        the engine's texts never end in a U+FFFD that no model wrote."""
+        data = bytes(i - 3 for i in ids if i >= 3)
+        return data[:len(data) - incomplete_utf8_tail(data)].decode(errors="replace")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
@@ -38,7 +46,8 @@ class FakeTokenizer:
 
 
 class FakeLLM:
-    """Generates `max_tokens` tokens spelling the last word of the prompt, repeated.
+    """Generates `max_tokens` tokens spelling the last word of the prompt, repeated (the text of a
+    completion cut inside a multi-byte character ends before it, as the engine's does).
 
     Args:
         delay_s: seconds of sleep before each output (a slow engine, for interrupt and kill tests).
@@ -73,7 +82,7 @@ class FakeLLM:
         comps = []
         for k in range(params.n):
             out = self.tokenizer.encode((f"{word}{k} " * 64))[: params.max_tokens]
-            comps.append(CompletionOutput(k, self.tokenizer.decode(out), out, "length"))
+            comps.append(CompletionOutput(k, self.tokenizer.decode_complete(out), out, "length"))
         m = RequestMetrics(now, now, now + 0.001, now + 0.002, len(ids), sum(len(c.token_ids) for c in comps))
         return RequestOutput(str(i), None, ids, comps, num_cached_tokens=0, metrics=m)
 

@@ -174,10 +174,25 @@ def test_relative_paths_in_a_spec_file_are_relative_to_the_current_directory(tmp
         f"'{tmp_path}/label.json'"]
     spec_file.write_text("input: in.parquet\noutput: out\nengine_options:\n  seed: 14\nprogress: false\n")
     assert main(["run", "--spec", str(spec_file)]) == 1
-    assert capsys.readouterr().err.splitlines() == ["tokenmill: no Parquet files at in.parquet"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: input in.parquet does not exist (read from the current folder, {tmp_path})"]
     (sub / "in.parquet").rename(tmp_path / "in.parquet")
     assert main(["run", "--spec", str(spec_file)]) == 0
     assert (tmp_path / "out" / "part-00000.parquet").exists() and not (sub / "out").exists()
+
+
+def test_the_seed_range_is_the_engines_in_one_line_naming_the_range(tmp_path, capsys):
+    """--seed refused anything above 2**62 with "Value error, too large: at most 4,611,686,018,427,387,904"
+    while the Python API took 2**80; both now take the 64-bit range, and say which it is."""
+    args = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
+    assert main([*args, "--seed", str(2 ** 63)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill: invalid job options:",
+        "  --seed: must be in [-2**63, 2**63 - 1] (a 64-bit integer) (got 9223372036854775808)"]
+    assert main([*args, "--seed", str(-(2 ** 63) - 1)]) == 1
+    assert "--seed: must be in [-2**63, 2**63 - 1]" in capsys.readouterr().err
+    assert spec_from_args(build_parser().parse_args([*args, "--seed", str(2 ** 63 - 1)])).seed == 2 ** 63 - 1
+    assert spec_from_args(build_parser().parse_args([*args, "--seed", str(-(2 ** 63))])).seed == -(2 ** 63)
 
 
 def test_price_weight_and_lease_ttl_must_be_finite(tmp_path, capsys):

@@ -233,6 +233,27 @@ def test_a_null_or_int_prompt_and_an_empty_stop_string_read_the_same_through_the
     assert (report.rows_ok, report.rows_error) == (1, 3)
 
 
+def test_a_flat_list_of_token_ids_is_one_prompt_as_in_vllm(small_llm):
+    """`generate([1, 2, 3])` gave three error outputs (`prompt must be a string, got int 1`, ...); vLLM
+    reads a flat list of ints as one tokenized prompt, as `generate([[1, 2, 3]])` is here."""
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    ids = small_llm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    [want] = small_llm.generate([ids], sp, use_tqdm=False)
+    for given in (ids, tuple(ids)):
+        outs = small_llm.generate(given, sp, use_tqdm=False)
+        assert len(outs) == 1 and outs[0].error is None
+        assert outs[0].prompt_token_ids == want.prompt_token_ids == ids
+        assert (outs[0].outputs[0].token_ids, outs[0].outputs[0].text) == (want.outputs[0].token_ids,
+                                                                           want.outputs[0].text)
+        assert len(want.outputs[0].token_ids) == 4
+    [streamed] = list(small_llm.iter_outputs(ids, sp, use_tqdm=False))
+    assert streamed.outputs[0].token_ids == want.outputs[0].token_ids
+    # a list that mixes ints with other prompts is still a list of prompts: each int is refused as before
+    mixed = small_llm.generate([ids[0], "Hello"], sp, use_tqdm=False)
+    assert mixed[0].error == f"prompt must be a string, got int {ids[0]}" and mixed[1].error is None
+    assert small_llm.generate([], sp, use_tqdm=False) == []
+
+
 @pytest.mark.parametrize("conversations,said", [
     (None, "got NoneType None"),  # 'NoneType' object is not iterable
     ("hello", "got str 'hello'"),  # five conversations, one per character, each an error output
@@ -338,6 +359,26 @@ def test_engine_seed_and_switches_are_checked_at_construction(kwargs, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(**kwargs)
+
+
+def test_a_seed_outside_64_bits_is_refused_naming_the_range(small_llm):
+    """SamplingParams(seed=2**80) ran (the sampler mixes a seed modulo 2**64: it drew what seed 0 draws)
+    while a job refused seeds above 2**62. Engine, request and job now take the same 64-bit range."""
+    from engine.config import EngineConfig
+
+    for seed in (2 ** 63 - 1, -(2 ** 63), 2 ** 62 + 1):
+        assert SamplingParams(seed=seed).validate() is None
+        assert EngineConfig(seed=seed).seed == seed
+    for seed in (2 ** 80, 2 ** 63, -(2 ** 63) - 1):
+        message = f"seed must be in [-2**63, 2**63 - 1] (a 64-bit integer), got {seed}"
+        assert SamplingParams(seed=seed).validate() == message
+        with pytest.raises(ValueError, match=re.escape(message)):
+            EngineConfig(seed=seed)
+    bad, good = small_llm.generate(["Hello", "Hello"], [SamplingParams(seed=2 ** 80, max_tokens=2),
+                                                        SamplingParams(seed=2 ** 63 - 1, max_tokens=2)], use_tqdm=False)
+    assert bad.error == "seed must be in [-2**63, 2**63 - 1] (a 64-bit integer), got 1208925819614629174706176"
+    assert bad.outputs[0].finish_reason == "error"
+    assert good.error is None and len(good.outputs[0].token_ids) == 2
 
 
 def test_scoring_refuses_bad_token_ids_and_choices_naming_the_parameter(small_llm):

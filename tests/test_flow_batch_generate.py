@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
+import time
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="tokenmill-prefect-"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -269,6 +271,36 @@ def test_deploy_refuses_credentials_in_the_spec_file_and_names_bad_fields(tmp_pa
                   "  storage_secret: tokenmill-s3\n")
     spec, dep = deploy.load_deployment(str(ok))
     assert dep["storage_secret"] == "tokenmill-s3" and spec.storage_options == {}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_deploy_stopped_before_it_serves_says_so_in_one_line(tmp_path, capsys, monkeypatch, signum):
+    """A Ctrl-C while the deployment registered printed the traceback of the Prefect call it interrupted;
+    a SIGTERM then ended the process without a word. Both end in one line and 128 + the signal."""
+    from flows import deploy
+
+    def registering(path, **kw):  # the signal arrives while Prefect registers the deployment
+        os.kill(os.getpid(), signum)
+        time.sleep(5)
+        raise AssertionError("the signal did not stop it")
+
+    monkeypatch.setattr(deploy, "serve", registering)
+    before = signal.getsignal(signal.SIGTERM)
+    assert deploy.main([str(tmp_path / "job.yaml")]) == 128 + signum
+    assert capsys.readouterr().err.splitlines() == [
+        f"flows.deploy: stopped by {signal.Signals(signum).name} before the deployment was served"]
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is the caller's again
+
+
+def test_deploy_stopped_while_serving_ends_with_one_line(tmp_path, capsys, monkeypatch):
+    """Prefect's runner handles the signal while it serves (it pauses the schedule and returns): the
+    command then says so in one line of its own and exits 0."""
+    from flows import deploy
+
+    monkeypatch.setattr(deploy, "serve", lambda path, **kw: None)
+    assert deploy.main([str(tmp_path / "job.yaml")]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "flows.deploy: stopped; Prefect paused the deployment's schedule (serve it again to resume)"]
 
 
 def test_deploy_refuses_what_every_run_would_refuse_in_one_line_and_serves_nothing(tmp_path, capsys, monkeypatch):

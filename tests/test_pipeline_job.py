@@ -415,9 +415,31 @@ def test_input_that_is_not_parquet_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_missing_local_input_says_it_does_not_exist(tmp_path, monkeypatch):
+    """A local input path that does not exist had read "no Parquet files at <path>", as an empty folder
+    does; it is named, with the folder a relative path was read from."""
+    missing = tmp_path / "nope.parquet"
+    with pytest.raises(FileNotFoundError) as exc:
+        run_job(spec_for(missing, tmp_path / "out"), FakeLLM())
+    assert str(exc.value) == f"input {missing} does not exist"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError) as exc:
+        io.list_input_files(f"file://{missing}")
+    assert str(exc.value) == f"input file://{missing} does not exist"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as exc:
+        io.list_input_files("in/")
+    assert str(exc.value) == f"input in/ does not exist (read from the current folder, {tmp_path})"
+    (tmp_path / "in").mkdir()  # a folder that exists but holds no Parquet file keeps its own message
+    with pytest.raises(FileNotFoundError) as exc:
+        io.list_input_files("in/")
+    assert str(exc.value) == "no Parquet files at in/"
+
+
 def test_an_unreachable_http_input_says_so_naming_the_url_and_the_error(tmp_path):
     """fsspec's HTTP file system reads a refused connection as "no such file"; the user is told the
-    URL could not be reached, and a server that answers 404 still gets "no Parquet files"."""
+    URL could not be reached. A server that answers 404 is named with its status (it had been "no
+    Parquet files at <url>", as for an empty folder)."""
     import functools
     import http.server
     import socket
@@ -450,8 +472,13 @@ def test_an_unreachable_http_input_says_so_naming_the_url_and_the_error(tmp_path
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        with pytest.raises(FileNotFoundError, match=f"^no Parquet files at {base}/missing.parquet$"):
+        with pytest.raises(StorageError) as exc:
             io.list_input_files(f"{base}/missing.parquet")  # the server answered 404
+        assert str(exc.value) == f"cannot read {base}/missing.parquet: the server answered HTTP 404 (File not found)"
+        assert exc.value.kind == "not-found"
+        with pytest.raises(StorageError, match="the server answered HTTP 404"):
+            run_job(spec_for(f"{base}/missing.parquet", tmp_path / "out"), FakeLLM())
+        assert not (tmp_path / "out").exists()
         [f] = io.list_input_files(f"{base}/a.parquet")
         assert (f.path, f.num_rows) == (f"{base}/a.parquet", 3)
     finally:
@@ -561,6 +588,50 @@ def test_a_damaged_parquet_page_gives_a_printable_message_naming_the_file(tmp_pa
     with pytest.raises(StorageError) as exc:
         run_job(spec_for(path, tmp_path / "out"), FakeLLM())
     assert str(exc.value).isprintable() and "\\x" in str(exc.value), str(exc.value)
+
+
+def test_a_job_refused_for_a_damaged_input_leaves_no_folder_behind(tmp_path):
+    """The damage shows when the job plans, after it took the output's lease: the refusal left an empty
+    `out/_job/lease/`. The folders the lease created go with it; one that was there before stays."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.storage import StorageError
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(50)], "prompt": [f"prompt {i} " * 5 for i in range(50)]}),
+                   good, compression="NONE", use_dictionary=False)
+    start = pq.ParquetFile(good).metadata.row_group(0).column(1).data_page_offset
+    data = bytearray(good.read_bytes())
+    data[start + 20:start + 26] = b"\xff" * 6  # the prompt column's page header
+    bad = tmp_path / "in" / "bad.parquet"
+    bad.parent.mkdir()
+    bad.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(StorageError, match="cannot read .*bad.parquet"):
+        run_job(spec_for(bad, out), FakeLLM())
+    assert not out.exists()
+    (out / "mine").mkdir(parents=True)  # the user's own folder, with something in it: left as it was
+    with pytest.raises(StorageError, match="cannot read .*bad.parquet"):
+        run_job(spec_for(bad, out), FakeLLM())
+    assert sorted(p.name for p in out.iterdir()) == ["mine"]
+    bad.write_bytes(good.read_bytes())  # repaired: the job runs there as usual
+    run_job(spec_for(bad, out), FakeLLM())
+    assert read_output(out).height == 50 and (out / "_job" / "manifest.json").exists()
+
+
+def test_fake_llm_drops_a_character_cut_by_max_tokens_as_the_engine_does():
+    """FakeLLM's one token per byte cut "é" (2 bytes) and "🎉" (4) after a byte and wrote U+FFFD; the
+    engine's texts drop the cut character (`Tokenizer.decode_complete`), and so does FakeLLM's now."""
+    from engine import SamplingParams
+
+    def text(prompt: str, max_tokens: int) -> tuple[str, int]:
+        [out] = FakeLLM().generate([prompt], SamplingParams(max_tokens=max_tokens))
+        return out.outputs[0].text, len(out.outputs[0].token_ids)
+
+    assert [text("Say é", n) for n in (1, 2, 3, 5)] == [("", 1), ("é", 2), ("é0", 3), ("é0 ", 5)]
+    assert [text("Party 🎉", n) for n in (1, 3, 4)] == [("", 1), ("", 3), ("🎉", 4)]
+    assert FakeLLM().tokenizer.decode_complete(FakeLLM().tokenizer.encode("a\ufffd")) == "a\ufffd"  # a whole U+FFFD stays
 
 
 def test_printable_escapes_control_characters_and_caps_the_length():

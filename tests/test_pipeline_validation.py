@@ -352,13 +352,25 @@ def test_text_that_is_not_utf8_inside_messages_makes_its_row_an_error_row(tmp_pa
     assert (report.rows_ok, report.rows_error) == (2, 1)
 
 
-@pytest.mark.parametrize("field", ["max_tokens", "limit", "kv_cache_memory_bytes", "device_count", "shard_size", "seed"])
+@pytest.mark.parametrize("field", ["max_tokens", "limit", "kv_cache_memory_bytes", "device_count", "shard_size"])
 def test_an_integer_option_too_large_for_int64_is_refused_naming_it(tmp_path, field):
     """10**23 passed every bound and overflowed later ("int too big to convert"), after the lease was taken."""
     fields = {"input": write_input(tmp_path / "in.parquet"), "output": str(tmp_path / "out"), field: 10 ** 23}
     with pytest.raises(ValueError, match=re.escape(f"{field}\n  Value error, too large: at most 4,611,686,018,427,387,904")):
         JobSpec(**fields)
     assert JobSpec(**{**fields, field: 2 ** 62}).model_dump()[field] == 2 ** 62
+
+
+def test_the_job_seed_takes_the_engines_64_bit_range(tmp_path):
+    """The job's seed was held to 2**62 (the bound of counts) while `SamplingParams(seed=...)` took any
+    integer; both now take [-2**63, 2**63 - 1], what the sampler uses without losing bits."""
+    fields = {"input": write_input(tmp_path / "in.parquet"), "output": str(tmp_path / "out")}
+    for seed in (2 ** 63 - 1, 2 ** 62 + 1, -(2 ** 63)):
+        assert JobSpec(**fields, seed=seed).seed == seed
+    for seed in (2 ** 63, -(2 ** 63) - 1, 2 ** 80):
+        with pytest.raises(ValueError, match=re.escape("seed\n  Value error, must be in [-2**63, 2**63 - 1] "
+                                                       "(a 64-bit integer)")):
+            JobSpec(**fields, seed=seed)
 
 
 def test_a_lease_shorter_than_a_tenth_of_a_second_is_refused(tmp_path):

@@ -124,8 +124,9 @@ def test_objects_are_closed_by_default_everywhere_in_a_schema():
     assert SO(json=True).spec() is True and SO(json_object=True).spec() == {"type": "object"}
 
 
-def test_objects_in_an_intersection_stay_open():
-    """Closing one part of an `allOf` would forbid the keys the other parts declare."""
+def test_an_intersection_is_closed_as_a_whole_its_parts_stay_open():
+    """Closing one part of an `allOf` would forbid the keys the other parts declare; the schema holding
+    the `allOf` lists every part's keys and is closed instead (it had stayed open)."""
     base = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     user = {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {"properties": {"c": {}}}}}],
             "$defs": {"Base": base, "Other": base}}
@@ -133,8 +134,35 @@ def test_objects_in_an_intersection_stay_open():
     assert got["$defs"]["Base"] == base  # named by an allOf branch: open
     assert got["$defs"]["Other"] == {**base, "additionalProperties": False}
     part = got["allOf"][1]
-    assert "additionalProperties" not in part and "additionalProperties" not in got
+    assert "additionalProperties" not in part
     assert part["properties"]["b"] == {"properties": {"c": {}}, "additionalProperties": False}
+    assert (got["properties"], got["additionalProperties"]) == ({"a": {}, "b": {}}, False)  # a by the $ref
+    # a part that opens objects itself keeps the whole open; an allOf of no objects is left alone
+    opened = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}, "additionalProperties": True}]}
+    assert SO(json=opened).spec() == opened
+    strings = {"allOf": [{"type": "string", "minLength": 2}, {"maxLength": 4}]}
+    assert SO(json=strings).spec() == strings
+
+
+def test_an_intersection_accepts_what_every_part_accepts_and_no_other_key(eng):
+    """Two allOf parts that each define one property: an object with both keys is valid, one with a
+    key neither part defines is not (it was: the intersection stayed open), and each part's rule holds."""
+    from engine.structured.llguidance_backend import LLGuidanceBackend
+
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}
+    backend = LLGuidanceBackend(eng.tokenizer)
+
+    def accepts(text: str) -> bool:
+        ids = eng.tokenizer.encode(text, add_special_tokens=False)
+        return backend.compile(SO(json=schema)).matcher().validate_tokens(ids) == len(ids)
+
+    assert accepts('{"a":1,"b":"x"}')
+    assert not accepts('{"a":1,"b":"x","c":2}')
+    assert not accepts('{"a":"one","b":"x"}')
+    for text in ('{"a":1,"b":"x"}', '{"a":1,"b":"x","c":2}'):  # what a validator says of the schema as written
+        valid = jsonschema.Draft202012Validator(SO(json=schema).spec()).is_valid(json.loads(text))
+        assert valid == (text == '{"a":1,"b":"x"}')
 
 
 def test_readme_label_example_gives_exactly_its_keys(eng):
@@ -304,6 +332,35 @@ def test_bad_constraints_are_error_outputs_and_the_other_rows_run(eng):
     (SO(grammar='start: x\nx: "a" y'), 'grammar: unknown name: "y" at line 2, column 4'),
     (SO(grammar="start: /[/"), 'grammar: invalid regex "[": unclosed character class at offset 0 (line 1, column 8 '
                                'of the grammar)'),
+    # llguidance's Lark lexer says only "lexer error" and a position: the text there is named
+    (SO(grammar='start: "yes" | "no'), 'grammar: lexer error at line 1, column 19: unclosed string \'"no\''),
+    (SO(grammar='start: "a" $'), "grammar: lexer error at line 1, column 12: unexpected '$'"),
+    (SO(grammar="start: x\nx: 'a'"), 'grammar: lexer error at line 2, column 4: unexpected "\'a\'" (strings take double '
+                                     'quotes)'),
+    # GBNF: positions in the text as written (llguidance quoted 20 characters each side, or none)
+    (SO(grammar='root ::= "a" | "b'), 'grammar: read as GBNF (no start: rule): Unexpected end of input at line 1, '
+                                      'column 18: unclosed string \'"b\''),
+    (SO(grammar='start "a"'), 'grammar: read as GBNF (no start: rule): Expected ::= at line 1, column 7: unexpected '
+                              '\'"a"\''),
+    (SO(grammar='root ::= "y" x\nx ::= "a" | "b" y'), "grammar: read as GBNF (no start: rule): unknown rule 'y' at "
+                                                     "line 2, column 17"),
+    # converted, then refused by llguidance at a line of its Lark text: the GBNF rule and its line
+    (SO(grammar='root ::= "a" foo-bar\nfoo-bar ::= "b"{3,1}'), "grammar: read as GBNF (no start: rule): range end "
+                                                             "must be >= start, got (3, 1) in rule foo-bar (line 2)"),
+    # JSON Schema: the path inside the schema
+    (SO(json={"type": "object", "properties": {"age": {"type": "integr"}}}),
+     "json: Invalid type: integr (at properties.age.type)"),
+    (SO(json={"anyOf": [{"type": "string"}, {"type": "integr"}]}), "json: Invalid type: integr (at anyOf[1].type)"),
+    (SO(json={"properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "number", "minimum": "x"}}}),
+     "json: Expected f64 for 'minimum', got \"x\" (at $defs.A.minimum)"),
+    (SO(json={"properties": {"a": {"$ref": "#/$defs/gone"}}}), "json: Pointer '/$defs/gone' does not exist (at "
+                                                               "properties.a.$ref)"),
+    (SO(json={"properties": {"a b": {"type": "string", "pattern": "(ab"}}}),
+     'json: invalid regex "(ab": unclosed group at offset 0 (at properties["a b"].pattern)'),
+    # behind "required property 'a' is unsatisfiable": why it is
+    (SO(json={"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}},
+              "required": ["a"]}),
+     "json: Unsatisfiable schema: minimum (5) is greater than maximum (2) (at properties.a.minimum)"),
 ])
 def test_a_constraint_that_does_not_compile_is_one_line_naming_the_problem_and_where(eng, so, message):
     """llguidance reports six lines with carets; the error a user sees is one, the position kept."""

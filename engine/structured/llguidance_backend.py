@@ -15,13 +15,14 @@ import torch
 
 from .backend import CompiledGrammar, GrammarBackend, GrammarError, GrammarMatcher
 from .params import StructuredOutputsParams
+from .schema import locate_error
 
 
 _POSITION = re.compile(r"^(?:at )?(\d+)\((\d+)\): ")  # llguidance's "at 2(6): " (line, column in its grammar)
 _SHOWN_PATTERN_CHARS = 60
 
 
-def one_line_error(kind: str, message: str, pattern: str | None = None) -> str:
+def one_line_error(kind: str, message: str, pattern: str | None = None, grammar: str | None = None) -> str:
     """llguidance's report of a constraint that does not compile, as one line that keeps the position.
 
     llguidance writes the position in the grammar it compiled (`at 1(8): `), the problem, then a
@@ -30,12 +31,16 @@ def one_line_error(kind: str, message: str, pattern: str | None = None) -> str:
     keeps the reason and the position. For `kind` "regex", the offset (in characters, from 0) in
     the user's `pattern`, mapped back through llguidance's `\\d` -> `[0-9]` rewrite:
     `invalid regex "(ab": unclosed group at offset 0`. For "grammar", the line and column in the
-    grammar text (and the offset in a regex token there). Other kinds keep their first line.
+    grammar text (and the offset in a regex token there); a message that quotes no text of the
+    grammar (llguidance's bare "lexer error") gets the text at that position from `grammar`:
+    `lexer error at line 1, column 12: unexpected '$'`, `lexer error at line 1, column 19:
+    unclosed string '"no'`. Other kinds keep their first line.
 
     Args:
         kind: the constraint's kind ("regex", "grammar", "json", ...).
         message: llguidance's error text.
         pattern: the user's regex (kind "regex"), to report the offset in it.
+        grammar: the grammar text llguidance compiled (kind "grammar"), to quote the problem text.
 
     Returns:
         One line without the `structured_outputs.<kind>: ` prefix (never raises).
@@ -49,7 +54,10 @@ def one_line_error(kind: str, message: str, pattern: str | None = None) -> str:
     head = lines[0]
     if "regex parse error:" not in head:
         first = head.strip()
-        return f"{first} at line {line_col[0]}, column {line_col[1]}" if kind == "grammar" and line_col else first
+        if kind != "grammar" or not line_col:
+            return first
+        quoted = f": {_text_at(grammar, *line_col)}" if grammar is not None and not re.search(r"[\"']", first) else ""
+        return f"{first} at line {line_col[0]}, column {line_col[1]}{quoted}"
     reason = next((ln[len("error: "):].strip() for ln in lines[1:] if ln.startswith("error: ")), "regex parse error")
     compiled, offset = _regex_report_position(lines[1:])
     if kind == "regex" and pattern is not None:
@@ -102,6 +110,38 @@ def _shown(pattern: str) -> str:
     more = f"... ({len(pattern)} characters)" if len(pattern) > _SHOWN_PATTERN_CHARS else ""
     return f'"{text}"{more}'
 
+
+
+def _text_at(grammar: str, line: int, column: int) -> str:
+    """The grammar text at (1-based) `line` and `column`, for a message that names only the position:
+    the run of non-blank characters there (the line's last one when the position is past its end,
+    the grammar's last one past its last line), quoted, and called an unclosed string or regex when
+    it opens a `"` or `/` that its line never closes (llguidance's Lark has no single-quoted
+    strings: one is said to need double quotes)."""
+    lines = grammar.splitlines() or [""]
+    if line > len(lines):
+        line, column = len(lines), len(lines[-1]) + 1
+    text = lines[max(line, 1) - 1]
+    at = min(max(column - 1, 0), len(text))
+    while at > 0 and (at == len(text) or text[at].isspace()) and text[at - 1:at].strip():
+        at -= 1  # past the end of a word (or of the line): that word
+    if at == len(text) or text[at].isspace():
+        return "at the end of the line" if not text[:at].strip() or at == len(text) else "unexpected blank"
+    start = at
+    while start > 0 and not text[start - 1].isspace():
+        start -= 1
+    end = at
+    while end < len(text) and not text[end].isspace():
+        end += 1
+    word = text[start:end]
+    mark = '"' if "'" in word and '"' not in word else "'"
+    shown = mark + "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in word[:_SHOWN_PATTERN_CHARS]) + mark
+    quote = word[0]
+    if quote == "'":
+        return f"unexpected {shown} (strings take double quotes)"
+    if quote in '"/' and not re.search(rf"(?<!\\)(?:\\\\)*{re.escape(quote)}", text[start + 1:]):
+        return f"unclosed {'regex' if quote == '/' else 'string'} {shown}"
+    return f"unexpected {shown}"
 
 
 def _llg():
@@ -202,10 +242,11 @@ class LLGuidanceBackend(GrammarBackend):
                 return llg.LLMatcher.grammar_from_lark("start: /" + llg.regex_to_lark(spec, "d") + "/")
             if kind == "choice":
                 return llg.grammar_from("choice", list(spec))
-            return llg.grammar_from("grammar", spec)
+            return llg.LLMatcher.grammar_from_lark(_lark_of(spec))
+        except GrammarError:  # GBNF that does not convert, already said in one line
+            raise
         except (ValueError, TypeError) as exc:
-            raise GrammarError(f"structured_outputs.{kind}: {one_line_error(kind, str(exc), _regex_of(params))}") \
-                from None
+            raise GrammarError(f"structured_outputs.{kind}: {describe_error(params, str(exc))}") from None
 
     def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
         """Compile a validated constraint.
@@ -218,8 +259,7 @@ class LLGuidanceBackend(GrammarBackend):
         llg = _llg()
         m = llg.LLMatcher(self.tokenizer, self.grammar_text(params), log_level=0)
         if m.is_error():
-            problem = one_line_error(params.kind, m.get_error(), _regex_of(params))
-            raise GrammarError(f"structured_outputs.{params.kind}: {problem}")
+            raise GrammarError(f"structured_outputs.{params.kind}: {describe_error(params, m.get_error())}")
         return LLGuidanceGrammar(m)
 
     def fill_bitmasks(self, items: Sequence[tuple[GrammarMatcher, int, Sequence[int]]], bitmask: torch.Tensor) -> None:
@@ -265,4 +305,120 @@ def check_constraint(params: StructuredOutputsParams) -> str | None:
     except GrammarError as exc:
         return str(exc)
     err = llg.LLMatcher.validate_grammar(text, None)
-    return f"structured_outputs.{params.kind}: {one_line_error(params.kind, err, _regex_of(params))}" if err else None
+    return f"structured_outputs.{params.kind}: {describe_error(params, err)}" if err else None
+
+
+def describe_error(params: StructuredOutputsParams, message: str) -> str:
+    """llguidance's error for a validated constraint as one line that says what and where, without
+    the `structured_outputs.<kind>: ` prefix (never raises):
+
+    - regex: `one_line_error` (the offset in the pattern as written);
+    - Lark grammar: `one_line_error` with the grammar's text, so that a bare "lexer error" names
+      the text at its position;
+    - GBNF grammar (text with no `start:` rule): the problem and the rule it lies in, with that
+      rule's line in the text as written (llguidance's positions are in the Lark text it converted
+      the grammar to, which the user never saw);
+    - JSON Schema: the problem and where it lies in the schema (`schema.locate_error`):
+      `Invalid type: integr (at properties.age.type)`.
+    """
+    kind = params.kind
+    try:
+        if kind == "json":
+            spec = params.spec()
+            path, text = locate_error(spec, lambda sub: _schema_error(sub, params.disable_any_whitespace), message)
+            line = one_line_error(kind, text)
+            return f"{line} (at {path})" if path else line
+        if kind == "grammar" and not _is_lark(params.grammar):
+            return _gbnf_compiled_error(params.grammar, message)
+        if kind == "grammar":
+            return one_line_error(kind, message, grammar=params.grammar)
+    except Exception:  # noqa: BLE001 - locating is a courtesy; the plain one line is still right
+        pass
+    return one_line_error(kind, message, _regex_of(params))
+
+
+def _schema_error(schema: Any, disable_any_whitespace: bool) -> str | None:
+    """llguidance's error for a JSON Schema (its first compile step or validation), or None."""
+    llg = _llg()
+    try:
+        text = llg.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": not disable_any_whitespace})
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return llg.LLMatcher.validate_grammar(text, None) or None
+
+
+def _is_lark(text: str) -> bool:
+    """True for grammar text llguidance takes as Lark (a `start:` rule or `%llguidance`); else it is GBNF."""
+    from llguidance.gbnf_to_lark import is_lark_syntax
+
+    return is_lark_syntax(text)
+
+
+def _lark_of(text: str) -> str:
+    """Lark text of a grammar given as Lark or GBNF.
+
+    Raises:
+        GrammarError: GBNF that does not convert: the problem, its line and column and the text
+            there (`read as GBNF (no start: rule): Expected ::= at line 1, column 7: unexpected '"a"'`);
+            a rule that is used but never defined, at its first use.
+    """
+    if _is_lark(text):
+        return text
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+    head = "structured_outputs.grammar: read as GBNF (no start: rule): "
+    try:
+        return gbnf_to_lark(text)
+    except GbnfToLarkError as exc:
+        reason = str(exc).removesuffix(f" at {exc.pos}")
+        line, column = _line_column(text, exc.pos.pos)
+        raise GrammarError(f"{head}{reason} at line {line}, column {column}: {_text_at(text, line, column)}") from None
+    except Exception as exc:  # noqa: BLE001 - its rule checks raise plain Exceptions
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        missing = re.fullmatch(r"Rule '(.+)' not found", reason)
+        offset = _first_use(text, missing.group(1)) if missing else None
+        if offset is not None:
+            line, column = _line_column(text, offset)
+            reason = f"unknown rule '{missing.group(1)}' at line {line}, column {column}"
+        raise GrammarError(head + reason) from None
+
+
+def _line_column(text: str, offset: int) -> tuple[int, int]:
+    """1-based line and column of a character offset in `text`."""
+    line = text.count("\n", 0, offset) + 1
+    return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
+
+
+def _first_use(gbnf: str, name: str) -> int | None:
+    """Offset of the first use of rule `name` in GBNF text (a whole name, outside double quotes, not
+    its definition), or None."""
+    for m in re.finditer(rf"(?<![\w-]){re.escape(name)}(?![\w-])", gbnf):
+        before = gbnf[gbnf.rfind("\n", 0, m.start()) + 1:m.start()]
+        if len(re.findall(r'(?<!\\)"', before)) % 2 == 0 and not re.match(r"\s*::=", gbnf[m.end():]):
+            return m.start()
+    return None
+
+
+def _gbnf_compiled_error(gbnf: str, message: str) -> str:
+    """The error of GBNF that converted to Lark but does not compile: the problem, and the GBNF rule
+    (with its line as written) that the Lark line llguidance named came from."""
+    text = message.strip()
+    where = _POSITION.match(text)
+    problem = one_line_error("grammar", text[where.end():] if where else text)
+    out = f"read as GBNF (no start: rule): {problem}"
+    if where is None:
+        return out
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    lark_lines = gbnf_to_lark(gbnf).splitlines()
+    rule = None
+    for ln in reversed(lark_lines[:int(where.group(1))]):
+        if m := re.match(r"([A-Za-z_]\w*)\s*:", ln):
+            rule = m.group(1)
+            break
+    for m in re.finditer(r"^[ \t]*([\w-]+)[ \t]*::=", gbnf, re.MULTILINE):
+        name = m.group(1)
+        lark_name = "start" if name == "root" else re.sub(r"([a-z])([A-Z])", r"\1_\2", name.replace("-", "_"))
+        if rule is not None and lark_name.lower() == rule.lower():
+            return f"{out} in rule {name} (line {_line_column(gbnf, m.start(1))[0]})"
+    return out
