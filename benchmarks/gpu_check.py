@@ -6,7 +6,8 @@ time budget and shrinks its work, printing what it ran). Writes
 
 Sections:
 
-1. ``kernel_tests``: ``pytest tests/test_kernels.py`` on CUDA (fp32 and bf16).
+1. ``kernel_tests``: ``pytest tests/test_kernels.py tests/test_quant_kernels.py
+   tests/test_w8a8_triton.py`` on CUDA, compiled (fp32 and bf16).
 2. ``decode_attention``: the Triton split-K paged decode kernel on Llama-3-8B
    attention shapes (32 query heads, 8 KV heads, head dim 128, bf16, 16-token
    blocks scattered over the cache): achieved TB/s of K+V read, against the
@@ -46,7 +47,7 @@ Sections:
 
 Usage::
 
-    python -m benchmarks.gpu_check [--num-prompts 1000] [--skip tests,hf_peer,...]
+    python -m benchmarks.gpu_check [--num-prompts 1000] [--budget-s 460] [--skip kernel_tests,hf_peer,...]
     python -m benchmarks.gpu_check --cpu-smoke   # the same code paths, tiny shapes, Triton interpreter
 
 ``--cpu-smoke`` exists to test this script without a GPU: tiny model, tiny
@@ -143,7 +144,8 @@ def _paged_cache(batch: int, seq_len: int, hkv: int, d: int, bs: int, dtype, dev
 
 
 def run_kernel_tests(log: Log, args) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_kernels.py", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py", "tests/test_quant_kernels.py",
+           "tests/test_w8a8_triton.py", "-p", "no:cacheprovider"]
     log("running:", " ".join(cmd))
     t = time.perf_counter()
     try:
@@ -283,7 +285,7 @@ def run_throughput(log: Log, args, budget_s: float) -> tuple[dict, Any]:
     log(f"loaded {args.model} ({llm.dtype}, attention={llm.attention_backend}, "
         f"cuda_graphs={llm.runner.cuda_graphs is not None}) in {load_s:.1f}s; "
         f"{llm.num_total_blocks} KV blocks ({llm.num_total_blocks * llm.config.block_size} tokens)")
-    vocab = llm.model_config.vocab_size
+    vocab = min(llm.model_config.vocab_size, llm.tokenizer.vocab_size)  # ids the tokenizer accepts
     # warm-up: compiles the kernels, captures the decode graphs of the full batch and the small buckets
     t = time.perf_counter()
     llm.generate(_prompts(llm.config.max_num_seqs, 32, vocab, 99),
@@ -332,7 +334,7 @@ def run_profile(log: Log, args, llm) -> dict:
 
     from engine import SamplingParams
 
-    vocab = llm.model_config.vocab_size
+    vocab = min(llm.model_config.vocab_size, llm.tokenizer.vocab_size)  # ids the tokenizer accepts
     b = args.profile_batch
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     reqs = llm.make_requests(_prompts(b, 128, vocab, 3), [params] * b)
@@ -391,7 +393,7 @@ def run_speculation(log: Log, args) -> dict:
         spec = ({"speculative": None} if mode == "off" else
                 {"speculative_config": {"method": "draft_model", "draft_model": "target", "num_speculative_tokens": k}})
         llm = LLM(args.model, dtype=args.llm_dtype, device=args.device.type, **kw, **spec)
-        vocab = llm.model_config.vocab_size
+        vocab = min(llm.model_config.vocab_size, llm.tokenizer.vocab_size)  # ids the tokenizer accepts
         params = SamplingParams(temperature=0, max_tokens=args.spec_new_tokens, ignore_eos=True)
         llm.generate(_prompts(4, 16, vocab, 7), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
@@ -471,7 +473,7 @@ def run_tensor_parallel(log: Log, args, budget_s: float) -> dict:
         with LLM(args.tp_model, dtype=args.llm_dtype, device=args.device.type, tensor_parallel_size=n,
                  **args.tp_engine_kwargs) as llm:
             load_s = time.perf_counter() - t
-            vocab = llm.model_config.vocab_size
+            vocab = min(llm.model_config.vocab_size, llm.tokenizer.vocab_size)  # ids the tokenizer accepts
             params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
             t = time.perf_counter()
             llm.generate(_prompts(args.tp_pilot, in_len, vocab, 3), params, use_tqdm=False)
@@ -606,6 +608,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--skip", default="", help=f"comma-separated sections to skip: {','.join(SECTIONS)}")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_results")
+    ap.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S,
+                    help="seconds the whole check aims at; throughput and hf_peer shrink their prompt counts to fit")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -655,7 +659,7 @@ def main(argv=None) -> int:
     section("decode_attention", lambda: run_decode_attention(log, args))
     section("prefill_attention", lambda: run_prefill_attention(log, args))
     section("quant_gemm", lambda: run_quant_gemm(log, args))
-    left = TOTAL_BUDGET_S - log.elapsed
+    left = args.budget_s - log.elapsed
     tp = section("throughput", lambda: run_throughput(log, args, budget_s=max(30.0, 0.55 * left - 40)))
     llm = tp[1] if isinstance(tp, tuple) else None
     if llm is not None:
@@ -672,7 +676,7 @@ def main(argv=None) -> int:
     gc.collect()
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
-    left = TOTAL_BUDGET_S - log.elapsed
+    left = args.budget_s - log.elapsed
     section("hf_peer", lambda: run_hf_peer(log, args, budget_s=max(20.0, left - 30)))
     _load_model.cache_clear()
     gc.collect()

@@ -25,7 +25,9 @@ import triton.language as tl
 
 @triton.jit
 def _rint(x):
-    """Round half to even, in fp32 (adding and removing 1.5 * 2^23 does it for |x| < 2^22)."""
+    """Round half to even, in fp32 (adding and removing 1.5 * 2^23 does it for |x| < 2^22; the
+    kernel that uses it is compiled with enable_fp_fusion=False, or the add fuses with the product
+    before it into one FMA and skips the product's rounding)."""
     big = 12582912.0
     return (x + big) - big
 
@@ -38,11 +40,13 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, NG, GS: tl.con
     mask = (tl.arange(0, BLOCK) < GS) & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    # IEEE-rounded divisions (compiled for CUDA, `/` is an approximate division) and no FMA
+    # fusion (see _rint): without both, codes near a half differed from quantize_act_ref's on an H200
+    inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.maximum(amax, 1e-30)), 0.0)
     q = _rint(x * inv)
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     tl.store(q_ptr + row * stride_q + cols, q.to(tl.int8), mask=mask)
-    tl.store(s_ptr + row * NG + g, amax / 127.0)
+    tl.store(s_ptr + row * NG + g, tl.math.div_rn(amax, 127.0))
 
 
 def quantize_act(x: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +57,7 @@ def quantize_act(x: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, t
     scales = torch.empty(m, ng, dtype=torch.float32, device=x.device)
     if m:
         _quant_act_kernel[(m, ng)](x, codes, scales, k, x.stride(0), codes.stride(0), ng, GS=group_size,
-                                   BLOCK=triton.next_power_of_2(group_size))
+                                   BLOCK=triton.next_power_of_2(group_size), enable_fp_fusion=False)
     return codes, scales
 
 
@@ -125,13 +129,16 @@ def w8a8_matmul(codes: torch.Tensor, scales: torch.Tensor, w_codes: torch.Tensor
 
 def w8a8_matmul_ref(codes: torch.Tensor, scales: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
                     group_size: int = 64, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """PyTorch reference of `w8a8_matmul` (int64 sums per group, fp64 accumulation), fp32 out."""
+    """PyTorch reference of `w8a8_matmul` (exact integer sums per group, fp64 accumulation), fp32 out.
+
+    The group sums are fp64 matmuls of the integer codes: exact (|sum| <= K * 127^2 < 2^53), and
+    available on CUDA, which has no int64 matmul."""
     m, k = codes.shape
     y = torch.zeros(m, w_codes.shape[0], dtype=torch.float64, device=codes.device)
     for g in range(scales.shape[1]):
         sl = slice(g * group_size, min((g + 1) * group_size, k))
-        part = codes[:, sl].to(torch.int64) @ w_codes[:, sl].to(torch.int64).t()
-        y += part.double() * scales[:, g].double()[:, None]
+        part = codes[:, sl].double() @ w_codes[:, sl].double().t()
+        y += part * scales[:, g].double()[:, None]
     y = y * w_scale.double()[None, :]
     if bias is not None:
         y += bias.double()
