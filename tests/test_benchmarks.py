@@ -317,6 +317,31 @@ def test_f32_conversion_holds_the_dequantized_values_exactly(tmp_path):
         convert_to_f16(src, tmp_path / "x.gguf", "BF16")
 
 
+def test_staged_default_model_is_found_without_the_wheel_and_holds_every_field_but_no_tensor(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import gguf
+
+    from benchmarks.gguf_f16 import stage_default_model
+    from engine.tokenizer import resolve_default_gguf
+
+    staged = stage_default_model(tmp_path)
+    a, b = gguf.GGUFReader(resolve_default_gguf()), gguf.GGUFReader(staged)
+    fa = {k: (f.types, f.contents()) for k, f in a.fields.items() if not k.startswith("GGUF.")}
+    fb = {k: (f.types, f.contents()) for k, f in b.fields.items() if not k.startswith("GGUF.")}
+    assert fa == fb and list(fa) == list(fb) and len(a.tensors) > 0 and len(b.tensors) == 0
+    # the staged folder first on PYTHONPATH: the default model resolves to the stand-in
+    code = "import json; from engine.tokenizer import resolve_default_gguf as r; print(json.dumps(r()))"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert json.loads(out.stdout) == str(staged)
+
+
 def test_f16_copy_is_cached_by_the_source_hash(tmp_path):
     from benchmarks.gguf_f16 import f16_gguf_path
 
