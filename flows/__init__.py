@@ -9,6 +9,9 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
-from flows.batch_generate import batch_generate, generate_window  # noqa: E402
+from pipeline.startup import interrupts_end_the_command  # noqa: E402
+
+with interrupts_end_the_command():  # `python -m flows.deploy` imports this package first: prefect, torch
+    from flows.batch_generate import batch_generate, generate_window  # noqa: E402
 
 __all__ = ["batch_generate", "generate_window"]

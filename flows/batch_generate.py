@@ -64,6 +64,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
+from prefect.exceptions import ExternalSignal
 from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
@@ -73,11 +74,15 @@ from pipeline.job import (
     abort_job, add_steps, default_worker, engine_lock, job_device, plan_windows, run_window,
 )
 from pipeline.lease import LeaseToken
-from pipeline.manifest import read_marker
+from pipeline.manifest import committed_by_run, read_marker
 from pipeline.planner import Shard
-from pipeline.storage import secret_keys
+from pipeline.storage import StorageError, secret_keys
 
 PROGRESS_KEY = "tokenmill-progress"
+# What stops the flow itself rather than failing a window: Ctrl-C, and the termination Prefect raises in a
+# flow run's process on SIGTERM. (One arriving while a window's result was being counted was taken for that
+# window's failure, and the flow then ran every remaining window before it stopped.)
+_INTERRUPTS = (KeyboardInterrupt, ExternalSignal)
 REPORT_KEY = "tokenmill-cost-report"
 
 
@@ -289,6 +294,55 @@ def _resources(spec: JobSpec, runner: Any) -> contextlib.AbstractContextManager:
     return dask.annotate(resources={"GPU": 1})
 
 
+def _settle_windows(futures: list[Any], collect: Any, logger: Any) -> None:
+    """After a Ctrl-C (or a termination) reached the flow with window tasks in flight: cancel the windows
+    that have not started, and wait for the running ones to end (each ends after its window, committing
+    the shards it finishes, as it would have), counting what they return with `collect`, so the run's
+    cost row is booked after its last commit, not before. A second Ctrl-C stops the wait (one line
+    says so): the run then books what is committed by then, and gives its lease back, so the window
+    still running commits nothing more (a shard it is committing at that moment may be missing from
+    the row). On a Dask cluster cancelling a future also cancels a running window; its worker may go
+    on computing, but commits nothing once the lease is given back.
+    """
+    try:
+        running = []
+        for fut in futures:
+            wrapped = getattr(fut, "wrapped_future", None)
+            if wrapped is None or not wrapped.cancel():  # a concurrent.futures future: only a window not started
+                running.append(fut)
+        if not running:
+            return
+        logger.warning("interrupted: waiting for the %d window(s) in flight to finish, so this run's cost counts "
+                       "every shard it commits (Ctrl-C again to stop waiting)", len(running))
+        for fut in running:
+            try:
+                collect(fut)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # noqa: BLE001 - a window that failed: its commits are read back from storage
+                pass
+    except KeyboardInterrupt:
+        logger.warning("interrupted again: not waiting for the window in flight; booking what this run "
+                       "committed so far and giving the output's lease back (the window commits nothing more)")
+
+
+def _committed_without_result(plan: Any, results: list[ShardResult], exc: BaseException,
+                              logger: Any) -> list[ShardResult]:
+    """The shards this run committed that no window result reported (a window that failed or was
+    interrupted after some of its commits), read back from their done markers (`manifest.committed_by_run`);
+    none after a storage failure (the store is not answering) or when they cannot be read."""
+    counted = {r.index for r in results}
+    names = [s.name for s in plan.pending if s.index not in counted]
+    if not names or (isinstance(exc, StorageError) and exc.endpoint_failed):
+        return []
+    try:
+        return committed_by_run(plan.spec.output, names, plan.run_id, plan.spec.storage_options)
+    except StorageError as read_exc:
+        logger.warning("could not read back this run's done markers (%s); its cost row counts the windows "
+                       "that returned", read_exc)
+        return []
+
+
 @flow(name="batch-generate", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
 def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float = 5.0,
                    storage_secret: Optional[str] = None) -> dict[str, Any]:
@@ -346,26 +400,50 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
             retry_delay_seconds=exponential_backoff(backoff_factor=retry_delay_s) if retry_delay_s > 0 else 0,
         )
         token = plan.lease.token() if plan.lease is not None else None
+        done_rows = 0
+        failure: Optional[BaseException] = None
+
+        collected: set[int] = set()  # the window futures counted (or failed)
+
+        def collect(fut: Any) -> None:
+            """Count a finished window's result once (raises what the window raised)."""
+            nonlocal done_rows
+            try:
+                value = fut.result()
+            except _INTERRUPTS:
+                raise
+            except BaseException:
+                collected.add(id(fut))
+                raise
+            if id(fut) in collected:
+                return
+            run = WindowRun.from_json(value)
+            collected.add(id(fut))
+            runs.append(run)
+            results.extend(run.results)
+            done_rows += sum(r.rows for r in run.results)
+            update_progress_artifact(progress_id, 100.0 * done_rows / max(todo_rows, 1))
+
         with _cluster_runner(spec) as runner:
-            futures = []
-            with _resources(spec, runner):
-                for window in windows:
-                    params = dict(spec=spec, window=window, run_id=plan.run_id, lease=token,
-                                  storage_secret=storage_secret, columns=plan.columns, structured=plan.structured)
-                    futures.append(runner.submit(window_task, parameters=params) if runner is not None
-                                   else window_task.submit(**params))
-            done_rows = 0
-            failure: Optional[BaseException] = None
-            for fut in as_completed(futures):
-                try:
-                    run = WindowRun.from_json(fut.result())
-                except BaseException as exc:  # noqa: BLE001 - let the other windows finish, then fail
-                    failure = failure or exc
-                    continue
-                runs.append(run)
-                results.extend(run.results)
-                done_rows += sum(r.rows for r in run.results)
-                update_progress_artifact(progress_id, 100.0 * done_rows / max(todo_rows, 1))
+            futures: list[Any] = []
+            try:
+                with _resources(spec, runner):
+                    for window in windows:
+                        params = dict(spec=spec, window=window, run_id=plan.run_id, lease=token,
+                                      storage_secret=storage_secret, columns=plan.columns,
+                                      structured=plan.structured)
+                        futures.append(runner.submit(window_task, parameters=params) if runner is not None
+                                       else window_task.submit(**params))
+                for fut in as_completed(futures):
+                    try:
+                        collect(fut)
+                    except _INTERRUPTS:
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - let the other windows finish, then fail
+                        failure = failure or exc
+            except BaseException:  # Ctrl-C (or Prefect's TerminationSignal) with windows in flight
+                _settle_windows([f for f in futures if id(f) not in collected], collect, logger)
+                raise
         if failure is not None:
             raise failure
         steps = None
@@ -374,6 +452,7 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
         report = finish_job(plan, results, model=spec.model, quantization=quantization(),
                             device=job_device(plan, results), engine_steps=steps, device_count=device_count())
     except BaseException as exc:
+        results.extend(_committed_without_result(plan, results, exc, logger))
         abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
                   device=job_device(plan, results, look_up=False), device_count=device_count())
         raise

@@ -42,8 +42,10 @@ The flow runs of a served deployment execute in a new process that loads
 Stopping it (Ctrl-C, SIGTERM) ends with one line of its own, `flows.deploy: stopped ...`, exit
 status 0 once Prefect has paused the deployment's schedule (its runner shuts down on either
 signal and logs that it paused it), 128 + the signal's number when the signal came before the
-deployment was served (while the spec was read or the deployment registered), where it had
-printed the traceback of whatever Prefect was waiting on.
+deployment was served (while the spec was read, the temporary server started or the deployment
+registered), where it had printed the traceback of whatever Prefect was waiting on. Without a
+configured server (`PREFECT_API_URL`) the command starts Prefect's temporary server itself
+(`start_temporary_server`), so that an interrupt during that start stops it at once.
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ def serve(path: str, *, name: Optional[str] = None, cron: Optional[str] = None) 
     from flows.batch_generate import batch_generate
 
     spec, dep = load_deployment(path, name=name, cron=cron)
+    start_temporary_server()
     params: dict[str, Any] = {"spec": spec.model_dump(mode="json")}
     for key in ("shard_retries", "retry_delay_s", "storage_secret"):
         if key in dep:
@@ -125,6 +128,47 @@ def serve(path: str, *, name: Optional[str] = None, cron: Optional[str] = None) 
         tags=list(dep.get("tags") or ["tokenmill"]),
         description=f"tokenmill batch job {spec.input} -> {spec.output}",
     )
+
+
+def start_temporary_server() -> None:
+    """Start Prefect's temporary API server in this thread when no server is configured (no
+    `PREFECT_API_URL`), before `flow.serve` would start it from Prefect's event-loop thread: there
+    a Ctrl-C did not reach the start, which went on until the server answered or its startup timeout
+    (90 s, see flows/__init__.py) ran out, a second Ctrl-C ignored too. Here an interrupt (Ctrl-C,
+    or SIGTERM through `_stop_on_sigterm`) stops the server process it started and goes on up (so the
+    command ends with its one line); Prefect then finds the server running and uses it.
+
+    Raises:
+        KeyboardInterrupt: the start was interrupted; the server process is stopped.
+        RuntimeError: the server did not answer within the startup timeout (Prefect's message).
+    """
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    try:
+        server.start()
+    except BaseException:
+        _stop_server(server)
+        raise
+
+
+def _stop_server(server: Any) -> None:
+    """Stop a temporary server whose start was cut short: terminate its process, kill it after 5 s or at
+    another interrupt, and drop Prefect's record of it."""
+    proc = server.server_process
+    try:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=5)
+    except BaseException:  # a second Ctrl-C, or it did not stop within 5 s
+        proc.kill()
+        proc.wait()
+    finally:
+        server.stop()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

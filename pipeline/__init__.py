@@ -5,30 +5,33 @@
 
 `pipeline` imports `engine`, never `prefect`; the Prefect flow lives in `flows/`.
 """
-from pipeline.cost import CostReport, TokenCounts, cost_report, format_report
-from pipeline.job import (
-    JobInterrupted,
-    JobPlan,
-    JobSpec,
-    JobSpecChanged,
-    ShardResult,
-    WindowRun,
-    abort_job,
-    booked_report,
-    cache_llm,
-    done_shards,
-    finish_job,
-    get_llm,
-    plan_windows,
-    prepare_job,
-    read_metrics,
-    run_job,
-    run_shards,
-    run_window,
-    validate_spec,
-)
-from pipeline.lease import JobLocked, LeaseLost
-from pipeline.storage import StorageError
+from pipeline.startup import interrupts_end_the_command
+
+with interrupts_end_the_command():  # a Ctrl-C while torch etc. load: the command's one line, not a traceback
+    from pipeline.cost import CostReport, TokenCounts, cost_report, format_report
+    from pipeline.job import (
+        JobInterrupted,
+        JobPlan,
+        JobSpec,
+        JobSpecChanged,
+        ShardResult,
+        WindowRun,
+        abort_job,
+        booked_report,
+        cache_llm,
+        done_shards,
+        finish_job,
+        get_llm,
+        plan_windows,
+        prepare_job,
+        read_metrics,
+        run_job,
+        run_shards,
+        run_window,
+        validate_spec,
+    )
+    from pipeline.lease import JobLocked, LeaseLost
+    from pipeline.storage import StorageError
 
 __all__ = [
     "CostReport", "JobInterrupted", "JobLocked", "JobPlan", "JobSpec", "JobSpecChanged", "LeaseLost", "ShardResult",

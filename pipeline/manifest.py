@@ -164,6 +164,27 @@ def read_marker(output: str, shard_name: str, storage_options: dict[str, Any]) -
     return ShardResult.from_json(d) if d is not None else None
 
 
+def committed_by_run(output: str, shard_names: list[str], run_id: str,
+                     storage_options: dict[str, Any]) -> list[ShardResult]:
+    """The shards among `shard_names` whose done marker run `run_id` wrote (its `run_id` field), in the
+    order given: what a run committed, read back from storage, for a run that books its cost without
+    every window's result (a window task that failed or was interrupted after some commits returns
+    none of them). One listing of the done folder, then one read per marker among `shard_names`.
+
+    Raises:
+        StorageError: the folder or a marker could not be read.
+    """
+    present = set(io.list_names(job_url(output, "done"), storage_options))
+    out = []
+    for name in shard_names:
+        marker = name.replace(".parquet", ".json")
+        if marker in present:
+            d = io.read_json(job_url(output, "done", marker), storage_options)
+            if d is not None and d.get("run_id") == run_id:
+                out.append(ShardResult.from_json(d))
+    return out
+
+
 def shard_workers(output: str, storage_options: dict[str, Any]) -> dict[int, str]:
     """Which worker committed each done shard, by index (from the done markers)."""
     return {i: r.worker for i, r in done_shards(output, storage_options).items()}

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import polars as pl
+import pytest
 
 from pipeline.cli import build_parser, main, spec_from_args
 
@@ -692,3 +694,72 @@ def test_an_internal_error_is_one_line_with_the_traceback_on_verbose(tmp_path, c
     assert main([*argv, "--verbose"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "RuntimeError: the kernel exploded" in err
+
+
+# Put first on PYTHONPATH as sitecustomize.py: holds the process at its first `import torch` (the heavy
+# imports every command starts with) once it has written GATE_READY, until a signal ends the wait.
+IMPORT_GATE = """
+import os, sys, time
+
+class _Gate:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            open(os.environ["GATE_READY"], "w").close()
+            while True:
+                time.sleep(0.02)
+        return None
+
+sys.meta_path.insert(0, _Gate())
+"""
+# what pip writes for the `tokenmill` console script
+CONSOLE_SCRIPT = """import re
+import sys
+from pipeline.cli import main
+if __name__ == '__main__':
+    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
+    sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("command,signum", [("tokenmill", signal.SIGINT), ("tokenmill", signal.SIGTERM),
+                                            ("flows.deploy", signal.SIGINT)])
+def test_an_interrupt_while_the_command_imports_torch_ends_in_one_line(tmp_path, command, signum):
+    """A Ctrl-C in the first second or two of `tokenmill run` or `python -m flows.deploy` (while torch,
+    polars and prefect load) printed a Python traceback (a SIGTERM ended it without a word); it now
+    prints the line of an interrupt before the job started, exit 128 + the signal."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "sitecustomize.py").write_text(IMPORT_GATE)
+    (tmp_path / "tokenmill").write_text(CONSOLE_SCRIPT)
+    ready = tmp_path / "ready"
+    env = {**os.environ, "GATE_READY": str(ready),
+           "PYTHONPATH": os.pathsep.join([str(gate), str(root), os.environ.get("PYTHONPATH", "")])}
+    args = ([str(tmp_path / "tokenmill"), "run", "--input", "in.parquet", "--output", "out"]
+            if command == "tokenmill" else ["-m", "flows.deploy", "job.yaml"])
+    proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # a file the child writes: nothing to wait on but the file system
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the command never reached `import torch`"
+            time.sleep(0.02)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    line = {"tokenmill": "tokenmill: interrupted before the job started (nothing written); re-run the same "
+                         "command to start",
+            "flows.deploy": f"flows.deploy: stopped by {signal.Signals(signum).name} before the deployment was "
+                            f"served"}[command]
+    assert (proc.returncode, err.splitlines(), out) == (128 + signum, [line], "")
+    assert not (tmp_path / "out").exists()

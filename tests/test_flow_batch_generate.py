@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="tokenmill-prefect-"))
@@ -352,3 +354,118 @@ def test_flow_refuses_negative_shard_retries_before_anything_is_written(prefect_
             batch_generate(spec, retry_delay_s=bad)
         assert str(exc.value) == f"retry_delay_s must be a number of seconds >= 0 (the first retry's delay), got {bad!r}"
     assert not (tmp_path / "out").exists()
+
+
+def _fake_engine_job(tmp_path, monkeypatch, on_output, seed: int) -> JobSpec:
+    """9 rows in tmp_path/in.parquet, 3 shards of 3, one shard per window (3 window tasks in plan order),
+    run by a FakeLLM registered for this spec only (its own seed: no other test gets it)."""
+    import pipeline.job as job
+    from pipeline.testing import FakeLLM
+
+    pl.DataFrame({"id": [f"q{i}" for i in range(9)], "prompt": [f"Name thing {i}." for i in range(9)]}).write_parquet(
+        tmp_path / "in.parquet")
+    spec = JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), max_tokens=2 + seed % 3,
+                   shard_size=3, shards_in_flight=1, plan="input", progress=False, seed=seed)
+    monkeypatch.setitem(job._ENGINES, job._engine_key(spec), FakeLLM(on_output=on_output))
+    return spec
+
+
+def _part_token_sums(output: str, names: list[str]) -> tuple[int, int, int]:
+    df = pl.concat([pl.read_parquet(os.path.join(output, n)) for n in names])
+    return df.height, int(df["prompt_tokens"].sum()), int(df["completion_tokens"].sum())
+
+
+def test_ctrl_c_mid_flow_books_every_row_the_interrupted_run_committed(prefect_api, tmp_path, monkeypatch):
+    """A Ctrl-C while window 2 ran booked the run's cost from the windows collected so far (window 1),
+    while window 2 went on and committed its part file: its rows were in no cost row, and a resume skipped
+    them. The interrupted run's row now counts every shard it committed, and the resume books the rest."""
+    import pipeline.manifest as manifest
+
+    from flows import batch_generate
+
+    flow_module = sys.modules["flows.batch_generate"]  # (`flows.batch_generate` is the flow itself)
+    sigint_seen, window2_committed = threading.Event(), threading.Event()
+
+    def on_sigint(signum, frame):
+        sigint_seen.set()
+        raise KeyboardInterrupt
+
+    def ctrl_c_in_window_2(n):  # n: outputs so far; 3 is window 2's first (window 1 has committed)
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # the flow's thread (the main one) gets the KeyboardInterrupt
+            assert sigint_seen.wait(10)
+
+    real_mark_done, real_abort = manifest.mark_done, flow_module.abort_job
+
+    def mark_done(output, name, *args, **kw):
+        result = real_mark_done(output, name, *args, **kw)
+        if name == "part-00001.parquet":
+            window2_committed.set()
+        return result
+
+    def slow_booking(*args, **kw):  # window 2 commits while the interrupted run books (a slow store)
+        assert window2_committed.wait(20), "window 2 did not commit"
+        return real_abort(*args, **kw)
+
+    spec = _fake_engine_job(tmp_path, monkeypatch, ctrl_c_in_window_2, seed=7301)
+    monkeypatch.setattr(manifest, "mark_done", mark_done)
+    monkeypatch.setattr(flow_module, "abort_job", slow_booking)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            batch_generate(spec, shard_retries=0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    parts = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
+    assert parts == ["part-00000.parquet", "part-00001.parquet"]  # window 3 never started
+    rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
+    m = read_metrics(spec.output)
+    assert m["status"].to_list() == ["interrupted"]
+    row = m.row(0, named=True)
+    assert (row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (rows, prompt_tokens,
+                                                                                completion_tokens)
+    assert (rows, completion_tokens) == (6, 6 * spec.max_tokens)
+
+    monkeypatch.setattr(flow_module, "abort_job", real_abort)
+    report = batch_generate(spec, shard_retries=0)  # the resume computes and books only window 3
+    rows3, prompt3, completion3 = _part_token_sums(spec.output, ["part-00002.parquet"])
+    assert (report["status"], report["rows_skipped"], report["rows_ok"]) == ("ok", 6, 3)
+    assert (report["prompt_tokens"], report["completion_tokens"]) == (prompt3, completion3)
+    m = read_metrics(spec.output)
+    everything = _part_token_sums(spec.output, [f"part-{i:05d}.parquet" for i in range(3)])
+    assert (int(m["rows_ok"].sum()), int(m["prompt_tokens"].sum()), int(m["completion_tokens"].sum())) == everything
+
+
+def test_a_second_ctrl_c_stops_waiting_for_the_window_in_flight():
+    """After the first Ctrl-C the flow cancels the windows not started and waits for the running one; a
+    second Ctrl-C during that wait ends the wait (one line says so) instead of escaping the booking."""
+    import concurrent.futures
+
+    import flows  # noqa: F401  (loads flows.batch_generate)
+
+    settle = sys.modules["flows.batch_generate"]._settle_windows
+
+    class Window:
+        def __init__(self, started: bool):
+            self.wrapped_future = concurrent.futures.Future()
+            if started:
+                self.wrapped_future.set_running_or_notify_cancel()  # running: cancel() refuses
+
+        def result(self):
+            raise KeyboardInterrupt  # the second Ctrl-C, while the flow waits for this window
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def warning(self, msg, *args):
+            self.lines.append(msg % args)
+
+    running, queued, log = Window(started=True), Window(started=False), Log()
+    settle([running, queued], lambda fut: fut.result(), log)
+    assert queued.wrapped_future.cancelled() and not running.wrapped_future.cancelled()
+    assert log.lines == [
+        "interrupted: waiting for the 1 window(s) in flight to finish, so this run's cost counts every shard it "
+        "commits (Ctrl-C again to stop waiting)",
+        "interrupted again: not waiting for the window in flight; booking what this run committed so far and "
+        "giving the output's lease back (the window commits nothing more)"]

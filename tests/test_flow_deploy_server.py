@@ -120,3 +120,54 @@ def test_served_deployment_runs_to_completion(prefect_server, tmp_path):
     assert sorted(ids) == ["a", "b", "c"]
     m = read_metrics(str(out))
     assert m["status"].to_list() == ["ok"] and m["rows_ok"].to_list() == [3]
+
+
+# `python -m flows.deploy` whose temporary Prefect server never answers (a slow machine's start, stretched
+# out): the server process ignores SIGINT (as a server process does when the terminal's Ctrl-C goes only to
+# the command) and records its pid; the deploy module runs as `python -m flows.deploy` does.
+NEVER_ANSWERS = """
+import os, runpy, subprocess, sys
+from prefect.server.api.server import SubprocessASGIServer
+def never_answers(self):
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                             "time.sleep(600)"])
+    with open(os.environ["SERVER_PID_FILE"], "w") as f:
+        f.write(str(proc.pid))
+    return proc
+SubprocessASGIServer._run_uvicorn_command = never_answers
+sys.argv = ["flows.deploy", *sys.argv[1:]]
+runpy.run_module("flows.deploy", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_the_temporary_server_starts_stops_it_and_exits_in_one_line(tmp_path):
+    """Without PREFECT_API_URL, `flow.serve` started Prefect's temporary server from Prefect's event-loop
+    thread: a Ctrl-C then waited for the start's 90 s timeout (a second one was ignored too). The command
+    now starts the server itself; a Ctrl-C during the start stops the server process and ends in the
+    command's one line, exit 130."""
+    import psutil
+
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(f"spec:\n  input: {tmp_path / 'in.parquet'}\n  output: {tmp_path / 'out'}\n"
+                         f"deployment:\n  cron: '0 2 * * *'\n")
+    pid_file = tmp_path / "server.pid"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "SERVER_PID_FILE": str(pid_file),
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    proc = subprocess.Popen([sys.executable, "-c", NEVER_ANSWERS, str(spec_file)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait("the temporary server's start", pid_file.exists, 120, [proc])
+        server = psutil.Process(int(pid_file.read_text()))
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - signalled < 15  # it waited for the 90 s startup timeout
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == "flows.deploy: stopped by SIGINT before the deployment was served", err
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE  # the server process was stopped
