@@ -34,6 +34,10 @@ def seed_problem(name: str, value: Any, none_ok: bool = False) -> Optional[str]:
     return None
 
 
+# completions per prompt: n = 10**9 was accepted and built a Sequence per completion until memory ran out
+MAX_N = 4096
+
+
 @dataclass
 class EngineConfig:
     """Engine-level settings (vLLM-style names).
@@ -279,7 +283,7 @@ class SamplingParams:
     """Per-request sampling settings (the fields and meanings of vLLM's SamplingParams).
 
     Attributes:
-        n: number of completions for the prompt.
+        n: number of completions for the prompt, 1 to MAX_N (4096).
         temperature: 0 means greedy (argmax); otherwise logits are divided by it,
             raised to 0.01 when it is smaller (as vLLM does: logits divided by
             1e-39 overflow fp32; `engine.sampler.MIN_TEMPERATURE`).
@@ -367,6 +371,8 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             return f"n must be an integer >= 1, got {self.n!r}"
+        if self.n > MAX_N:
+            return f"n must be at most {MAX_N:,} (completions per prompt), got {self.n:,}"
         if not is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             return f"temperature must be a finite number >= 0, got {self.temperature!r}"
         if not is_num(self.top_p) or math.isnan(self.top_p) or not (0.0 < self.top_p <= 1.0):

@@ -375,6 +375,15 @@ def _grammar_error(seq: Sequence) -> Optional[str]:
     return f"structured_outputs.{seq.request.params.structured_outputs.kind}: {g.error_message()}"
 
 
+def _error_outputs(params: Any) -> int:
+    """How many error completions a refused request gets: its n when that is a valid count (one
+    per completion asked for), else 1 (an n of 10**9 is refused, not answered a billion times)."""
+    from .config import MAX_N
+
+    n = getattr(params, "n", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+
+
 def _is_valid(seq: Sequence, tokenizer: Any) -> Optional[bool]:
     """For a constrained sequence (None for others): finished with "stop" and its grammar accepts
     the output text. A row cut by a stop string is valid only when the cut falls on a token
@@ -1264,7 +1273,7 @@ class LLM:
             if m.finish_time is None:
                 m.finish_time = time.time()
             outs = [CompletionOutput(index=j, text="", token_ids=[], finish_reason="error", error=req.error)
-                    for j in range(max(1, req.params.n if isinstance(req.params.n, int) and req.params.n > 0 else 1))]
+                    for j in range(_error_outputs(req.params))]
         else:
             outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
                                      finish_reason=s.finish_reason, logprobs=s.logprobs, stop_reason=s.stop_reason,

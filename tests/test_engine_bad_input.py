@@ -467,3 +467,20 @@ def test_generate_refuses_prompts_and_sampling_params_of_the_wrong_type_naming_w
     assert len(llm.generate((p for p in ["Hi"]), None, use_tqdm=False)) == 1
     outs = llm.generate([None, "Hi"], [sp, None], use_tqdm=False)
     assert [o.error for o in outs] == ["prompt is null", "sampling_params: expected SamplingParams, got NoneType"]
+
+
+def test_a_huge_n_is_refused_naming_the_limit_in_the_api_and_a_job(small_llm, tmp_path):
+    """n = 10**9 was accepted: a job took its lease and built a Sequence per completion until the
+    machine ran out of memory. It is now an error output (API) and a refused option (job)."""
+    from engine.config import MAX_N
+    from pipeline import JobSpec, validate_spec
+
+    assert SamplingParams(n=MAX_N).validate() is None
+    message = f"n must be at most {MAX_N:,} (completions per prompt), got 1,000,000,000"
+    assert SamplingParams(n=10 ** 9).validate() == message
+    bad, good = small_llm.generate(["Hello", "Hello"], [SamplingParams(n=10 ** 9, max_tokens=2),
+                                                        SamplingParams(n=2, max_tokens=2)], use_tqdm=False)
+    assert bad.error == message and bad.outputs[0].finish_reason == "error"
+    assert good.error is None and len(good.outputs) == 2
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_spec(JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), n=10 ** 9))
