@@ -245,47 +245,42 @@ TM_INLINE vf reduce_vl(const vf part[VL]) {
 
 /* acc[x] += sum_u p[x][u0 + u] V[u] over `seg` keys, for QG queries (compile-time), D/VL vectors
  * each, all held in registers: each V row is loaded once for every query. With AVX2 (16 vector
- * registers) and `sliced`, the sums are kept for CS of the D / VL vectors at a time instead
- * (QG * CS <= 8: no spills) and the keys swept once per slice; the slices are disjoint, so each
- * V vector is still loaded (and widened) once, and every sum takes the same FMAs in the same
- * order either way. Sliced is for V rows already in cache (a tile of several rows: its first
- * group of queries brought them in); over cold rows, the sweeps wait on memory one line at a
- * time. Measured with benchmarks/attention_ab.py --prefill on a 2-core Zen 3 (AVX2): fp16 cache
- * 533 -> 382 ms, fp32 454 -> 430 ms; decode tiles (one row) keep the unsliced loop, under which
- * the sliced one ran 6-14% slower over a cold fp32 cache. */
+ * registers) the sums are kept for CS of the D / VL vectors at a time instead (QG * CS <= 12, with
+ * one register for the V vector and one for the broadcast weight: no spills) and the keys swept once
+ * per slice; the slices are disjoint, so each V vector is still loaded (and widened) once, and every
+ * sum takes the same FMAs in the same order as with all D / VL in registers. Three queries (a GQA
+ * group of 3 over head_dim 64, SmolLM2's decode tiles) take slices of 4 vectors: an fp16 row's
+ * cache line, or half an fp32 row, per sweep. Measured with benchmarks/attention_ab.py on a 2-core
+ * Zen 3 (AVX2): prefill (slices of 2 then), fp16 cache 533 -> 382 ms, fp32 454 -> 430 ms; decode,
+ * batch 64 over a cold cache, against all 24 sums in registers (which spilled): fp16 16.3 -> 14.7
+ * and 20.1 -> 16.3 ms, int8 14.7-16.4 -> 12.6-14.1 ms, fp32 20.5-22.8 -> 20.1-21.9 ms. */
 TM_INLINE void pv_regs(const int QG, const int D, const int kv, float (*acc)[TM_MAX_D],
-                       const float (*p)[TM_CHUNK + VL], int64_t u0, const char *vb, int64_t rb, int64_t seg,
-                       int sliced) {
+                       const float (*p)[TM_CHUNK + VL], int64_t u0, const char *vb, int64_t rb, int64_t seg) {
 #if !defined(TM_AVX512)
-    if (sliced) {
-        const int CS0 = QG == 1 ? 8 : (QG == 2 ? 4 : (QG <= 4 ? 2 : 1));
-        const int CS = CS0 < D / VL ? CS0 : D / VL;
+    const int CS0 = QG == 1 ? 8 : (QG <= 3 ? 4 : (QG == 4 ? 2 : 1));
+    const int CS = CS0 < D / VL ? CS0 : D / VL;
 #pragma GCC unroll 1
-        for (int c0 = 0; c0 < D / VL; c0 += CS) {
-            vf a[6][8];
+    for (int c0 = 0; c0 < D / VL; c0 += CS) {
+        vf a[6][8];
 #pragma GCC unroll 6
-            for (int x = 0; x < QG; ++x)
+        for (int x = 0; x < QG; ++x)
 #pragma GCC unroll 8
-                for (int c = 0; c < CS; ++c) a[x][c] = V_LOAD(acc[x] + (c0 + c) * VL);
-            for (int64_t u = 0; u < seg; ++u) {
-                const char *vr = vb + u * rb;
+            for (int c = 0; c < CS; ++c) a[x][c] = V_LOAD(acc[x] + (c0 + c) * VL);
+        for (int64_t u = 0; u < seg; ++u) {
+            const char *vr = vb + u * rb;
 #pragma GCC unroll 8
-                for (int c = 0; c < CS; ++c) {
-                    const vf v = load_row(vr, (c0 + c) * VL, kv);
+            for (int c = 0; c < CS; ++c) {
+                const vf v = load_row(vr, (c0 + c) * VL, kv);
 #pragma GCC unroll 6
-                    for (int x = 0; x < QG; ++x) a[x][c] = V_FMA(V_SET1(p[x][u0 + u]), v, a[x][c]);
-                }
+                for (int x = 0; x < QG; ++x) a[x][c] = V_FMA(V_SET1(p[x][u0 + u]), v, a[x][c]);
             }
-#pragma GCC unroll 6
-            for (int x = 0; x < QG; ++x)
-#pragma GCC unroll 8
-                for (int c = 0; c < CS; ++c) V_STORE(acc[x] + (c0 + c) * VL, a[x][c]);
         }
-        return;
+#pragma GCC unroll 6
+        for (int x = 0; x < QG; ++x)
+#pragma GCC unroll 8
+            for (int c = 0; c < CS; ++c) V_STORE(acc[x] + (c0 + c) * VL, a[x][c]);
     }
 #else
-    (void)sliced;
-#endif
     vf a[6][TM_MAX_D / VL];
 #pragma GCC unroll 6
     for (int x = 0; x < QG; ++x)
@@ -307,6 +302,7 @@ TM_INLINE void pv_regs(const int QG, const int D, const int kv, float (*acc)[TM_
     for (int x = 0; x < QG; ++x)
 #pragma GCC unroll 16
         for (int c = 0; c < D / VL; ++c) V_STORE(acc[x] + c * VL, a[x][c]);
+#endif
 }
 
 /* The same, one query at a time (any count and head_dim), skipping queries that see none of
@@ -742,12 +738,12 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
             if (gsz > 0) {
                 for (int64_t x0 = 0; x0 < qg; x0 += gsz) {
                     switch (qg - x0 < gsz ? qg - x0 : gsz) {
-                        case 1: pv_regs(1, D, kv, acc + x0, sb + x0, u0, vb, rb, seg, nr > 1); break;
-                        case 2: pv_regs(2, D, kv, acc + x0, sb + x0, u0, vb, rb, seg, nr > 1); break;
-                        case 3: pv_regs(3, D, kv, acc + x0, sb + x0, u0, vb, rb, seg, nr > 1); break;
-                        case 4: pv_regs(4, D, kv, acc + x0, sb + x0, u0, vb, rb, seg, nr > 1); break;
-                        case 5: pv_regs(5, D, kv, acc + x0, sb + x0, u0, vb, rb, seg, nr > 1); break;
-                        default: pv_regs(6, D, kv, acc + x0, sb + x0, u0, vb, rb, seg, nr > 1); break;
+                        case 1: pv_regs(1, D, kv, acc + x0, sb + x0, u0, vb, rb, seg); break;
+                        case 2: pv_regs(2, D, kv, acc + x0, sb + x0, u0, vb, rb, seg); break;
+                        case 3: pv_regs(3, D, kv, acc + x0, sb + x0, u0, vb, rb, seg); break;
+                        case 4: pv_regs(4, D, kv, acc + x0, sb + x0, u0, vb, rb, seg); break;
+                        case 5: pv_regs(5, D, kv, acc + x0, sb + x0, u0, vb, rb, seg); break;
+                        default: pv_regs(6, D, kv, acc + x0, sb + x0, u0, vb, rb, seg); break;
                     }
                 }
             } else {
