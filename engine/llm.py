@@ -47,7 +47,7 @@ from .threads import apply_num_threads, default_num_threads
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from .weights import DEFAULT_MODEL, ModelConfig, load_model_weights, model_config, resolve_model
 
-PromptType = Union[str, list[int]]
+PromptType = Union[str, list[int], Mapping]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_DEFAULT_CAP = 2 << 30  # bytes
 
@@ -96,25 +96,51 @@ def _model_string(source) -> str:
 
 def _prompt_list(prompts) -> list:
     """prompts as a list: a single string is one prompt (iterating it would give one prompt per
-    character), and so is a flat, non-empty list (or tuple) of ints, one tokenized prompt, as vLLM
-    reads it (`generate([1, 2, 3])` is `generate([[1, 2, 3]])`, not three int prompts); anything
-    else is taken as a sequence of prompts (each a string or a list of token ids; a bad one becomes
-    an error output, never an exception).
+    character), and so is a single prompt dict and a flat, non-empty list (or tuple) of ints, one
+    tokenized prompt, as vLLM reads it (`generate([1, 2, 3])` is `generate([[1, 2, 3]])`, not three
+    int prompts); anything else is taken as a sequence of prompts (each a string, a list of token
+    ids or a prompt dict; a bad one becomes an error output, never an exception).
 
     Raises:
-        TypeError: prompts is None, a dict, bytes or not iterable (the message says what is accepted).
+        TypeError: prompts is None, bytes or not iterable (the message says what is accepted).
     """
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(_is_token_id(t) for t in prompts):
         return [list(prompts)]
     try:
-        if prompts is None or isinstance(prompts, (bytes, bytearray, Mapping)):
+        if prompts is None or isinstance(prompts, (bytes, bytearray)):
             raise TypeError
         return list(prompts)
     except TypeError:
-        raise TypeError(f"prompts must be a string or a sequence of prompts (strings or lists of token ids), got "
+        raise TypeError(f"prompts must be a string or a sequence of prompts (strings, lists of token ids or "
+                        f"prompt dicts), got "
                         f"{type(prompts).__name__} {reprlib.repr(prompts)}") from None
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _from_prompt_dict(prompt: Mapping) -> tuple[Any, Optional[str]]:
+    """A vLLM-style prompt dict as (what make_requests reads, the text for RequestOutput.prompt).
+
+    `{"prompt": text}` (vLLM's TextPrompt) is the text; `{"prompt_token_ids": ids}` (TokensPrompt)
+    is the token ids, and takes precedence when both keys are given, as in vLLM (its "prompt" is
+    then only reported back). Any other key (multi-modal data, ...) is refused, as a _BadPrompt
+    naming it, and so is a dict with neither key.
+    """
+    extra = sorted(str(k) for k in prompt if k not in PROMPT_DICT_KEYS)
+    if extra:
+        return _BadPrompt(f"prompt: unsupported key(s) {extra}; a prompt dict takes 'prompt' (text) or "
+                          f"'prompt_token_ids'"), None
+    if "prompt_token_ids" in prompt:
+        ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+        if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
+            return _BadPrompt(f"prompt_token_ids: must be a list of token ids (ints), got {reprlib.repr(ids)}"), None
+        return list(ids), text if isinstance(text, str) else None
+    if "prompt" in prompt:
+        return prompt["prompt"], None
+    return _BadPrompt("prompt: a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got an empty dict"), None
 
 
 def _is_token_id(value: Any) -> bool:
@@ -373,6 +399,14 @@ def _grammar_error(seq: Sequence) -> Optional[str]:
     if g is None or not g.is_error():
         return None
     return f"structured_outputs.{seq.request.params.structured_outputs.kind}: {g.error_message()}"
+
+
+def _cumulative_logprob(seq: Sequence) -> Optional[float]:
+    """Sum of the sampled tokens' logprobs (natural log) when logprobs were asked for, else None
+    (vLLM's `cumulative_logprob`); tokens a grammar forced (no logprob entry) add nothing."""
+    if seq.logprobs is None:
+        return None
+    return float(sum(lp[tok] for tok, lp in zip(seq.output_token_ids, seq.logprobs) if lp is not None and tok in lp))
 
 
 def _error_outputs(params: Any) -> int:
@@ -718,6 +752,13 @@ class LLM:
         """KV blocks in the pool."""
         return self.block_pool.num_blocks
 
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer the engine encodes with (a `transformers` fast tokenizer), as
+        vLLM's `LLM.get_tokenizer()` returns it: `apply_chat_template(messages, tokenize=False,
+        add_generation_prompt=True)`, `encode`, `decode`. `LLM.tokenizer` is the engine's wrapper of
+        it (EOS ids, incremental detokenizing)."""
+        return self.tokenizer.hf
+
     def compute_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """Last-position logits of a prompt, [vocab_size] float32 on the CPU.
 
@@ -1042,9 +1083,10 @@ class LLM:
         """Generate completions for every prompt; outputs in input order.
 
         Args:
-            prompts: strings, or lists of token ids; a single string is one prompt (as in vLLM),
-                not a sequence of one-character prompts, and a flat list of ints is one tokenized
-                prompt (`[1, 2, 3]` is `[[1, 2, 3]]`, as in vLLM).
+            prompts: strings, lists of token ids, or vLLM's prompt dicts (`{"prompt": text}`,
+                `{"prompt_token_ids": ids}`; see `_from_prompt_dict`); a single string or dict is one
+                prompt (as in vLLM), not a sequence of one-character prompts, and a flat list of ints
+                is one tokenized prompt (`[1, 2, 3]` is `[[1, 2, 3]]`, as in vLLM).
             sampling_params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar (requests done, input and output tokens/s).
 
@@ -1066,7 +1108,7 @@ class LLM:
         unless `--truncate`.
 
         Raises:
-            TypeError: prompts that are not a string or a sequence of prompts (None, a dict, a number), or
+            TypeError: prompts that are not a string, a prompt dict or a sequence of prompts (None, a number), or
                 sampling_params that is not a SamplingParams or a sequence of them (a dict, a string).
             ValueError: only for a sampling_params list whose length differs from prompts.
         """
@@ -1181,6 +1223,13 @@ class LLM:
         valid one gets its n Sequences, seeded (a request without a seed draws from the engine's).
         """
         vocab = self.tokenizer.vocab_size
+        shown: dict[int, str] = {}  # a TokensPrompt's own "prompt" text, reported back as RequestOutput.prompt
+        prompts = list(prompts)
+        for i, p in enumerate(prompts):
+            if isinstance(p, Mapping):
+                prompts[i], text = _from_prompt_dict(p)
+                if text is not None:
+                    shown[i] = text
         texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str) and prompt_text_error(p) is None]
         encoded = dict(zip((i for i, _ in texts), self.tokenizer.encode_batch([p for _, p in texts]))) if texts else {}
         now = time.time()
@@ -1199,6 +1248,7 @@ class LLM:
                     error = "prompt is empty after tokenization"
             elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
                 ids = list(prompt)
+                text = shown.get(i)
                 if not ids:
                     error = "prompt is empty"
                 elif any(t < 0 or t >= vocab for t in ids):
@@ -1277,11 +1327,12 @@ class LLM:
         else:
             outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
                                      finish_reason=s.finish_reason, logprobs=s.logprobs, stop_reason=s.stop_reason,
-                                     valid=_is_valid(s, self.tokenizer), num_forced_tokens=s.num_forced_tokens)
+                                     valid=_is_valid(s, self.tokenizer), num_forced_tokens=s.num_forced_tokens,
+                                     cumulative_logprob=_cumulative_logprob(s))
                     if (problem := _grammar_error(s)) is None else
                     CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids, finish_reason="error",
                                      logprobs=s.logprobs, error=problem, valid=False,
-                                     num_forced_tokens=s.num_forced_tokens)
+                                     num_forced_tokens=s.num_forced_tokens, cumulative_logprob=_cumulative_logprob(s))
                     for s in req.seqs]
         m.output_tokens = sum(len(o.token_ids) for o in outs)
         cached = req.seqs[0].num_cached_tokens if req.seqs else 0

@@ -26,6 +26,8 @@ class CompletionOutput:
         label_logprobs: for scoring (`SamplingParams.score_choices`): each choice's
             log-probability (natural log, the sum over its tokens) given the prompt; `text`
             is then the most likely choice.
+        cumulative_logprob: when SamplingParams.logprobs is set, the sum of the generated
+            tokens' logprobs (natural log; tokens a grammar forced add nothing), else None.
     """
 
     index: int
@@ -38,6 +40,7 @@ class CompletionOutput:
     valid: Optional[bool] = None
     num_forced_tokens: int = 0
     label_logprobs: Optional[dict[str, float]] = None
+    cumulative_logprob: Optional[float] = None
 
 
 @dataclass

@@ -438,9 +438,9 @@ def test_scoring_refuses_bad_token_ids_and_choices_naming_the_parameter(small_ll
 
 
 def test_generate_refuses_prompts_and_sampling_params_of_the_wrong_type_naming_what_it_takes(small_llm):
-    """A dict or a string as sampling_params, or None (a number, a dict) as prompts, is a TypeError; a dict was
+    """A dict or a string as sampling_params, or None (a number, bytes) as prompts, is a TypeError; a dict was
     taken as its keys (one error output per key, or a length mismatch) and None was `'NoneType' object is not
-    iterable`. A prompt inside the list that is None stays an error output (`prompt is null`), as a job row."""
+    iterable`. (A dict as prompts is one vLLM prompt dict: test_vllm_prompt_dicts_...) A prompt inside the list that is None stays an error output (`prompt is null`), as a job row."""
     llm = small_llm
     sp = SamplingParams(temperature=0, max_tokens=1)
 
@@ -454,10 +454,11 @@ def test_generate_refuses_prompts_and_sampling_params_of_the_wrong_type_naming_w
         takes + "dict {'max_tokens': 2}; build one with SamplingParams(**...)")
     assert raised(lambda: llm.generate(["Hi", "Yo"], "ab", use_tqdm=False)) == takes + "str 'ab'"
     assert raised(lambda: llm.generate(["Hi"], 5, use_tqdm=False)) == takes + "int 5"
-    prompts = "prompts must be a string or a sequence of prompts (strings or lists of token ids), got "
+    prompts = ("prompts must be a string or a sequence of prompts (strings, lists of token ids or prompt dicts), "
+               "got ")
     assert raised(lambda: llm.generate(None, sp, use_tqdm=False)) == prompts + "NoneType None"
     assert raised(lambda: llm.generate(5, sp, use_tqdm=False)) == prompts + "int 5"
-    assert raised(lambda: llm.generate({"prompt": "Hi"}, sp, use_tqdm=False)) == prompts + "dict {'prompt': 'Hi'}"
+    assert raised(lambda: llm.generate(b"Hi", sp, use_tqdm=False)) == prompts + "bytes b'Hi'"
     assert raised(lambda: list(llm.iter_outputs(None, sp, use_tqdm=False))) == prompts + "NoneType None"
 
     # what vLLM takes still works: one SamplingParams, a sequence of them (any kind), None for the defaults
@@ -484,3 +485,41 @@ def test_a_huge_n_is_refused_naming_the_limit_in_the_api_and_a_job(small_llm, tm
     assert good.error is None and len(good.outputs) == 2
     with pytest.raises(ValueError, match=re.escape(message)):
         validate_spec(JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), n=10 ** 9))
+
+
+def test_vllm_prompt_dicts_get_tokenizer_and_cumulative_logprob(small_llm):
+    """vLLM's prompt dicts work as its strings and token lists do: `{"prompt": text}` is the text,
+    `{"prompt_token_ids": ids}` the ids (its "prompt", if given, only reported back), one dict alone is one
+    prompt; a dict with another key or neither is an error output naming it. `get_tokenizer()` is the HF
+    tokenizer. With logprobs, `cumulative_logprob` is the sum of the sampled tokens' logprobs; without, None."""
+    llm = small_llm
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    text = "The capital of France is"
+    [want] = llm.generate([text], sp, use_tqdm=False)
+    ids = want.prompt_token_ids
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, {"prompt_token_ids": tuple(ids), "prompt": "x"},
+                         {"prompt": text, "multi_modal_data": {}}, {}, {"prompt_token_ids": "1 2"}, {"prompt": None}],
+                        sp, use_tqdm=False)
+    for o in outs[:3]:
+        assert o.error is None and o.prompt_token_ids == ids and o.outputs[0].token_ids == want.outputs[0].token_ids
+    assert [o.prompt for o in outs[:3]] == [text, None, "x"]
+    assert [o.error for o in outs[3:]] == [
+        "prompt: unsupported key(s) ['multi_modal_data']; a prompt dict takes 'prompt' (text) or 'prompt_token_ids'",
+        "prompt: a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got an empty dict",
+        "prompt_token_ids: must be a list of token ids (ints), got '1 2'",
+        "prompt is null"]
+    [single] = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)
+    assert single.outputs[0].token_ids == want.outputs[0].token_ids
+    [streamed] = list(llm.iter_outputs({"prompt": text}, sp, use_tqdm=False))
+    assert streamed.outputs[0].token_ids == want.outputs[0].token_ids
+
+    hf = llm.get_tokenizer()
+    assert hf is llm.tokenizer.hf and hf.encode(text) == llm.tokenizer.encode(text)
+    assert hf.decode(want.outputs[0].token_ids) == want.outputs[0].text
+
+    assert want.outputs[0].cumulative_logprob is None
+    [lp] = llm.generate([text], SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)
+    c = lp.outputs[0]
+    assert c.token_ids == want.outputs[0].token_ids and len(c.logprobs) == 4
+    picked = [step[t] for t, step in zip(c.token_ids, c.logprobs)]
+    assert c.cumulative_logprob == pytest.approx(sum(picked), abs=1e-6) and c.cumulative_logprob < 0
