@@ -305,6 +305,9 @@ class SamplingParams:
         presence_penalty / frequency_penalty: OpenAI-style additive penalties
             on output tokens; 0.0 is off.
         logprobs: number of top log-probabilities returned per generated token.
+        prompt_logprobs: number of top log-probabilities returned per prompt token (with the
+            prompt's own token; 0: only that one), in `RequestOutput.prompt_logprobs`. They
+            come from a scoring pass over the prompt before generation (one more prefill).
         skip_special_tokens: drop special tokens from the text.
         structured_outputs: a `StructuredOutputsParams` (json / regex / choice / grammar /
             json_object) the output must match, or None; a dict of its fields is accepted.
@@ -329,6 +332,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
     score_choices: Optional[Sequence[str]] = None
@@ -403,6 +407,9 @@ class SamplingParams:
                 return f"{name} must be in [-2, 2], got {v!r}"
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0 or self.logprobs > 20):
             return f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}"
+        pl = self.prompt_logprobs
+        if pl is not None and (not is_int(pl) or pl < 0 or pl > 20):
+            return f"prompt_logprobs must be an integer in [0, 20] or None, got {pl!r}"
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 return (f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields), got "

@@ -810,14 +810,23 @@ class LLM:
             seqs = [_token_id_list(s, f"token_ids[{i}]", vocab) for i, s in enumerate(token_ids)]
         else:
             seqs = [_token_id_list(token_ids, "token_ids", vocab)]
-        bs, budget = self.config.block_size, chunk_size or self.config.max_num_batched_tokens
         if any(len(s) > self.max_model_len for s in seqs):
             raise ValueError(f"each sequence must have 1..{self.max_model_len} tokens")
-        need = [-(-len(s) // bs) for s in seqs]
+        need = [-(-len(s) // self.config.block_size) for s in seqs]
         if sum(need) > self.num_free_blocks:
             raise ValueError(f"sequences need {sum(need)} KV blocks, {self.num_free_blocks} are free")
-        tables = [self.block_pool.allocate(n) for n in need]  # scratch, never prefix-cached
-        out: list[list[torch.Tensor]] = [[] for _ in seqs]
+        return [lp for lp, _, _ in self._prefill_logprobs(seqs, chunk_size or self.config.max_num_batched_tokens)]
+
+    def _prefill_logprobs(self, seqs: list[list[int]], budget: int, top_k: int = 0
+                          ) -> list[tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """Prefill `seqs` together (steps of at most `budget` tokens, scratch KV blocks never
+        prefix-cached) with logits at every position; per sequence, over its positions t = 1..len-1:
+        log p(token t | tokens < t) [len - 1] float32, and with top_k > 0 the k largest logprobs
+        [len - 1, k] float32 and their token ids [len - 1, k] int64 (else None, None); all on the CPU.
+        The caller checks that the sequences fit the free blocks and max_model_len."""
+        bs = self.config.block_size
+        tables = [self.block_pool.allocate(-(-len(s) // bs)) for s in seqs]
+        out: list[list[tuple]] = [[] for _ in seqs]
         done = [0] * len(seqs)
         try:
             with torch.inference_mode():
@@ -839,13 +848,53 @@ class LLM:
                         m = min(n, len(seqs[i]) - 1 - p0)  # the last token predicts nothing
                         if m > 0:
                             tgt = torch.tensor(seqs[i][p0 + 1: p0 + 1 + m], device=lp.device)
-                            out[i].append(lp[row: row + m].gather(1, tgt[:, None]).squeeze(1).cpu())
+                            part = lp[row: row + m]
+                            top = part.topk(top_k, dim=-1) if top_k > 0 else None
+                            out[i].append((part.gather(1, tgt[:, None]).squeeze(1).cpu(),
+                                           None if top is None else top.values.cpu(),
+                                           None if top is None else top.indices.cpu()))
                         row += n
                         done[i] += n
         finally:
             for t in tables:
                 self.block_pool.free(t)
-        return [torch.cat(o) if o else torch.zeros(0) for o in out]
+        res = []
+        for o in out:
+            if not o:
+                res.append((torch.zeros(0), None if top_k <= 0 else torch.zeros(0, top_k),
+                            None if top_k <= 0 else torch.zeros(0, top_k, dtype=torch.long)))
+                continue
+            res.append((torch.cat([a for a, _, _ in o]), None if top_k <= 0 else torch.cat([b for _, b, _ in o]),
+                        None if top_k <= 0 else torch.cat([c for _, _, c in o])))
+        return res
+
+    def _add_prompt_logprobs(self, reqs: list[Request]) -> None:
+        """Fill `prompt_logprobs` of the valid requests that ask for them (`SamplingParams.prompt_logprobs`),
+        by a scoring pass over their prompts before generation, in groups that fit the free KV blocks; a
+        prompt that alone does not fit them becomes an error output naming the blocks it needs."""
+        todo = [r for r in reqs if r.error is None and r.params.prompt_logprobs is not None]
+        bs = self.config.block_size
+        while todo:
+            free, group = self.num_free_blocks, []
+            while todo and -(-len(todo[0].prompt_token_ids) // bs) <= free:
+                free -= -(-len(todo[0].prompt_token_ids) // bs)
+                group.append(todo.pop(0))
+            if not group:
+                r = todo.pop(0)
+                r.error = (f"prompt_logprobs: the prompt needs {-(-len(r.prompt_token_ids) // bs)} KV blocks, "
+                           f"{self.num_free_blocks} are free")
+                continue
+            k = max(r.params.prompt_logprobs for r in group)
+            results = self._prefill_logprobs([r.prompt_token_ids for r in group],
+                                             self.config.max_num_batched_tokens, k)
+            for r, (tok_lp, top_v, top_i) in zip(group, results):
+                kr, ids = r.params.prompt_logprobs, r.prompt_token_ids
+                rows: list[Optional[dict[int, float]]] = [None]
+                for t in range(len(ids) - 1):
+                    d = {} if kr == 0 else dict(zip(top_i[t, :kr].tolist(), top_v[t, :kr].tolist()))
+                    d[ids[t + 1]] = float(tok_lp[t])
+                    rows.append(d)
+                r.prompt_logprobs = rows
 
     def score_choices(self, prompt_token_ids: list[int], choices: Seq[str]) -> dict[str, float]:
         """Log-probability of each choice as the continuation of one prompt (scoring mode);
@@ -1186,6 +1235,7 @@ class LLM:
         in_tok = out_tok = 0
         last_update = 0.0
         try:
+            self._add_prompt_logprobs(requests)
             self._score_requests([r for r in requests if r.error is None and r.params.score_choices is not None])
             for r in requests:
                 if r.error is not None or r.scores is not None:
@@ -1318,7 +1368,8 @@ class LLM:
             outs = [CompletionOutput(index=0, text=label, token_ids=[], finish_reason="stop", valid=True,
                                      label_logprobs=dict(req.scores))]
             return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                                 outputs=outs, finished=True, num_cached_tokens=0, metrics=m)
+                                 outputs=outs, finished=True, num_cached_tokens=0, metrics=m,
+                                 prompt_logprobs=req.prompt_logprobs)
         if req.error is not None:
             if m.finish_time is None:
                 m.finish_time = time.time()
@@ -1340,4 +1391,5 @@ class LLM:
         if error is None and outs and all(o.finish_reason == "error" for o in outs):
             error = outs[0].error  # every completion failed (a grammar the backend gave up on)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outs, finished=True, num_cached_tokens=cached, metrics=m, error=error)
+                             outputs=outs, finished=True, num_cached_tokens=cached, metrics=m, error=error,
+                             prompt_logprobs=req.prompt_logprobs if error is None else None)

@@ -90,6 +90,10 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timings and token counts.
         error: request-level error (also copied into each completion), else None.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs` = k, per prompt token a dict
+            {token_id: logprob} of the prompt's own token and the k most likely ones (natural
+            log of the model's raw distribution given the tokens before it); None for the first
+            token, which nothing predicts (vLLM's layout). None when not asked for.
     """
 
     request_id: str
@@ -100,3 +104,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None

@@ -107,6 +107,8 @@ class Request:
         metrics: timings and counts.
         scores: for a scoring request (`SamplingParams.score_choices`), each choice's
             log-probability once scored, else None.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs`, per prompt token a dict
+            {token_id: logprob} (None for the first token), once computed, else None.
     """
 
     request_id: str
@@ -118,6 +120,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: Optional[str] = None
     scores: Optional[dict[str, float]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     @property
     def is_finished(self) -> bool:

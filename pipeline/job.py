@@ -793,6 +793,9 @@ def validate_spec(spec: JobSpec) -> None:
         raise ValueError(f"invalid sampling option: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else exc}; "
                          f"known: {known} (the rest have options of their own: "
                          f"{', '.join(sorted(SAMPLING_FIELDS))})") from None
+    if params.prompt_logprobs is not None:  # the engine would score every prompt once more for nothing
+        raise ValueError("invalid sampling option: prompt_logprobs: a job writes no prompt logprobs "
+                         "(LLM.generate returns them, LLM.score too)")
     problem = params.validate()
     if problem is not None:
         raise ValueError(f"invalid default sampling parameters: {problem}")

@@ -11,6 +11,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 
@@ -523,3 +524,40 @@ def test_vllm_prompt_dicts_get_tokenizer_and_cumulative_logprob(small_llm):
     assert c.token_ids == want.outputs[0].token_ids and len(c.logprobs) == 4
     picked = [step[t] for t, step in zip(c.token_ids, c.logprobs)]
     assert c.cumulative_logprob == pytest.approx(sum(picked), abs=1e-6) and c.cumulative_logprob < 0
+
+
+def test_prompt_logprobs_match_score_and_the_logits_and_leave_generation_as_it_was(small_llm):
+    """`SamplingParams(prompt_logprobs=k)`: per prompt token after the first, a dict of the token's own logprob
+    (exactly `LLM.score`'s) and the k most likely tokens (those of log_softmax(compute_logits(prefix)));
+    entry 0 is None, as in vLLM. The completion is the one generated without it; k outside [0, 20] is an
+    error output naming the parameter."""
+    llm = small_llm
+    free = llm.num_free_blocks
+    ids = llm.tokenizer.encode("The capital of France is Paris, and the capital of Spain is")
+    other = llm.tokenizer.encode("Once upon a time")
+    plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    outs = llm.generate([ids, other, ids], [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3),
+                                            SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0),
+                                            SamplingParams(temperature=0, max_tokens=4)], use_tqdm=False)
+    got, zero, none = outs
+    assert got.outputs[0].token_ids == plain.outputs[0].token_ids == none.outputs[0].token_ids
+    assert none.prompt_logprobs is None and plain.prompt_logprobs is None
+    assert len(got.prompt_logprobs) == len(ids) and got.prompt_logprobs[0] is None
+    [want] = llm.score([ids])
+    assert [d[t] for d, t in zip(got.prompt_logprobs[1:], ids[1:])] == want.tolist()
+    [want_other] = llm.score([other])
+    assert zero.prompt_logprobs[0] is None
+    assert [list(d) for d in zero.prompt_logprobs[1:]] == [[t] for t in other[1:]]
+    assert [d[t] for d, t in zip(zero.prompt_logprobs[1:], other[1:])] == want_other.tolist()
+    for t in (1, 5, len(ids) - 1):
+        ref = torch.log_softmax(llm.compute_logits(ids[:t]).float(), dim=-1).topk(3)
+        d = got.prompt_logprobs[t]
+        top = sorted(d.items(), key=lambda kv: -kv[1])
+        assert set(ref.indices.tolist()) <= set(d) and len(d) in (3, 4)  # the prompt's token may be a 4th
+        for tok, v in zip(ref.indices.tolist(), ref.values.tolist()):
+            assert d[tok] == pytest.approx(v, abs=1e-4)
+        assert top[0][0] == ref.indices[0].item()
+    bad = llm.generate([ids] * 3, [SamplingParams(prompt_logprobs=v) for v in (-1, 21, "2")], use_tqdm=False)
+    assert [o.error for o in bad] == [f"prompt_logprobs must be an integer in [0, 20] or None, got {v!r}"
+                                      for v in (-1, 21, "2")]
+    assert llm.num_free_blocks == free  # the scoring pass's scratch blocks are all returned

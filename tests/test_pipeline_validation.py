@@ -33,6 +33,8 @@ BAD_OPTIONS = [
                                            "'block_size'"),
     ({"sampling_options": {"top_q": 0.5}}, "invalid sampling option: unknown 'top_q'; known: ['frequency_penalty', "
                                            "'ignore_eos', 'logprobs', 'min_p', 'min_tokens', "),
+    ({"sampling_options": {"prompt_logprobs": 2}}, "invalid sampling option: prompt_logprobs: a job writes no "
+                                                   "prompt logprobs (LLM.generate returns them, LLM.score too)"),
     ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|fp16|int8|fp8_e4m3"),
     ({"num_threads": -1}, "invalid engine option: num_threads must be a positive integer or None"),
     ({"num_threads": 0}, "invalid engine option: num_threads must be a positive integer or None"),
