@@ -125,3 +125,21 @@ def test_both_backends_close_objects_by_default(xg):
     for backend in (LLGuidanceBackend(xg.tokenizer), XGrammarBackend(xg.tokenizer)):
         assert backend.compile(SO(json=schema)).matcher().validate_tokens(ids) < len(ids), backend.name
         assert backend.compile(SO(json=open_schema)).matcher().validate_tokens(ids) == len(ids), backend.name
+
+
+def test_an_all_of_of_several_branches_is_refused_naming_where(xg):
+    """xgrammar 0.2.9 compiles `allOf: [A, B]` with a warning and then accepts any object (a wrong type, a
+    missing required key); the backend refuses such a schema, naming the path, instead of letting invalid
+    outputs through. A single-branch allOf, which xgrammar enforces, still compiles."""
+    two = {"type": "object", "properties": {"p": {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}}, "required": ["p"]}
+    one = {"allOf": [PERSON]}
+    prompt = xg.tokenizer.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}])
+    outs = xg.generate([prompt] * 2, [SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=s))
+                                      for s in (two, one)], use_tqdm=False)
+    assert outs[0].error == ("structured_outputs.json: an allOf of several branches (at #/properties/p/allOf) is "
+                             "not enforced by the xgrammar backend; use structured_outputs_backend='llguidance' "
+                             "(the default)")
+    assert outs[1].error is None and outs[1].outputs[0].valid
+    jsonschema.validate(json.loads(outs[1].outputs[0].text), PERSON)

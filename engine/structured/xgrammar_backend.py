@@ -17,7 +17,10 @@ Differences from the llguidance backend, each behind the same interface:
 - `is_stopped()` is never reported (knowing that only the end token is left would take a
   mask per token), so the end token of a complete grammar is sampled, not appended;
 - `choice` compiles to an EBNF alternation of the (JSON-escaped) strings; `grammar` is read
-  as Lark, or as EBNF/GBNF when it contains `::=`.
+  as Lark, or as EBNF/GBNF when it contains `::=`;
+- a JSON schema with an `allOf` of two or more branches is refused (a GrammarError naming where):
+  xgrammar 0.2.9 compiles it with a warning that its support is unfinished, and the grammar
+  then accepts any object, values of the wrong type and missing required keys included.
 """
 from __future__ import annotations
 
@@ -98,6 +101,24 @@ class XGrammarGrammar(CompiledGrammar):
         return XGrammarMatcher(_xgr().GrammarMatcher(self.compiled, override_stop_tokens=self.stop_ids), self.stop_ids)
 
 
+def _multi_branch_all_of(node: Any, path: str = "#") -> Any:
+    """The JSON pointer of the first `allOf` with two or more branches in a schema, else None."""
+    if isinstance(node, dict):
+        branches = node.get("allOf")
+        if isinstance(branches, list) and len(branches) > 1:
+            return f"{path}/allOf"
+        for key, value in node.items():
+            found = _multi_branch_all_of(value, f"{path}/{key}")
+            if found is not None:
+                return found
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found = _multi_branch_all_of(value, f"{path}/{i}")
+            if found is not None:
+                return found
+    return None
+
+
 class XGrammarBackend(GrammarBackend):
     """Args:
         tokenizer: the engine's `engine.tokenizer.Tokenizer` (a Hugging Face fast tokenizer); a
@@ -118,9 +139,21 @@ class XGrammarBackend(GrammarBackend):
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarGrammar:
+        """Compile a constraint for this tokenizer.
+
+        Raises:
+            GrammarError: the constraint does not compile, or it is a JSON schema with an `allOf`
+                of several branches (see the module's notes), naming the schema path.
+        """
         kind, spec = params.kind, params.spec()
         c = self.compiler
         compact = params.disable_any_whitespace
+        if kind == "json":
+            where = _multi_branch_all_of(json.loads(spec) if isinstance(spec, str) else spec)
+            if where is not None:
+                raise GrammarError(f"structured_outputs.json: an allOf of several branches (at {where}) is not "
+                                   f"enforced by the xgrammar backend; use structured_outputs_backend='llguidance' "
+                                   f"(the default)")
         try:
             if kind in ("json", "json_object"):
                 schema = spec if kind == "json" else {"type": "object"}
