@@ -763,3 +763,21 @@ def test_an_interrupt_while_the_command_imports_torch_ends_in_one_line(tmp_path,
                             f"served"}[command]
     assert (proc.returncode, err.splitlines(), out) == (128 + signum, [line], "")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_model_file_is_one_line_naming_it_before_anything_is_written(tmp_path, capsys):
+    """The bundled GGUF cut to half its size (an interrupted copy) failed with numpy's `cannot reshape
+    array of size 66784 into shape (576,360)`; now the file is named, truncated, with both sizes."""
+    from engine.weights import default_gguf_path
+
+    data = open(default_gguf_path(), "rb").read()
+    half = tmp_path / "half.gguf"
+    half.write_bytes(data[: len(data) // 2])
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Say yes."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    assert main(["run", "--input", str(inp), "--output", str(out), "--model", str(half), "--no-progress"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: GGUF file {str(half)!r} is truncated: {len(data) // 2} bytes, but its tensors need {len(data)} "
+        f"(an interrupted download or copy? copy it again)"]
+    assert not out.exists()
