@@ -352,6 +352,38 @@ def test_text_that_is_not_utf8_inside_messages_makes_its_row_an_error_row(tmp_pa
     assert (report.rows_ok, report.rows_error) == (2, 1)
 
 
+@pytest.mark.parametrize("plan", ["input", "prefix"])
+@pytest.mark.parametrize("binary", ["binary", "large_binary"])
+def test_a_binary_prompt_column_is_read_as_utf8_text_and_a_bad_row_is_an_error_row(tmp_path, plan, binary):
+    """A BINARY (or LARGE_BINARY) prompt column, as some writers store text, was refused row by row as
+    `prompt must be a string, got bytes b'Say a.'`: every row an error row. Its UTF-8 bytes are the prompt
+    now, as a string column's are; a row whose bytes are not UTF-8 is an error row naming the column and
+    the byte, the others run, and a binary pass-through column reaches the output as it was."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kind = getattr(pa, binary)()
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"],
+                             "prompt": pa.array([b"Say a.", b"Say \xff.", "Sag \u00e4.".encode()], kind),
+                             "blob": pa.array([b"\x00\x01", b"\xff", b""], kind)}), inp)
+    out = tmp_path / "out"
+    report = run_job(JobSpec(input=str(inp), output=str(out), progress=False, max_tokens=2, plan=plan), FakeLLM())
+    df = pl.read_parquet(f"{out}/part-*.parquet").sort("id")
+    assert df["error"].to_list() == [None, "prompt is not valid UTF-8 text (a binary column; byte 0xff at "
+                                           "position 4)", None]
+    assert df["finish_reason"].to_list() == ["length", "error", "length"]
+    assert df["blob"].to_list() == [b"\x00\x01", b"\xff", b""] and df.schema["blob"] == pl.Binary
+    assert (report.rows_ok, report.rows_error) == (2, 1)
+    clean = tmp_path / "clean.parquet"
+    pl.DataFrame({"id": ["a", "c"], "prompt": ["Say a.", "Sag \u00e4."]}).write_parquet(clean)
+    run_job(JobSpec(input=str(clean), output=str(tmp_path / "ref"), progress=False, max_tokens=2, plan=plan),
+            FakeLLM())
+    ref = pl.read_parquet(f"{tmp_path}/ref/part-*.parquet").sort("id")
+    assert df["generation"].to_list() == [ref["generation"][0], None, ref["generation"][1]]
+    assert df["prompt_tokens"].to_list() == [ref["prompt_tokens"][0], 0, ref["prompt_tokens"][1]]
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "limit", "kv_cache_memory_bytes", "device_count", "shard_size"])
 def test_an_integer_option_too_large_for_int64_is_refused_naming_it(tmp_path, field):
     """10**23 passed every bound and overflowed later ("int too big to convert"), after the lease was taken."""
