@@ -799,7 +799,7 @@ def validate_spec(spec: JobSpec) -> None:
     """Check every option a job's spec sets, before anything is read or written: the sampling
     defaults, the engine options (known names, allowed values, the device being there, unless the
     job runs on a `cluster`, whose workers hold the devices; a `kv_cache_memory_bytes` of at least
-    one KV block of the model), the model.
+    one KV block of the model, and on a CPU at most the machine's available memory), the model.
 
     Raises:
         ValueError: naming the option and what is allowed.
@@ -856,6 +856,12 @@ def validate_spec(spec: JobSpec) -> None:
             raise ValueError(f"invalid engine option: {exc}") from None
     if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
         _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
+    if spec.cluster is None:  # (a cluster's workers have memories of their own)
+        from engine.llm import kv_budget_memory_error
+
+        problem = kv_budget_memory_error(config, resolved)
+        if problem is not None:
+            raise ValueError(f"invalid engine option: {problem}")
     draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(
         kw.get("speculative_config"), dict) else None
     if isinstance(draft, str) and draft.startswith("self:") and draft[5:].isdigit():

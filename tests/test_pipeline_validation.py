@@ -280,6 +280,40 @@ def test_a_kv_cache_budget_below_one_block_is_refused_before_anything_is_written
                         kv_cache_memory_bytes=block)).close()  # the minimum itself passes
 
 
+def test_a_kv_cache_budget_past_the_machines_memory_is_refused_before_anything_is_written(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """--kv-cache-memory-bytes 10**12 on a 24 GiB machine wrote `_job/` (manifest and lease), then the engine
+    zero-filled the cache until the kernel's OOM killer ended the process (exit 137). It is refused up front,
+    naming the option, the value and the machine's available and total memory; the engine refuses it too,
+    before it allocates. (The machine's memory is a stand-in here: nothing is allocated.)"""
+    import engine.llm
+    from engine import LLM
+    from pipeline.cli import main
+
+    gib = 2 ** 30
+    monkeypatch.setattr(engine.llm, "memory_bytes", lambda: (3 * gib, 8 * gib))
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    why = (f"kv_cache_memory_bytes={4 * gib} bytes (4.0 GiB) is more than this machine's available memory, "
+           f"{3 * gib} bytes (3.0 GiB) of {8 * gib} bytes (8.0 GiB) in all; give at most {3 * gib}, or leave it "
+           f"unset for a share of the free memory")
+    assert main(["run", "--input", inp, "--output", str(out), "--no-progress", "--device", "cpu",
+                 "--kv-cache-memory-bytes", str(4 * gib)]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"tokenmill: invalid engine option: {why}"]
+    assert not out.exists()  # no manifest, no lease, no failed run booked
+    with pytest.raises(ValueError, match=re.escape(f"kv_cache_memory_bytes={2 * gib} x 2 tensor-parallel ranks = "
+                                                   f"{4 * gib} bytes (4.0 GiB) is more than")):
+        prepare_job(JobSpec(input=inp, output=str(out), progress=False, device="cpu", kv_cache_memory_bytes=2 * gib,
+                            tensor_parallel_size=2))
+    assert not out.exists()
+    with pytest.raises(ValueError) as exc:
+        LLM("dummy:llama-tiny-4kv", device="cpu", kv_cache_memory_bytes=4 * gib)
+    assert str(exc.value) == why
+    report = run_job(JobSpec(input=inp, output=str(out), progress=False, device="cpu", max_tokens=2,
+                             kv_cache_memory_bytes=gib), FakeLLM())  # within the memory: runs
+    assert report.rows_ok == 4
+
+
 def test_negative_seeds_are_seeds_and_minus_one_is_no_seed_of_its_own_as_in_vllm(tmp_path):
     """A job's --seed and a row's seed take any integer; a row seed of -1 (vLLM's "unseeded") is a null
     seed: the row gets the one derived from --seed and its index, as a row without a seed does."""
