@@ -623,8 +623,15 @@ def main(argv=None) -> int:
     if args.stage_default_model:
         from benchmarks.gguf_f16 import stage_default_model
 
-        print(f"wrote {stage_default_model(args.stage_default_model)}; "
-              f"put {args.stage_default_model} on PYTHONPATH where the wheel is missing")
+        site = Path(args.stage_default_model)
+        try:
+            if site.exists() and not site.is_dir():
+                raise NotADirectoryError(f"{site} is a file, not a folder")
+            written = stage_default_model(site)
+        except OSError as exc:  # a file, not a folder; not writable; the model wheel missing here too
+            print(f"gpu_check: --stage-default-model {site}: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {written}; put {site} on PYTHONPATH where the wheel is missing")
         return 0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     out_dir = Path(args.out)

@@ -115,7 +115,8 @@ def open_gguf_index(path: str) -> GGUFIndex:
 
     Raises:
         OSError: `path` cannot be read.
-        ValueError: `path` is not a GGUF file `gguf.GGUFReader` can read.
+        TruncatedGGUF: the file is shorter than its header says (named, with both sizes).
+        ValueError: `path` is not a GGUF file `gguf.GGUFReader` can read (named).
     """
     real = os.path.realpath(path)
     st = os.stat(real)
@@ -128,6 +129,71 @@ def open_gguf_index(path: str) -> GGUFIndex:
     if entry is not None:
         _write_entry(entry, text)
     return index
+
+
+class TruncatedGGUF(ValueError):
+    """A GGUF file shorter than its own header says it is: an interrupted download or copy."""
+
+
+def truncation_error(path: str) -> Optional[TruncatedGGUF]:
+    """The error for the GGUF file at `path` when it is shorter than its header says, else None.
+
+    Reads the header (metadata and tensor table, as `gguf.GGUFReader` does: seconds for a
+    vocabulary of 49k tokens), so it is for a file that has just failed to load, not for every load.
+    The size a complete file needs is where its last tensor's data ends; a file cut inside its
+    header gives only a lower bound. A file whose header does not parse otherwise is not called
+    truncated (None): it is corrupt, or not a GGUF file.
+    """
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return TruncatedGGUF(f"GGUF file {path!r} is empty (0 bytes): an interrupted download or copy? copy it again")
+
+    class _Short(Exception):
+        def __init__(self, needed: int, in_header: bool) -> None:
+            super().__init__(needed)
+            self.needed, self.in_header = needed, in_header
+
+    class _Probe(GGUFReader):
+        """Raises _Short at the first read past the end, or with where the tensor data ends."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):  # type: ignore[no-untyped-def]
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > size:
+                raise _Short(end, in_header=True)
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):  # type: ignore[no-untyped-def]
+            needed = start_offs
+            for field in fields:
+                dims, raw_type, rel_offset = field.parts[3], field.parts[4], field.parts[5]
+                block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+                n_bytes = int(np.prod(dims.astype(np.uint64))) * type_size // block_size
+                needed = max(needed, start_offs + int(rel_offset[0]) + n_bytes)
+            raise _Short(needed, in_header=False)
+
+    try:
+        _Probe(path)
+    except _Short as short:
+        if short.needed <= size:
+            return None
+        if short.in_header:
+            return TruncatedGGUF(f"GGUF file {path!r} is truncated: it ends at byte {size} inside its header "
+                                 f"(an interrupted download or copy? copy it again)")
+        return TruncatedGGUF(f"GGUF file {path!r} is truncated: {size} bytes, but its tensors need {short.needed} "
+                             f"(an interrupted download or copy? copy it again)")
+    except Exception:  # noqa: BLE001 - not a truncation: the caller says the file is unreadable
+        return None
+    return None
+
+
+def unreadable_gguf(path: str, exc: BaseException) -> ValueError:
+    """The error for a GGUF file at `path` that `gguf.GGUFReader` (or transformers) failed to read with
+    `exc`: a TruncatedGGUF when the file is short (`truncation_error`), else one naming the file as corrupt."""
+    return truncation_error(path) or ValueError(
+        f"GGUF file {path!r} cannot be read, it is corrupt or not a GGUF file ({type(exc).__name__}: {exc})")
 
 
 def cache_entry_path(real_path: str) -> Optional[str]:
@@ -196,7 +262,12 @@ def _parse(real: str, st: os.stat_result) -> tuple[GGUFIndex, str]:
     """Parse the file with `gguf.GGUFReader`: its index, and the text of its cache entry."""
     import gguf
 
-    reader = gguf.GGUFReader(real)
+    try:
+        reader = gguf.GGUFReader(real)
+    except OSError:
+        raise
+    except Exception as exc:  # numpy's or gguf's words (`cannot reshape array ...`): say which file, and why
+        raise unreadable_gguf(real, exc) from exc
     metadata: dict[str, Any] = {}
     omitted = []
     for key, f in reader.fields.items():

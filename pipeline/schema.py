@@ -242,6 +242,22 @@ def parse_messages(value: Any, roles: Sequence[str] = MESSAGE_ROLES) -> list[dic
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def _text_cell(name: str, value: Any) -> Any:
+    """A cell of text column `name` with bytes (a Parquet BINARY or LARGE_BINARY column, which some
+    writers use for text) decoded as UTF-8; any other value as it is.
+
+    Raises:
+        ValueError: bytes that are not valid UTF-8, naming the column and the first bad byte.
+    """
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name} is not valid UTF-8 text (a binary column; byte {value[exc.start]:#04x} at "
+                         f"position {exc.start})") from None
+
+
 def build_request(
     row: dict[str, Any],
     layout: InputLayout,
@@ -295,13 +311,13 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
     for name in layout.overrides:
         value = row.get(name)
         if value is not None:
-            overrides[name] = _override(name, value)
+            overrides[name] = _override(name, _text_cell(name, value))
     system = overrides.pop("system", system_prompt)
     constraint = row_constraint(overrides, defaults)
     if constraint is not None:
         overrides["structured_outputs"] = constraint
 
-    messages_value = row.get(MESSAGES_COLUMN) if layout.has_messages else None
+    messages_value = _text_cell(MESSAGES_COLUMN, row.get(MESSAGES_COLUMN)) if layout.has_messages else None
     if messages_value is not None or (layout.has_messages and not layout.has_prompt):  # (None: `messages is null`)
         messages = parse_messages(messages_value, getattr(tokenizer, "chat_roles", MESSAGE_ROLES))
         if not use_chat_template:
@@ -310,7 +326,7 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
             messages = [{"role": "system", "content": system}, *messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
-        prompt = row.get(PROMPT_COLUMN) if layout.has_prompt else None
+        prompt = _text_cell(PROMPT_COLUMN, row.get(PROMPT_COLUMN)) if layout.has_prompt else None
         if prompt is None and layout.has_messages:  # a row needs one of them
             raise ValueError("prompt and messages are both null")
         problem = prompt_type_error(prompt)  # the engine's rules: LLM.generate refuses the same prompts

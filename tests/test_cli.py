@@ -224,7 +224,35 @@ def test_price_weight_and_lease_ttl_must_be_finite(tmp_path, capsys):
         with pytest.raises(ValidationError) as exc:
             JobSpec(input="in.parquet", output="out", **{field: float("inf")})
         assert [(e["loc"], e["msg"]) for e in exc.value.errors()] == [((field,), "Input should be a finite number")]
-    assert JobSpec(input="in.parquet", output="out", price_per_hour=0, lease_ttl_s=1e9).price_per_hour == 0.0
+    assert JobSpec(input="in.parquet", output="out", price_per_hour=0, lease_ttl_s=1e5).price_per_hour == 0.0
+
+
+def test_lease_ttl_and_price_have_an_upper_bound_named_with_the_range(tmp_path, capsys):
+    """--lease-ttl-s 1e300 failed with an OverflowError traceback (the lease's expiry time) and
+    --price-per-hour 1e308 booked costs of inf; both are refused naming the option and its range,
+    before anything is written; the bounds themselves are accepted."""
+    import pytest
+    from pydantic import ValidationError
+
+    from pipeline import JobSpec
+
+    out = tmp_path / "out"
+    run = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(out)]
+    assert main(run + ["--lease-ttl-s", "1e300", "--price-per-hour", "1e308"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill: invalid job options:",
+        "  --lease-ttl-s: must be in [0.1, 604800] seconds (at most 7 days) (got 1e+300)",
+        "  --price-per-hour: must be in [0, 1000000] USD per device-hour (got 1e+308)"]
+    assert main(run + ["--lease-ttl-s", "604800.5"]) == 1
+    assert capsys.readouterr().err.splitlines()[1] == (
+        "  --lease-ttl-s: must be in [0.1, 604800] seconds (at most 7 days) (got 604800.5)")
+    assert not out.exists()
+    with pytest.raises(ValidationError) as exc:
+        JobSpec(input="in.parquet", output="out", price_per_hour=1e6 + 1)
+    assert [(e["loc"], e["msg"]) for e in exc.value.errors()] == [
+        (("price_per_hour",), "Value error, must be in [0, 1000000] USD per device-hour")]
+    spec = JobSpec(input="in.parquet", output="out", price_per_hour=1e6, lease_ttl_s=7 * 24 * 3600)
+    assert (spec.price_per_hour, spec.lease_ttl_s) == (1e6, 604800.0)
 
 
 def test_errors_are_short_unless_verbose(tmp_path, capsys):
@@ -763,3 +791,21 @@ def test_an_interrupt_while_the_command_imports_torch_ends_in_one_line(tmp_path,
                             f"served"}[command]
     assert (proc.returncode, err.splitlines(), out) == (128 + signum, [line], "")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_model_file_is_one_line_naming_it_before_anything_is_written(tmp_path, capsys):
+    """The bundled GGUF cut to half its size (an interrupted copy) failed with numpy's `cannot reshape
+    array of size 66784 into shape (576,360)`; now the file is named, truncated, with both sizes."""
+    from engine.weights import default_gguf_path
+
+    data = open(default_gguf_path(), "rb").read()
+    half = tmp_path / "half.gguf"
+    half.write_bytes(data[: len(data) // 2])
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Say yes."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    assert main(["run", "--input", str(inp), "--output", str(out), "--model", str(half), "--no-progress"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: GGUF file {str(half)!r} is truncated: {len(data) // 2} bytes, but its tensors need {len(data)} "
+        f"(an interrupted download or copy? copy it again)"]
+    assert not out.exists()

@@ -347,3 +347,38 @@ def test_unwritable_or_disabled_cache_does_not_fail_the_load(tmp_path, monkeypat
     monkeypatch.setenv("TOKENMILL_NO_DISK_CACHE", "1")
     assert cache_entry_path(str(path)) is None
     assert open_gguf_index(str(path)).field("general.name") == "tiny-a" and len(parses) == 3
+
+
+def test_a_truncated_gguf_is_named_with_its_size_and_the_size_its_tensors_need(tmp_path, gguf_cache):
+    """A GGUF file cut short (an interrupted download or copy) failed in numpy, `cannot reshape array of
+    size ...`, naming neither the file nor why; the index and the tokenizer both name it now."""
+    from engine.gguf_index import TruncatedGGUF, open_gguf_index
+    from engine.tokenizer import Tokenizer
+
+    full = tmp_path / "full.gguf"
+    _write_tiny_gguf(full)
+    needed = max(t.data_offset + t.n_bytes for t in _reader(full).tensors)
+    data = full.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 100])  # inside the last tensor's data
+    want = (f"GGUF file {str(cut)!r} is truncated: {len(data) - 100} bytes, but its tensors need {needed} "
+            f"(an interrupted download or copy? copy it again)")
+    with pytest.raises(TruncatedGGUF) as exc:
+        open_gguf_index(str(cut))
+    assert str(exc.value) == want
+    with pytest.raises(TruncatedGGUF) as exc:
+        Tokenizer.from_gguf(str(cut))
+    assert str(exc.value) == want
+    cut.write_bytes(data[:200])  # inside the metadata
+    with pytest.raises(TruncatedGGUF, match=r"^GGUF file '.*cut\.gguf' is truncated: it ends at byte 200 inside "
+                                            r"its header "):
+        open_gguf_index(str(cut))
+    cut.write_bytes(b"")
+    with pytest.raises(TruncatedGGUF, match=r"cut\.gguf' is empty \(0 bytes\)"):
+        open_gguf_index(str(cut))
+    cut.write_bytes(b"not a gguf file" * 10)  # corrupt, not short: named, and not called truncated
+    with pytest.raises(ValueError) as exc:
+        open_gguf_index(str(cut))
+    assert type(exc.value) is ValueError
+    assert str(exc.value) == (f"GGUF file {str(cut)!r} cannot be read, it is corrupt or not a GGUF file "
+                              f"(ValueError: GGUF magic invalid)")

@@ -208,3 +208,41 @@ def test_a_write_that_fails_half_way_leaves_no_temp_file(tmp_path, monkeypatch):
     with pytest.raises(StorageError, match="No space left on device"):
         io.write_json_atomic({"rows": 3}, str(target))
     assert sorted(p.name for p in target.parent.iterdir()) == []
+
+
+def test_a_local_output_that_is_not_writable_says_so_without_s3_advice(tmp_path, monkeypatch, capsys):
+    """A permission error writing to a local folder advised checking "the bucket policy and IAM permissions
+    (s3:ListBucket, ...)"; a local folder has neither. It says the folder is not writable (exit 1, nothing
+    written), and the IAM advice stays for object stores."""
+    import errno
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    from pipeline import JobSpec, cache_llm
+    from pipeline.cli import main
+    from pipeline.storage import explain
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Say yes."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    real_makedirs = LocalFileSystem.makedirs
+
+    def read_only(self, path, exist_ok=False):  # the output folder's parent is not writable (as for a non-root user)
+        if str(path).startswith(str(out)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(out))
+        return real_makedirs(self, path, exist_ok=exist_ok)
+
+    monkeypatch.setattr(LocalFileSystem, "makedirs", read_only)
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 17}), FakeLLM())  # a key no other test uses
+    assert main(["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=17"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: cannot write {out}/_job/lease/lease-00000000.json: permission denied ([Errno 13] Permission "
+        f"denied: '{out}')",
+        "  The local folder is not writable by this user: check the permissions of the output folder and of the "
+        "folders above it, or choose another output."]
+    assert not out.exists()
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    assert explain(denied, "read", f"file://{inp}", {}).hint == (
+        "This user may not read it: check the permissions of the file and of the folders above it.")
+    s3 = explain(denied, "write", "s3://b/out/part-00000.parquet", {})
+    assert s3.kind == "denied" and "IAM permissions (s3:ListBucket, s3:GetObject, s3:PutObject" in s3.hint

@@ -282,6 +282,40 @@ def test_a_kv_cache_budget_below_one_block_is_refused_before_anything_is_written
                         kv_cache_memory_bytes=block)).close()  # the minimum itself passes
 
 
+def test_a_kv_cache_budget_past_the_machines_memory_is_refused_before_anything_is_written(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """--kv-cache-memory-bytes 10**12 on a 24 GiB machine wrote `_job/` (manifest and lease), then the engine
+    zero-filled the cache until the kernel's OOM killer ended the process (exit 137). It is refused up front,
+    naming the option, the value and the machine's available and total memory; the engine refuses it too,
+    before it allocates. (The machine's memory is a stand-in here: nothing is allocated.)"""
+    import engine.llm
+    from engine import LLM
+    from pipeline.cli import main
+
+    gib = 2 ** 30
+    monkeypatch.setattr(engine.llm, "memory_bytes", lambda: (3 * gib, 8 * gib))
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    why = (f"kv_cache_memory_bytes={4 * gib} bytes (4.0 GiB) is more than this machine's available memory, "
+           f"{3 * gib} bytes (3.0 GiB) of {8 * gib} bytes (8.0 GiB) in all; give at most {3 * gib}, or leave it "
+           f"unset for a share of the free memory")
+    assert main(["run", "--input", inp, "--output", str(out), "--no-progress", "--device", "cpu",
+                 "--kv-cache-memory-bytes", str(4 * gib)]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"tokenmill: invalid engine option: {why}"]
+    assert not out.exists()  # no manifest, no lease, no failed run booked
+    with pytest.raises(ValueError, match=re.escape(f"kv_cache_memory_bytes={2 * gib} x 2 tensor-parallel ranks = "
+                                                   f"{4 * gib} bytes (4.0 GiB) is more than")):
+        prepare_job(JobSpec(input=inp, output=str(out), progress=False, device="cpu", kv_cache_memory_bytes=2 * gib,
+                            tensor_parallel_size=2))
+    assert not out.exists()
+    with pytest.raises(ValueError) as exc:
+        LLM("dummy:llama-tiny-4kv", device="cpu", kv_cache_memory_bytes=4 * gib)
+    assert str(exc.value) == why
+    report = run_job(JobSpec(input=inp, output=str(out), progress=False, device="cpu", max_tokens=2,
+                             kv_cache_memory_bytes=gib), FakeLLM())  # within the memory: runs
+    assert report.rows_ok == 4
+
+
 def test_negative_seeds_are_seeds_and_minus_one_is_no_seed_of_its_own_as_in_vllm(tmp_path):
     """A job's --seed and a row's seed take any integer; a row seed of -1 (vLLM's "unseeded") is a null
     seed: the row gets the one derived from --seed and its index, as a row without a seed does."""
@@ -352,6 +386,38 @@ def test_text_that_is_not_utf8_inside_messages_makes_its_row_an_error_row(tmp_pa
     assert df["error"].to_list() == [None, f"messages is {why}", None]
     assert df["finish_reason"].to_list() == ["length", "error", "length"]
     assert (report.rows_ok, report.rows_error) == (2, 1)
+
+
+@pytest.mark.parametrize("plan", ["input", "prefix"])
+@pytest.mark.parametrize("binary", ["binary", "large_binary"])
+def test_a_binary_prompt_column_is_read_as_utf8_text_and_a_bad_row_is_an_error_row(tmp_path, plan, binary):
+    """A BINARY (or LARGE_BINARY) prompt column, as some writers store text, was refused row by row as
+    `prompt must be a string, got bytes b'Say a.'`: every row an error row. Its UTF-8 bytes are the prompt
+    now, as a string column's are; a row whose bytes are not UTF-8 is an error row naming the column and
+    the byte, the others run, and a binary pass-through column reaches the output as it was."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kind = getattr(pa, binary)()
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"],
+                             "prompt": pa.array([b"Say a.", b"Say \xff.", "Sag \u00e4.".encode()], kind),
+                             "blob": pa.array([b"\x00\x01", b"\xff", b""], kind)}), inp)
+    out = tmp_path / "out"
+    report = run_job(JobSpec(input=str(inp), output=str(out), progress=False, max_tokens=2, plan=plan), FakeLLM())
+    df = pl.read_parquet(f"{out}/part-*.parquet").sort("id")
+    assert df["error"].to_list() == [None, "prompt is not valid UTF-8 text (a binary column; byte 0xff at "
+                                           "position 4)", None]
+    assert df["finish_reason"].to_list() == ["length", "error", "length"]
+    assert df["blob"].to_list() == [b"\x00\x01", b"\xff", b""] and df.schema["blob"] == pl.Binary
+    assert (report.rows_ok, report.rows_error) == (2, 1)
+    clean = tmp_path / "clean.parquet"
+    pl.DataFrame({"id": ["a", "c"], "prompt": ["Say a.", "Sag \u00e4."]}).write_parquet(clean)
+    run_job(JobSpec(input=str(clean), output=str(tmp_path / "ref"), progress=False, max_tokens=2, plan=plan),
+            FakeLLM())
+    ref = pl.read_parquet(f"{tmp_path}/ref/part-*.parquet").sort("id")
+    assert df["generation"].to_list() == [ref["generation"][0], None, ref["generation"][1]]
+    assert df["prompt_tokens"].to_list() == [ref["prompt_tokens"][0], 0, ref["prompt_tokens"][1]]
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "limit", "kv_cache_memory_bytes", "device_count", "shard_size"])
