@@ -809,3 +809,20 @@ def test_a_truncated_model_file_is_one_line_naming_it_before_anything_is_written
         f"tokenmill: GGUF file {str(half)!r} is truncated: {len(data) // 2} bytes, but its tensors need {len(data)} "
         f"(an interrupted download or copy? copy it again)"]
     assert not out.exists()
+
+
+def test_python_dash_m_pipeline_is_the_tokenmill_command(tmp_path):
+    """`python -m pipeline` was `No module named pipeline.__main__`; it is now the `tokenmill` command, the
+    same usage and the same one-line errors and exit codes, for a virtualenv whose scripts are not on PATH."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    helped = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=300)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: tokenmill ")
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "run", "--output", str(tmp_path / "o")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.splitlines() == [
+        "tokenmill run: error: the following arguments are required: --input (or a --spec file that sets it)",
+        "see 'tokenmill run --help'"]
