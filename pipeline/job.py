@@ -112,6 +112,10 @@ class JobSpecChanged(RuntimeError):
 INT_OPTION_MAX = 2 ** 62
 """The largest magnitude an integer JobSpec option may have (int64 with headroom for sums)."""
 
+NO_JOB_SAMPLING_OPTIONS = ("logprobs", "prompt_logprobs")
+"""SamplingParams fields a job refuses: its output has no column for them (`logprobs=5` was computed for
+every row and dropped)."""
+
 LEASE_TTL_MAX_S = 7 * 24 * 3600.0
 """The longest `lease_ttl_s`: 7 days (1e300 s overflowed the lease's expiry time: an OverflowError traceback)."""
 
@@ -810,13 +814,14 @@ def validate_spec(spec: JobSpec) -> None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         unknown = sorted(k for k in spec.sampling_options if k not in names)
         # the keys a job field of its own sets (--top-k, --stop, ...) are not offered here
-        known = sorted(names - set(SAMPLING_FIELDS))
+        known = sorted(names - set(SAMPLING_FIELDS) - set(NO_JOB_SAMPLING_OPTIONS))
         raise ValueError(f"invalid sampling option: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else exc}; "
                          f"known: {known} (the rest have options of their own: "
                          f"{', '.join(sorted(SAMPLING_FIELDS))})") from None
-    if params.prompt_logprobs is not None:  # the engine would score every prompt once more for nothing
-        raise ValueError("invalid sampling option: prompt_logprobs: a job writes no prompt logprobs "
-                         "(LLM.generate returns them, LLM.score too)")
+    for name in NO_JOB_SAMPLING_OPTIONS:  # the engine would compute them for every row, and nothing writes them
+        if getattr(params, name) is not None:
+            raise ValueError(f"invalid sampling option: {name}: a job writes no {name.replace('_', ' ')} "
+                             f"(LLM.generate returns them{', LLM.score too' if name == 'prompt_logprobs' else ''})")
     problem = params.validate()
     if problem is not None:
         raise ValueError(f"invalid default sampling parameters: {problem}")

@@ -32,7 +32,9 @@ BAD_OPTIONS = [
     ({"engine_options": {"block_sz": 32}}, "unknown engine option(s) ['block_sz']; known: ['attention_backend', "
                                            "'block_size'"),
     ({"sampling_options": {"top_q": 0.5}}, "invalid sampling option: unknown 'top_q'; known: ['frequency_penalty', "
-                                           "'ignore_eos', 'logprobs', 'min_p', 'min_tokens', "),
+                                           "'ignore_eos', 'min_p', 'min_tokens', "),
+    ({"sampling_options": {"logprobs": 5}}, "invalid sampling option: logprobs: a job writes no logprobs "
+                                            "(LLM.generate returns them)"),
     ({"sampling_options": {"prompt_logprobs": 2}}, "invalid sampling option: prompt_logprobs: a job writes no "
                                                    "prompt logprobs (LLM.generate returns them, LLM.score too)"),
     ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|fp16|int8|fp8_e4m3"),
