@@ -58,6 +58,7 @@ could not be resolved.
 import contextlib
 import json
 import math
+import signal
 from typing import Any, Iterator, Optional
 
 from prefect import flow, get_run_logger, task
@@ -69,7 +70,9 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
-from pipeline import JobSpec, ShardResult, WindowRun, finish_job, format_report, get_llm, prepare_job
+from pipeline import (
+    JobInterrupted, JobSpec, ShardResult, WindowRun, finish_job, format_report, get_llm, prepare_job,
+)
 from pipeline.job import (
     abort_job, add_steps, default_worker, engine_lock, job_device, plan_windows, run_window,
 )
@@ -317,13 +320,31 @@ def _settle_windows(futures: list[Any], collect: Any, logger: Any) -> None:
         for fut in running:
             try:
                 collect(fut)
-            except KeyboardInterrupt:
+            except _INTERRUPTS:
                 raise
             except BaseException:  # noqa: BLE001 - a window that failed: its commits are read back from storage
                 pass
-    except KeyboardInterrupt:
+    except _INTERRUPTS:  # a second Ctrl-C (or SIGTERM)
         logger.warning("interrupted again: not waiting for the window in flight; booking what this run "
                        "committed so far and giving the output's lease back (the window commits nothing more)")
+
+
+def interruption(exc: BaseException) -> Optional[JobInterrupted]:
+    """The JobInterrupted of a flow run that a signal stopped, from what reached its caller: the
+    JobInterrupted itself (Ctrl-C), or the one on the TerminationSignal that SIGTERM raised, also when
+    Prefect's re-delivered SIGTERM made the caller's own handler raise another exception while that one
+    was handled (its `__context__`); None for any other ending."""
+    seen: set[int] = set()
+    cause: Optional[BaseException] = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, JobInterrupted):
+            return cause
+        stopped = getattr(cause, "tokenmill_interrupted", None)
+        if isinstance(stopped, JobInterrupted):
+            return stopped
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _committed_without_result(plan: Any, results: list[ShardResult], exc: BaseException,
@@ -348,8 +369,8 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
                    storage_secret: Optional[str] = None) -> dict[str, Any]:
     """Run the job `spec` with a task per window of pending shards; returns this run's cost report (a dict).
 
-    However the run ends, its cost is booked (status "ok", "failed" or "interrupted")
-    and its lease on the output given back.
+    However the run ends, its cost is booked (status "ok", "failed" or "interrupted": Ctrl-C, and
+    SIGTERM as well) and its lease on the output given back.
 
     Args:
         spec: the job (the same JobSpec as the CLI and `pipeline.run_job`), without credentials;
@@ -363,6 +384,12 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
             a Prefect server, or a bad spec (see `pipeline.prepare_job`).
         pipeline.JobSpecChanged: the output holds a job with another spec (set spec.overwrite).
         pipeline.JobLocked: another run holds the output's lease.
+        pipeline.JobInterrupted: Ctrl-C (a KeyboardInterrupt) stopped the run: its cost is booked
+            "interrupted", counting every shard it committed (`report`); Prefect marks the run Crashed.
+        prefect.exceptions.TerminationSignal: SIGTERM stopped the run: booked as Ctrl-C is, the
+            JobInterrupted as its `tokenmill_interrupted` (see `interruption`); Prefect marks the run
+            Cancelled (a cancel from the server) or Crashed, and passes the signal on to the process's
+            own SIGTERM handler.
         Any window's error once its retries are spent; done shards stay done for a re-run.
     """
     logger = get_run_logger()
@@ -453,8 +480,20 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
                             device=job_device(plan, results), engine_steps=steps, device_count=device_count())
     except BaseException as exc:
         results.extend(_committed_without_result(plan, results, exc, logger))
-        abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
-                  device=job_device(plan, results, look_up=False), device_count=device_count())
+        interrupted = isinstance(exc, _INTERRUPTS)
+        booked = abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
+                           device=job_device(plan, results, look_up=False), device_count=device_count(),
+                           interrupted=interrupted)
+        if interrupted and not isinstance(exc, JobInterrupted):
+            done = len(plan.shards) - len(plan.pending) + len(results)
+            signum = getattr(exc, "signum", None) or getattr(exc, "signal", None) or signal.SIGINT
+            stopped = JobInterrupted(done, len(plan.shards), int(signum), booked)
+            if isinstance(exc, KeyboardInterrupt):
+                raise stopped from None
+            # Prefect's TerminationSignal (SIGTERM) goes on up as it is: Prefect marks the run Cancelled (a
+            # cancel from the server) or Crashed by it, then delivers SIGTERM to the process's own handler
+            # (`tokenmill run --cluster`: 143). `interruption(exc)` finds `stopped` on it.
+            exc.tokenmill_interrupted = stopped  # type: ignore[attr-defined]
         raise
     plan.close()
     row = report.as_row()

@@ -365,18 +365,26 @@ def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
     Raises:
         ValueError: prefect-dask is not installed, no Prefect server is configured or the one at
             PREFECT_API_URL does not answer (`flows.batch_generate.check_prefect_api`), or what the flow raises.
+        JobInterrupted: SIGINT or SIGTERM stopped the flow run once it held the output (its booked
+            report on it), as `run_job` raises it.
     """
     try:
         import prefect_dask  # noqa: F401
     except ImportError:
         raise ValueError("--cluster needs prefect-dask and distributed (pip install prefect-dask distributed)") \
             from None
-    from flows.batch_generate import batch_generate, check_prefect_api
+    from flows.batch_generate import batch_generate, check_prefect_api, interruption
 
     check_prefect_api(spec)
     print(f"tokenmill: running on the Dask cluster {spec.cluster} through the Prefect flow batch-generate",
           file=sys.stderr)
-    return batch_generate(spec)
+    try:
+        return batch_generate(spec)
+    except BaseException as exc:
+        stopped = interruption(exc)  # SIGTERM: Prefect's TerminationSignal, then our handler's Interrupted
+        if stopped is None:
+            raise
+        raise stopped from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

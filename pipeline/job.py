@@ -1468,19 +1468,23 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
 
 def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, model: str,
               quantization: Optional[str], device: str, discarded_completion_tokens: int = 0,
-              device_count: Optional[int] = None) -> Optional[CostReport]:
+              device_count: Optional[int] = None, interrupted: bool = False) -> Optional[CostReport]:
     """Book the cost of a run that ended with `exc` (status "interrupted" for KeyboardInterrupt and its
-    subclasses, else "failed") and give the lease back. After a storage failure both use short
-    timeouts. Never raises: a row that cannot be booked is reported as a warning. The booked report
-    goes with `exc` (`booked_report(exc)`), so whoever catches what the caller re-raises (the CLI) can
-    show it.
+    subclasses, or with `interrupted`, else "failed") and give the lease back. After a storage failure
+    both use short timeouts. Never raises: a row that cannot be booked is reported as a warning. The
+    booked report goes with `exc` (`booked_report(exc)`), so whoever catches what the caller re-raises
+    (the CLI) can show it.
+
+    Args:
+        interrupted: `exc` stopped the run as a signal does without being a KeyboardInterrupt (Prefect's
+            TerminationSignal, raised in a flow run on SIGTERM): booked "interrupted", as Ctrl-C is.
 
     Returns:
         The booked report, or None when it could not be written.
     """
     so = plan.spec.storage_options
     quick = isinstance(exc, StorageError) and exc.endpoint_failed
-    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    status = "interrupted" if interrupted or isinstance(exc, KeyboardInterrupt) else "failed"
     error = None if status == "interrupted" else (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     report = None
     try:

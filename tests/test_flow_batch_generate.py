@@ -4,6 +4,7 @@ Runs on Prefect's temporary local API (no server configured), one per session.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -434,6 +435,106 @@ def test_ctrl_c_mid_flow_books_every_row_the_interrupted_run_committed(prefect_a
     m = read_metrics(spec.output)
     everything = _part_token_sums(spec.output, [f"part-{i:05d}.parquet" for i in range(3)])
     assert (int(m["rows_ok"].sum()), int(m["prompt_tokens"].sum()), int(m["completion_tokens"].sum())) == everything
+
+
+def test_sigterm_mid_flow_is_booked_as_interrupted_like_ctrl_c(prefect_api, tmp_path, monkeypatch):
+    """A SIGTERM while window 2 ran booked the run "failed" (error "TerminationSignal", Prefect's exception
+    for it). It is booked as Ctrl-C is: "interrupted", counting every shard the run committed, window 2's
+    included; Prefect's TerminationSignal goes on up carrying the JobInterrupted, and the signal reaches the
+    process's own SIGTERM handler (the default one ends a script with 143)."""
+    from prefect.exceptions import TerminationSignal
+
+    from flows import batch_generate
+
+    flow_module = sys.modules["flows.batch_generate"]
+    settling = threading.Event()
+    real_settle = flow_module._settle_windows
+
+    def settle(*args, **kw):  # the flow caught the signal with window 2 in flight
+        settling.set()
+        return real_settle(*args, **kw)
+
+    def sigterm_in_window_2(n):
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the flow (the main thread) gets Prefect's TerminationSignal
+            assert settling.wait(10)
+
+    spec = _fake_engine_job(tmp_path, monkeypatch, sigterm_in_window_2, seed=7302)
+    monkeypatch.setattr(flow_module, "_settle_windows", settle)
+    delivered = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: delivered.append(signum))
+    try:
+        with pytest.raises(TerminationSignal) as exc:
+            batch_generate(spec, shard_retries=0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert delivered == [signal.SIGTERM]  # Prefect passed it on to this process's handler
+    parts = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
+    assert parts == ["part-00000.parquet", "part-00001.parquet"]  # window 3 never started
+    rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
+    m = read_metrics(spec.output)
+    assert (m["status"].to_list(), m["error"].to_list()) == (["interrupted"], [None])  # was failed, TerminationSignal
+    row = m.row(0, named=True)
+    assert (row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (rows, prompt_tokens,
+                                                                                completion_tokens)
+    assert (rows, completion_tokens) == (6, 6 * spec.max_tokens)
+    stopped = flow_module.interruption(exc.value)
+    assert (stopped.shards_done, stopped.shards_total, stopped.signum) == (2, 3, signal.SIGTERM)
+    assert str(stopped) == "interrupted after 2 of 3 shards"
+    assert (stopped.report.status, stopped.report.rows_ok) == ("interrupted", 6)
+
+    report = batch_generate(spec, shard_retries=0)  # the resume books only window 3
+    assert (report["status"], report["rows_skipped"], report["rows_ok"]) == ("ok", 6, 3)
+    assert read_metrics(spec.output)["status"].to_list() == ["interrupted", "ok"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_tokenmill_run_cluster_as_it_stops_tokenmill_run(prefect_api, tmp_path, monkeypatch, capsys,
+                                                                       signum):
+    """`tokenmill run --cluster` (the flow) stopped by Ctrl-C or SIGTERM said "interrupted before the job
+    started (nothing written)" with no cost report, after a run that had committed 2 shards (booked "failed"
+    on SIGTERM). It ends as `tokenmill run` does: the partial cost report on stdout, one line on stderr
+    naming the shards done, exit 128 + the signal. (The flow's windows run on this process's thread
+    runner here: the cluster's connection is stood in for.)"""
+    from pipeline.cli import main
+
+    flow_module = sys.modules["flows.batch_generate"]
+    settling = threading.Event()
+    real_settle = flow_module._settle_windows
+
+    def settle(*args, **kw):
+        settling.set()
+        return real_settle(*args, **kw)
+
+    def signal_in_window_2(n):
+        if n == 3:
+            os.kill(os.getpid(), signum)
+            assert settling.wait(10)
+
+    @contextlib.contextmanager
+    def no_cluster(spec):
+        yield None
+
+    seed = 7304 + signum
+    spec = _fake_engine_job(tmp_path, monkeypatch, signal_in_window_2, seed=seed)
+    monkeypatch.setattr(flow_module, "_settle_windows", settle)
+    monkeypatch.setattr(flow_module, "_cluster_runner", no_cluster)
+    monkeypatch.setattr(flow_module, "check_prefect_api", lambda spec: None)
+    monkeypatch.setattr(flow_module, "_require_api_for_cluster", lambda spec: None)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    rc = main(["run", "--input", spec.input, "--output", spec.output, "--max-tokens", str(spec.max_tokens),
+               "--shard-size", "3", "--shards-in-flight", "1", "--plan", "input", "--no-progress", "--seed",
+               str(seed), "--cluster", "tcp://127.0.0.1:8786"])
+    assert {s: signal.getsignal(s) for s in before} == before
+    out, err = capsys.readouterr()
+    assert rc == 128 + signum
+    assert err.splitlines()[-1] == ("tokenmill: interrupted after 2 of 3 shards; re-run the same command to "
+                                    "resume")
+    assert "cost report (partial: interrupted after 2 of 3 shards; counts are this run's committed shards" in out
+    assert sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet")) == ["part-00000.parquet",
+                                                                                 "part-00001.parquet"]
+    m = read_metrics(spec.output)
+    assert (m["status"].to_list(), m["rows_ok"].to_list(), m["error"].to_list()) == (["interrupted"], [6], [None])
 
 
 def test_a_second_ctrl_c_stops_waiting_for_the_window_in_flight():
