@@ -55,10 +55,12 @@ deployment runs the flow in a new process that loads this file by path and
 validates the parameters from JSON, and there string annotations ("JobSpec")
 could not be resolved.
 """
+import concurrent.futures
 import contextlib
 import json
 import math
 import signal
+import time
 from typing import Any, Iterator, Optional
 
 from prefect import flow, get_run_logger, task
@@ -297,6 +299,9 @@ def _resources(spec: JobSpec, runner: Any) -> contextlib.AbstractContextManager:
     return dask.annotate(resources={"GPU": 1})
 
 
+DASK_POLL_S = 0.5  # seconds between two looks at the Dask workers while windows cancelled there still run
+
+
 def _settle_windows(futures: list[Any], collect: Any, logger: Any) -> None:
     """After a Ctrl-C (or a termination) reached the flow with window tasks in flight: cancel the windows
     that have not started, and wait for the running ones to end (each ends after its window, committing
@@ -304,19 +309,31 @@ def _settle_windows(futures: list[Any], collect: Any, logger: Any) -> None:
     cost row is booked after its last commit, not before. A second Ctrl-C stops the wait (one line
     says so): the run then books what is committed by then, and gives its lease back, so the window
     still running commits nothing more (a shard it is committing at that moment may be missing from
-    the row). On a Dask cluster cancelling a future also cancels a running window; its worker may go
-    on computing, but commits nothing once the lease is given back.
+    the row).
+
+    On a Dask cluster every window's future is cancelled (its future does not say whether a worker runs
+    it yet), but a window already running goes on in its worker's thread, committing its shards: the
+    wait then asks the workers every DASK_POLL_S seconds until, twice in a row, none of them runs (or
+    holds) one of this run's windows, so that those commits are read back from their done markers
+    before the run books (it used to book at once, and a window could commit after that). The wait
+    also ends when the workers cannot be asked (the scheduler is gone).
     """
     try:
-        running = []
+        running, on_dask = [], []
         for fut in futures:
             wrapped = getattr(fut, "wrapped_future", None)
-            if wrapped is None or not wrapped.cancel():  # a concurrent.futures future: only a window not started
+            if wrapped is not None and not isinstance(wrapped, concurrent.futures.Future) \
+                    and hasattr(wrapped, "client") and hasattr(wrapped, "key"):
+                on_dask.append(wrapped)  # a distributed.Future
+            elif wrapped is None or not wrapped.cancel():  # a concurrent.futures future: only a window not started
                 running.append(fut)
-        if not running:
+        keys = _cancel_on_dask(on_dask, logger) if on_dask else []
+        if not running and not on_dask:
             return
-        logger.warning("interrupted: waiting for the %d window(s) in flight to finish, so this run's cost counts "
-                       "every shard it commits (Ctrl-C again to stop waiting)", len(running))
+        if running or keys:
+            logger.warning("interrupted: waiting for the %d window(s) in flight to finish, so this run's cost "
+                           "counts every shard it commits (Ctrl-C again to stop waiting)",
+                           len(running) + len(keys or []))
         for fut in running:
             try:
                 collect(fut)
@@ -324,9 +341,50 @@ def _settle_windows(futures: list[Any], collect: Any, logger: Any) -> None:
                 raise
             except BaseException:  # noqa: BLE001 - a window that failed: its commits are read back from storage
                 pass
+        idle = 0 if keys else 1  # "none" twice in a row: a window sent to a worker just before the cancel shows
+        while on_dask and keys is not None and idle < 2:
+            time.sleep(DASK_POLL_S)
+            keys = _windows_on_workers(on_dask[0].client, keys or [f.key for f in on_dask], logger)
+            idle = 0 if keys else idle + 1
     except _INTERRUPTS:  # a second Ctrl-C (or SIGTERM)
         logger.warning("interrupted again: not waiting for the window in flight; booking what this run "
                        "committed so far and giving the output's lease back (the window commits nothing more)")
+
+
+def _cancel_on_dask(futures: list[Any], logger: Any) -> Optional[list[Any]]:
+    """Cancel the window tasks `futures` (distributed.Futures of one client) in one call; returns the keys
+    of those that a worker still runs or holds to run (`_windows_on_workers`), or None (with a warning)
+    when the cluster cannot be reached."""
+    client = futures[0].client
+    try:
+        client.cancel(futures)
+    except Exception as exc:  # noqa: BLE001 - the scheduler is gone: nothing more to wait for
+        logger.warning("could not cancel this run's windows on the Dask cluster (%s: %s); booking what is "
+                       "committed", type(exc).__name__, exc)
+        return None
+    return _windows_on_workers(client, [f.key for f in futures], logger)
+
+
+def _windows_running(keys: list[Any], dask_worker: Any = None) -> list[Any]:
+    """On a Dask worker (through `Client.run`): those of the task `keys` that this worker runs (also when
+    cancelled: a running task's thread goes on until it returns) or holds to run."""
+    state = dask_worker.state
+    running = {ts.key for ts in (*state.executing, *state.long_running)}
+    held = {k for k in keys if getattr(state.tasks.get(k), "state", None) in ("ready", "constrained", "waiting")}
+    return [k for k in keys if k in running or k in held]
+
+
+def _windows_on_workers(client: Any, keys: list[Any], logger: Any) -> Optional[list[Any]]:
+    """Those of the window task `keys` that a worker of `client`'s cluster still runs or holds to run;
+    None (with a warning) when the workers cannot be asked."""
+    try:
+        found = client.run(_windows_running, keys, on_error="ignore")
+    except Exception as exc:  # noqa: BLE001 - the scheduler is gone: nothing more to wait for
+        logger.warning("could not ask the Dask workers whether this run's windows still run (%s: %s); booking "
+                       "what is committed", type(exc).__name__, exc)
+        return None
+    busy = {k for ks in found.values() if isinstance(ks, list) for k in ks}
+    return [k for k in keys if k in busy]
 
 
 def interruption(exc: BaseException) -> Optional[JobInterrupted]:
