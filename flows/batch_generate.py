@@ -55,9 +55,12 @@ deployment runs the flow in a new process that loads this file by path and
 validates the parameters from JSON, and there string annotations ("JobSpec")
 could not be resolved.
 """
+import concurrent.futures
 import contextlib
 import json
 import math
+import signal
+import time
 from typing import Any, Iterator, Optional
 
 from prefect import flow, get_run_logger, task
@@ -69,7 +72,9 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
-from pipeline import JobSpec, ShardResult, WindowRun, finish_job, format_report, get_llm, prepare_job
+from pipeline import (
+    JobInterrupted, JobSpec, ShardResult, WindowRun, finish_job, format_report, get_llm, prepare_job,
+)
 from pipeline.job import (
     abort_job, add_steps, default_worker, engine_lock, job_device, plan_windows, run_window,
 )
@@ -294,6 +299,9 @@ def _resources(spec: JobSpec, runner: Any) -> contextlib.AbstractContextManager:
     return dask.annotate(resources={"GPU": 1})
 
 
+DASK_POLL_S = 0.5  # seconds between two looks at the Dask workers while windows cancelled there still run
+
+
 def _settle_windows(futures: list[Any], collect: Any, logger: Any) -> None:
     """After a Ctrl-C (or a termination) reached the flow with window tasks in flight: cancel the windows
     that have not started, and wait for the running ones to end (each ends after its window, committing
@@ -301,29 +309,100 @@ def _settle_windows(futures: list[Any], collect: Any, logger: Any) -> None:
     cost row is booked after its last commit, not before. A second Ctrl-C stops the wait (one line
     says so): the run then books what is committed by then, and gives its lease back, so the window
     still running commits nothing more (a shard it is committing at that moment may be missing from
-    the row). On a Dask cluster cancelling a future also cancels a running window; its worker may go
-    on computing, but commits nothing once the lease is given back.
+    the row).
+
+    On a Dask cluster every window's future is cancelled (its future does not say whether a worker runs
+    it yet), but a window already running goes on in its worker's thread, committing its shards: the
+    wait then asks the workers every DASK_POLL_S seconds until, twice in a row, none of them runs (or
+    holds) one of this run's windows, so that those commits are read back from their done markers
+    before the run books (it used to book at once, and a window could commit after that). The wait
+    also ends when the workers cannot be asked (the scheduler is gone).
     """
     try:
-        running = []
+        running, on_dask = [], []
         for fut in futures:
             wrapped = getattr(fut, "wrapped_future", None)
-            if wrapped is None or not wrapped.cancel():  # a concurrent.futures future: only a window not started
+            if wrapped is not None and not isinstance(wrapped, concurrent.futures.Future) \
+                    and hasattr(wrapped, "client") and hasattr(wrapped, "key"):
+                on_dask.append(wrapped)  # a distributed.Future
+            elif wrapped is None or not wrapped.cancel():  # a concurrent.futures future: only a window not started
                 running.append(fut)
-        if not running:
+        keys = _cancel_on_dask(on_dask, logger) if on_dask else []
+        if not running and not on_dask:
             return
-        logger.warning("interrupted: waiting for the %d window(s) in flight to finish, so this run's cost counts "
-                       "every shard it commits (Ctrl-C again to stop waiting)", len(running))
+        if running or keys:
+            logger.warning("interrupted: waiting for the %d window(s) in flight to finish, so this run's cost "
+                           "counts every shard it commits (Ctrl-C again to stop waiting)",
+                           len(running) + len(keys or []))
         for fut in running:
             try:
                 collect(fut)
-            except KeyboardInterrupt:
+            except _INTERRUPTS:
                 raise
             except BaseException:  # noqa: BLE001 - a window that failed: its commits are read back from storage
                 pass
-    except KeyboardInterrupt:
+        idle = 0 if keys else 1  # "none" twice in a row: a window sent to a worker just before the cancel shows
+        while on_dask and keys is not None and idle < 2:
+            time.sleep(DASK_POLL_S)
+            keys = _windows_on_workers(on_dask[0].client, keys or [f.key for f in on_dask], logger)
+            idle = 0 if keys else idle + 1
+    except _INTERRUPTS:  # a second Ctrl-C (or SIGTERM)
         logger.warning("interrupted again: not waiting for the window in flight; booking what this run "
                        "committed so far and giving the output's lease back (the window commits nothing more)")
+
+
+def _cancel_on_dask(futures: list[Any], logger: Any) -> Optional[list[Any]]:
+    """Cancel the window tasks `futures` (distributed.Futures of one client) in one call; returns the keys
+    of those that a worker still runs or holds to run (`_windows_on_workers`), or None (with a warning)
+    when the cluster cannot be reached."""
+    client = futures[0].client
+    try:
+        client.cancel(futures)
+    except Exception as exc:  # noqa: BLE001 - the scheduler is gone: nothing more to wait for
+        logger.warning("could not cancel this run's windows on the Dask cluster (%s: %s); booking what is "
+                       "committed", type(exc).__name__, exc)
+        return None
+    return _windows_on_workers(client, [f.key for f in futures], logger)
+
+
+def _windows_running(keys: list[Any], dask_worker: Any = None) -> list[Any]:
+    """On a Dask worker (through `Client.run`): those of the task `keys` that this worker runs (also when
+    cancelled: a running task's thread goes on until it returns) or holds to run."""
+    state = dask_worker.state
+    running = {ts.key for ts in (*state.executing, *state.long_running)}
+    held = {k for k in keys if getattr(state.tasks.get(k), "state", None) in ("ready", "constrained", "waiting")}
+    return [k for k in keys if k in running or k in held]
+
+
+def _windows_on_workers(client: Any, keys: list[Any], logger: Any) -> Optional[list[Any]]:
+    """Those of the window task `keys` that a worker of `client`'s cluster still runs or holds to run;
+    None (with a warning) when the workers cannot be asked."""
+    try:
+        found = client.run(_windows_running, keys, on_error="ignore")
+    except Exception as exc:  # noqa: BLE001 - the scheduler is gone: nothing more to wait for
+        logger.warning("could not ask the Dask workers whether this run's windows still run (%s: %s); booking "
+                       "what is committed", type(exc).__name__, exc)
+        return None
+    busy = {k for ks in found.values() if isinstance(ks, list) for k in ks}
+    return [k for k in keys if k in busy]
+
+
+def interruption(exc: BaseException) -> Optional[JobInterrupted]:
+    """The JobInterrupted of a flow run that a signal stopped, from what reached its caller: the
+    JobInterrupted itself (Ctrl-C), or the one on the TerminationSignal that SIGTERM raised, also when
+    Prefect's re-delivered SIGTERM made the caller's own handler raise another exception while that one
+    was handled (its `__context__`); None for any other ending."""
+    seen: set[int] = set()
+    cause: Optional[BaseException] = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, JobInterrupted):
+            return cause
+        stopped = getattr(cause, "tokenmill_interrupted", None)
+        if isinstance(stopped, JobInterrupted):
+            return stopped
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _committed_without_result(plan: Any, results: list[ShardResult], exc: BaseException,
@@ -348,8 +427,8 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
                    storage_secret: Optional[str] = None) -> dict[str, Any]:
     """Run the job `spec` with a task per window of pending shards; returns this run's cost report (a dict).
 
-    However the run ends, its cost is booked (status "ok", "failed" or "interrupted")
-    and its lease on the output given back.
+    However the run ends, its cost is booked (status "ok", "failed" or "interrupted": Ctrl-C, and
+    SIGTERM as well) and its lease on the output given back.
 
     Args:
         spec: the job (the same JobSpec as the CLI and `pipeline.run_job`), without credentials;
@@ -363,6 +442,12 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
             a Prefect server, or a bad spec (see `pipeline.prepare_job`).
         pipeline.JobSpecChanged: the output holds a job with another spec (set spec.overwrite).
         pipeline.JobLocked: another run holds the output's lease.
+        pipeline.JobInterrupted: Ctrl-C (a KeyboardInterrupt) stopped the run: its cost is booked
+            "interrupted", counting every shard it committed (`report`); Prefect marks the run Crashed.
+        prefect.exceptions.TerminationSignal: SIGTERM stopped the run: booked as Ctrl-C is, the
+            JobInterrupted as its `tokenmill_interrupted` (see `interruption`); Prefect marks the run
+            Cancelled (a cancel from the server) or Crashed, and passes the signal on to the process's
+            own SIGTERM handler.
         Any window's error once its retries are spent; done shards stay done for a re-run.
     """
     logger = get_run_logger()
@@ -453,8 +538,20 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
                             device=job_device(plan, results), engine_steps=steps, device_count=device_count())
     except BaseException as exc:
         results.extend(_committed_without_result(plan, results, exc, logger))
-        abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
-                  device=job_device(plan, results, look_up=False), device_count=device_count())
+        interrupted = isinstance(exc, _INTERRUPTS)
+        booked = abort_job(plan, results, exc, model=spec.model, quantization=quantization(),
+                           device=job_device(plan, results, look_up=False), device_count=device_count(),
+                           interrupted=interrupted)
+        if interrupted and not isinstance(exc, JobInterrupted):
+            done = len(plan.shards) - len(plan.pending) + len(results)
+            signum = getattr(exc, "signum", None) or getattr(exc, "signal", None) or signal.SIGINT
+            stopped = JobInterrupted(done, len(plan.shards), int(signum), booked)
+            if isinstance(exc, KeyboardInterrupt):
+                raise stopped from None
+            # Prefect's TerminationSignal (SIGTERM) goes on up as it is: Prefect marks the run Cancelled (a
+            # cancel from the server) or Crashed by it, then delivers SIGTERM to the process's own handler
+            # (`tokenmill run --cluster`: 143). `interruption(exc)` finds `stopped` on it.
+            exc.tokenmill_interrupted = stopped  # type: ignore[attr-defined]
         raise
     plan.close()
     row = report.as_row()

@@ -14,8 +14,11 @@ Options override the fields of a `--spec` YAML/JSON file.
 
 Errors print in a few lines naming what failed and what to do (`--verbose`
 adds the traceback), after the run's booked cost row on stdout when the run had
-started (headed `cost report (failed run: ...)`); a usage error prints `tokenmill run: error: ...` and
-`see 'tokenmill run --help'` (not the usage); warnings print as `tokenmill: warning: ...`. Ctrl-C or
+started (headed `cost report (failed run: ...)`); a bad option value prints one line naming the option
+as typed, in the engine's words where its rules have them (`tokenmill run: error: --max-tokens must be an
+integer >= 1, got 0`; a --spec file's value by its file and line); another usage error prints `tokenmill
+run: error: ...` and `see 'tokenmill run --help'` (not the usage); warnings print as `tokenmill: warning:
+...`. Ctrl-C or
 SIGTERM abandons the shards in flight (nothing partial is committed), books
 the run's cost, prints that partial cost report on stdout (headed `cost report
 (partial: ...)`) and one line on stderr; a second one exits at once.
@@ -55,8 +58,8 @@ from pydantic import ValidationError
 
 from pipeline.cost import format_report
 from pipeline.job import (
-    ENGINE_FIELDS, JobInterrupted, JobSpec, JobSpecChanged, booked_report, done_shards, read_metrics, run_job,
-    spec_errors,
+    ENGINE_FIELDS, InvalidOption, JobInterrupted, JobSpec, JobSpecChanged, booked_report, done_shards, read_metrics,
+    run_job, spec_errors,
 )
 from pipeline.lease import JobLocked, LeaseLost
 from pipeline.storage import StorageError, plural, mask_secrets
@@ -123,12 +126,37 @@ def add_spec_options(parser: argparse.ArgumentParser, required: Sequence[str] = 
             typ = base if base in (int, float) else str
             default = None if field.is_required() else field.default
             shown = f" (default {default})" if default is not None and "(default" not in help_text else ""
-            parser.add_argument(flag, dest=name, type=typ, default=None, choices=_choices(base),
-                                help=help_text + shown)
+            choices = _choices(base)
+            parser.add_argument(flag, dest=name, type=_option_type(flag, typ, choices), default=None, choices=choices,
+                                help=help_text + shown)  # (the type refuses a value not in choices, in one line)
+
+
+def _option_type(flag: str, typ: type, choices: Optional[list[str]]) -> Any:
+    """An argparse `type` for an option: `typ(text)`, refused in the engine's words when it is not one
+    (`--shard-size must be an integer, got 'x'`, `--plan must be prefix|input, got 'bogus'`), which the
+    parser prints as one line (`_Parser.error`)."""
+    def convert(text: str) -> Any:
+        try:
+            value = typ(text)
+        except ValueError:
+            kind = "an integer" if typ is int else "a number"
+            raise argparse.ArgumentTypeError(f"{flag} must be {kind}, got {text!r}") from None
+        if choices is not None and value not in choices:
+            raise argparse.ArgumentTypeError(f"{flag} must be {'|'.join(choices)}, got {text!r}")
+        return value
+
+    convert.__name__ = typ.__name__
+    return convert
 
 
 class SpecError(ValueError):
-    """Invalid job options, one line per problem, each naming where the value came from."""
+    """Invalid job options, one line per problem (`problems`), each naming where the value came from:
+    the option as typed (`--max-tokens must be an integer >= 1, got 0`) or the spec file, line and
+    field (`job.yaml:4: max_tokens must be ...`)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid job options:\n  " + "\n  ".join(problems))
+        self.problems = problems
 
 
 def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None) -> JobSpec:
@@ -181,7 +209,7 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
     else:
         problems += _collisions(spec, sources, key_sources)
     if problems:
-        raise SpecError("invalid job options:\n  " + "\n  ".join(problems))
+        raise SpecError(problems)
     return spec
 
 
@@ -365,18 +393,26 @@ def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
     Raises:
         ValueError: prefect-dask is not installed, no Prefect server is configured or the one at
             PREFECT_API_URL does not answer (`flows.batch_generate.check_prefect_api`), or what the flow raises.
+        JobInterrupted: SIGINT or SIGTERM stopped the flow run once it held the output (its booked
+            report on it), as `run_job` raises it.
     """
     try:
         import prefect_dask  # noqa: F401
     except ImportError:
         raise ValueError("--cluster needs prefect-dask and distributed (pip install prefect-dask distributed)") \
             from None
-    from flows.batch_generate import batch_generate, check_prefect_api
+    from flows.batch_generate import batch_generate, check_prefect_api, interruption
 
     check_prefect_api(spec)
     print(f"tokenmill: running on the Dask cluster {spec.cluster} through the Prefect flow batch-generate",
           file=sys.stderr)
-    return batch_generate(spec)
+    try:
+        return batch_generate(spec)
+    except BaseException as exc:
+        stopped = interruption(exc)  # SIGTERM: Prefect's TerminationSignal, then our handler's Interrupted
+        if stopped is None:
+            raise
+        raise stopped from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -467,7 +503,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         """Print `PROG: error: MESSAGE` and where the options are (`see 'tokenmill run --help'`) on stderr,
         without the usage (`run`'s lists every option: 30 lines over a one-line mistake), then exit
-        EXIT_REFUSED (raises SystemExit)."""
+        EXIT_REFUSED (raises SystemExit). A bad value of an option is one line, naming the option as
+        typed: `tokenmill run: error: --plan must be prefix|input, got 'bogus'` (`_option_type`)."""
+        flag, _, said = message.partition(": ")
+        if flag.startswith("argument ") and said.startswith(flag.removeprefix("argument ") + " "):
+            self.exit(EXIT_REFUSED, f"{self.prog}: error: {said}\n")
         self.exit(EXIT_REFUSED, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
     def parse_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> argparse.Namespace:
@@ -568,6 +608,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("tokenmill: interrupted before the job started (nothing written); re-run the same command to start",
               file=sys.stderr)
         return 128 + int(getattr(exc, "signum", signal.SIGINT))
+    except SpecError as exc:  # one line per problem, as a usage error's first line
+        if verbose:
+            traceback.print_exc()
+        for problem in exc.problems:
+            print(f"{args.command_parser.prog}: error: {problem}", file=sys.stderr)
+        return EXIT_REFUSED
+    except InvalidOption as exc:
+        return _fail_option(exc, args, verbose)
     except JobSpecChanged as exc:
         return _fail(exc.cli_message, verbose, EXIT_OTHER_JOB)  # the flag, not the Python API's overwrite=True
     except JobLocked as exc:
@@ -584,6 +632,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warnings.showwarning = old_show
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def _fail_option(exc: InvalidOption, args: argparse.Namespace, verbose: bool) -> int:
+    """An option the engine's rules refuse, in one line naming it where it was given: as typed on the
+    command line (`tokenmill run: error: --max-tokens must be an integer >= 1, got 0`), or by the --spec
+    file's line (`tokenmill run: error: job.yaml:3: max_tokens must be ...`); else the message as it is
+    (`tokenmill: invalid default sampling parameters: ...`)."""
+    field = exc.field
+    if field is not None and getattr(args, field, None) is not None:
+        rest = exc.problem[len(field):]
+        said = "--" + field.replace("_", "-") + (" " + rest[1:] if rest.startswith("=") else rest)
+    elif field is not None and getattr(args, "spec", None):
+        from pipeline.job import spec_field_lines
+
+        line = spec_field_lines(args.spec).get(field)
+        if line is None:
+            return _fail(str(exc), verbose, EXIT_REFUSED)
+        said = f"{args.spec}:{line}: {exc.problem}"
+    else:
+        return _fail(str(exc), verbose, EXIT_REFUSED)
+    if verbose:
+        traceback.print_exc()
+    print(f"{args.command_parser.prog}: error: {said}", file=sys.stderr)
+    return EXIT_REFUSED
 
 
 def _silence_stdout() -> None:

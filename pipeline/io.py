@@ -478,7 +478,12 @@ def _put(fs: fsspec.AbstractFileSystem, path: str, data: bytes, so: dict[str, An
             return
         tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
         try:  # the temp file goes whether the write (a full disk) or the link fails
-            with open(tmp, "xb") as f:
+            try:
+                f = open(tmp, "xb")
+            except FileNotFoundError:  # the folder went since makedirs (a run releasing the output's lease
+                fs.makedirs(parent, exist_ok=True)  # removes `_job/lease/` when empty): make it again
+                f = open(tmp, "xb")
+            with f:
                 f.write(data)
             os.link(tmp, path)
         finally:

@@ -49,6 +49,8 @@ import socket
 import sys
 import threading
 import time
+import types
+import typing
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -561,12 +563,51 @@ def spec_errors(exc: ValidationError, sources: Optional[dict[str, str]] = None, 
             close = difflib.get_close_matches(name, list(JobSpec.model_fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             out.append(f"{where}{shown}: unknown option{hint}")
+            continue
+        value = err.get("input")
+        msg = _rule(name, err) or str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if value is None or isinstance(value, dict) or "got " in msg:
+            got = ""
         else:
-            value = err.get("input")
-            got = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
-            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")  # pydantic's prefix says nothing
+            got = f", got {value!r}"
+        if msg.startswith(("must ", "is ", "cannot ")):  # the engine's way: `max_tokens must be ..., got 0`
+            out.append(f"{where}{shown} {msg}{got}")
+        else:
             out.append(f"{where}{shown}: {msg}{got}")
     return out
+
+
+def _rule(name: str, err: dict[str, Any]) -> Optional[str]:
+    """A JobSpec field's rule that a pydantic error broke, in the words of the engine's checks
+    (`SamplingParams.validate`, `EngineConfig`): "must be an integer >= 1", "must be prefix|input";
+    None for an error without such words (its message is used)."""
+    field = JobSpec.model_fields.get(name)
+    annotation = field.annotation if field is not None else None
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if args and typing.get_origin(annotation) in (Union, types.UnionType):
+        annotation = args[0]
+    kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(annotation)
+    ctx, typ = err.get("ctx") or {}, str(err.get("type", ""))
+    bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+              "less_than": ("<", "lt")}
+    if typ in bounds and bounds[typ][1] in ctx:
+        op, key = bounds[typ]
+        bound = ctx[key]
+        return f"must be {kind or 'a number'} {op} {bound:g}" if isinstance(bound, (int, float)) else \
+            f"must be {kind or 'a number'} {op} {bound}"
+    if typ == "finite_number":
+        return "must be a finite number"
+    if typ in ("int_parsing", "int_type", "int_from_float"):
+        return "must be an integer"
+    if typ in ("float_parsing", "float_type"):
+        return "must be a number"
+    if typ in ("bool_parsing", "bool_type"):
+        return "must be true or false"
+    if typ == "string_type":
+        return "must be a string"
+    if typ == "literal_error" and typing.get_origin(annotation) is Literal:
+        return f"must be {'|'.join(str(a) for a in typing.get_args(annotation))}"
+    return None
 
 
 # ---------------------------------------------------------------- the engine, once per process
@@ -799,6 +840,24 @@ def _refuse_inputs_the_job_would_replace(spec: JobSpec, files: list[io.InputFile
                              f"--overwrite would delete it; move the input, or choose another output")
 
 
+class InvalidOption(ValueError):
+    """A job option that the engine's rules refuse (`validate_spec`), in the engine's words:
+    `invalid default sampling parameters: max_tokens must be an integer >= 1, got 0`.
+
+    Attributes:
+        problem: the engine's words, without the head (`max_tokens must be an integer >= 1, got 0`).
+        field: the JobSpec field that `problem` starts with (`max_tokens`; `kv_cache_memory_bytes` for
+            `kv_cache_memory_bytes=10 is below ...`), or None when it starts with none (the CLI names
+            an option given on the command line as typed: `--max-tokens must be ...`).
+    """
+
+    def __init__(self, head: str, problem: str) -> None:
+        super().__init__(f"{head}: {problem}")
+        self.problem = problem
+        name = problem.split(" ", 1)[0].split("=", 1)[0]
+        self.field: Optional[str] = name if name in JobSpec.model_fields else None
+
+
 def validate_spec(spec: JobSpec) -> None:
     """Check every option a job's spec sets, before anything is read or written: the sampling
     defaults, the engine options (known names, allowed values, the device being there, unless the
@@ -806,6 +865,7 @@ def validate_spec(spec: JobSpec) -> None:
     one KV block of the model, and on a CPU at most the machine's available memory), the model.
 
     Raises:
+        InvalidOption: a sampling default or an engine option the engine's rules refuse (a ValueError).
         ValueError: naming the option and what is allowed.
     """
     try:
@@ -824,7 +884,7 @@ def validate_spec(spec: JobSpec) -> None:
                              f"(LLM.generate returns them{', LLM.score too' if name == 'prompt_logprobs' else ''})")
     problem = params.validate()
     if problem is not None:
-        raise ValueError(f"invalid default sampling parameters: {problem}")
+        raise InvalidOption("invalid default sampling parameters", problem)
     if params.structured_outputs is not None:  # a job-wide constraint that cannot compile fails the job now
         from engine.structured.llguidance_backend import check_constraint
 
@@ -847,7 +907,7 @@ def validate_spec(spec: JobSpec) -> None:
     try:
         config = EngineConfig(model=spec.model, **{**kw, "device": resolved})
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"invalid engine option: {exc}") from None
+        raise InvalidOption("invalid engine option", str(exc)) from None
     from engine.weights import resolve_model
 
     try:
@@ -861,7 +921,7 @@ def validate_spec(spec: JobSpec) -> None:
         try:
             check_num_threads(config.num_threads)
         except ValueError as exc:
-            raise ValueError(f"invalid engine option: {exc}") from None
+            raise InvalidOption("invalid engine option", str(exc)) from None
     if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
         _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
     if spec.cluster is None:  # (a cluster's workers have memories of their own)
@@ -890,14 +950,14 @@ def validate_spec(spec: JobSpec) -> None:
             check_tp_size(model_config(source), int(tp))
             check_tp_options(int(tp), kw.get("quantization"), method)
         except (ValueError, OSError, KeyError) as exc:
-            raise ValueError(f"invalid engine option: {exc}") from None
+            raise InvalidOption("invalid engine option", str(exc)) from None
     if kw.get("quantization") == "w8a8" and not (spec.cluster is not None and device == "auto"):
         from engine.llm import resolve_settings, w8a8_unservable
 
         dev, dtype, _ = resolve_settings(config)
         problem = w8a8_unservable(config.cpu_kernels, str(dev), dtype)
         if problem is not None:
-            raise ValueError(f"invalid engine option: {problem}")
+            raise InvalidOption("invalid engine option", problem)
     if kw.get("quantization") == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own blocks, so it needs a .gguf model; "
                          f"{spec.model!r} is a {source.kind} model (use int8 or int4)")
@@ -919,7 +979,7 @@ def _check_block_size(config: EngineConfig, source: Any) -> None:
     except (ImportError, OSError, KeyError, ValueError):  # unreadable metadata: the engine checks it at load
         return
     if problem is not None:
-        raise ValueError(f"invalid engine option: {problem}")
+        raise InvalidOption("invalid engine option", problem)
 
 
 def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:
@@ -940,10 +1000,10 @@ def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:
         return  # the engine checks the budget again when it sizes the cache
     given = config.kv_cache_memory_bytes
     if given < need:
-        raise ValueError(f"invalid engine option: kv_cache_memory_bytes={given} is below the minimum of {need} "
-                         f"bytes, one KV block of {spec.model!r} (block_size={config.block_size} tokens x "
-                         f"{shape.num_layers} layers x K and V); give at least {need}, or leave it unset for a "
-                         f"share of the free memory")
+        raise InvalidOption("invalid engine option", f"kv_cache_memory_bytes={given} is below the minimum of "
+                            f"{need} bytes, one KV block of {spec.model!r} (block_size={config.block_size} tokens "
+                            f"x {shape.num_layers} layers x K and V); give at least {need}, or leave it unset for "
+                            f"a share of the free memory")
 
 
 def check_inputs(spec: JobSpec, files: list[io.InputFile]) -> dict[str, pl.DataType]:
@@ -1503,19 +1563,23 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
 
 def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, model: str,
               quantization: Optional[str], device: str, discarded_completion_tokens: int = 0,
-              device_count: Optional[int] = None) -> Optional[CostReport]:
+              device_count: Optional[int] = None, interrupted: bool = False) -> Optional[CostReport]:
     """Book the cost of a run that ended with `exc` (status "interrupted" for KeyboardInterrupt and its
-    subclasses, else "failed") and give the lease back. After a storage failure both use short
-    timeouts. Never raises: a row that cannot be booked is reported as a warning. The booked report
-    goes with `exc` (`booked_report(exc)`), so whoever catches what the caller re-raises (the CLI) can
-    show it.
+    subclasses, or with `interrupted`, else "failed") and give the lease back. After a storage failure
+    both use short timeouts. Never raises: a row that cannot be booked is reported as a warning. The
+    booked report goes with `exc` (`booked_report(exc)`), so whoever catches what the caller re-raises
+    (the CLI) can show it.
+
+    Args:
+        interrupted: `exc` stopped the run as a signal does without being a KeyboardInterrupt (Prefect's
+            TerminationSignal, raised in a flow run on SIGTERM): booked "interrupted", as Ctrl-C is.
 
     Returns:
         The booked report, or None when it could not be written.
     """
     so = plan.spec.storage_options
     quick = isinstance(exc, StorageError) and exc.endpoint_failed
-    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    status = "interrupted" if interrupted or isinstance(exc, KeyboardInterrupt) else "failed"
     error = None if status == "interrupted" else (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     report = None
     try:

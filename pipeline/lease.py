@@ -279,8 +279,10 @@ class Lease:
                             f"Re-run the same command to resume.")
 
     def release(self, storage_options: Optional[dict[str, Any]] = None, tidy: bool = False) -> None:
-        """Stop the heartbeat and delete this run's lease file (if it is still ours). Never raises a
-        StorageError: a lease that cannot be deleted expires after `ttl_s`.
+        """Stop the heartbeat and delete this run's lease file (if it is still ours), then, on a local disk,
+        the lease's folder `_job/lease/` if that left it empty (a finished job left it behind, empty; a
+        folder holding anything, such as another run's lease, stays). Never raises a StorageError: a lease
+        that cannot be deleted expires after `ttl_s`.
 
         Args:
             storage_options: options for the delete (e.g. quick limits after a storage failure).
@@ -298,13 +300,32 @@ class Lease:
                 io.remove(self.url, storage_options if storage_options is not None else self.storage_options)
             except StorageError:
                 pass
+            else:
+                remove_empty_folder(lease_dir(self.output), self.storage_options)
         if held and tidy:
             for url in self.created_folders:
+                fs, path = io.filesystem(url, self.storage_options)
                 try:
-                    fs, path = io.filesystem(url, self.storage_options)
                     fs.rmdir(path)  # only an empty folder: anything another run wrote there stays
+                except FileNotFoundError:  # gone already (the lease's folder, above)
+                    continue
                 except OSError:
                     break
+
+
+def remove_empty_folder(url: str, storage_options: dict[str, Any]) -> bool:
+    """Remove the local folder `url` if it is empty (`rmdir`: a folder that holds anything, another run's
+    lease or the temp file it is about to link into place, stays; `io.create_exclusive` makes the folder
+    again when it went between its `makedirs` and its write). Nothing to do on an object store, whose
+    folders are only prefixes of the objects there. Returns True when the folder was removed."""
+    fs, path = io.filesystem(url, storage_options)
+    if not io.is_local(fs):
+        return False
+    try:
+        fs.rmdir(path)
+    except OSError:  # not empty, gone already, or not ours to remove
+        return False
+    return True
 
 
 def _missing_local_folders(output: str, storage_options: dict[str, Any]) -> list[str]:

@@ -112,19 +112,18 @@ def test_spec_file_errors_name_the_file_line_and_field(tmp_path, capsys):
     fields.write_text("input: in.parquet\noutput: out\nmax_token: 8\ntemperature: hot\n")
     assert main(["run", "--spec", str(fields), "--shard-size", "0"]) == 1
     assert capsys.readouterr().err.splitlines() == [  # file:line: field, as README's Reliability table says
-        "tokenmill: invalid job options:",
-        f"  {fields}:4: temperature: Input should be a valid number, unable to parse string as a number (got 'hot')",
-        "  --shard-size: Input should be greater than or equal to 1 (got 0)",
-        f"  {fields}:3: max_token: unknown option; did you mean 'max_tokens'?",
+        f"tokenmill run: error: {fields}:4: temperature must be a number, got 'hot'",
+        "tokenmill run: error: --shard-size must be an integer >= 1, got 0",
+        f"tokenmill run: error: {fields}:3: max_token: unknown option; did you mean 'max_tokens'?",
     ]
     nested = tmp_path / "nightly.yaml"  # fields under spec:, as flows.deploy reads them; JSON too
     nested.write_text("# nightly\nspec:\n  input: in.parquet\n\n  output: out\n  max_tokns: 8\n")
     as_json = tmp_path / "job.json"
     as_json.write_text('{\n  "input": "in.parquet",\n  "output": "out",\n  "shard_size": -1\n}\n')
     for path, line in ((nested, f"{nested}:6: max_tokns: unknown option; did you mean 'max_tokens'?"),
-                       (as_json, f"{as_json}:4: shard_size: Input should be greater than or equal to 1 (got -1)")):
+                       (as_json, f"{as_json}:4: shard_size must be an integer >= 1, got -1")):
         assert main(["run", "--spec", str(path)]) == 1
-        assert capsys.readouterr().err.splitlines() == ["tokenmill: invalid job options:", f"  {line}"]
+        assert capsys.readouterr().err.splitlines() == [f"tokenmill run: error: {line}"]
 
 
 def test_a_spec_file_that_is_a_directory_binary_or_empty_is_one_line_naming_it(tmp_path, capsys):
@@ -189,10 +188,9 @@ def test_the_seed_range_is_the_engines_in_one_line_naming_the_range(tmp_path, ca
     args = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
     assert main([*args, "--seed", str(2 ** 63)]) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "tokenmill: invalid job options:",
-        "  --seed: must be in [-2**63, 2**63 - 1] (a 64-bit integer) (got 9223372036854775808)"]
+        "tokenmill run: error: --seed must be in [-2**63, 2**63 - 1] (a 64-bit integer), got 9223372036854775808"]
     assert main([*args, "--seed", str(-(2 ** 63) - 1)]) == 1
-    assert "--seed: must be in [-2**63, 2**63 - 1]" in capsys.readouterr().err
+    assert "--seed must be in [-2**63, 2**63 - 1]" in capsys.readouterr().err
     assert spec_from_args(build_parser().parse_args([*args, "--seed", str(2 ** 63 - 1)])).seed == 2 ** 63 - 1
     assert spec_from_args(build_parser().parse_args([*args, "--seed", str(-(2 ** 63))])).seed == -(2 ** 63)
 
@@ -212,14 +210,12 @@ def test_price_weight_and_lease_ttl_must_be_finite(tmp_path, capsys):
         assert main(run + [flag] + ([value] if value else [])) == 1
         name, _, given = flag.partition("=")
         assert capsys.readouterr().err.splitlines() == [
-            "tokenmill: invalid job options:",
-            f"  {name}: Input should be a finite number (got {float(value or given)})"]
+            f"tokenmill run: error: {name} must be a finite number, got {float(value or given)}"]
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("input: in.parquet\noutput: out\nprice_per_hour: .inf\n")
     assert main(["run", "--spec", str(spec_file)]) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "tokenmill: invalid job options:",
-        f"  {spec_file}:3: price_per_hour: Input should be a finite number (got inf)"]
+        f"tokenmill run: error: {spec_file}:3: price_per_hour must be a finite number, got inf"]
     for field in ("price_per_hour", "output_token_weight", "lease_ttl_s"):
         with pytest.raises(ValidationError) as exc:
             JobSpec(input="in.parquet", output="out", **{field: float("inf")})
@@ -449,38 +445,38 @@ def test_colliding_sampling_and_engine_options_name_both_sources_and_the_paramet
     def refused(*options: str) -> list[str]:
         assert main(run + list(options)) == 1
         err = capsys.readouterr().err.splitlines()
-        assert err[0] == "tokenmill: invalid job options:" and not out.exists()
-        return err[1:]
+        assert all(line.startswith("tokenmill run: error: ") for line in err) and not out.exists()
+        return [line.removeprefix("tokenmill run: error: ") for line in err]
 
     assert refused("--sampling-option", "top_k=5", "--top-k", "3") == [
-        "  --sampling-option top_k=5: top_k is also set by --top-k 3; give it once"]
+        "--sampling-option top_k=5: top_k is also set by --top-k 3; give it once"]
     assert refused("--sampling-option", "top_k=5") == [
-        "  --sampling-option top_k=5: top_k has an option of its own, --top-k (here -1); use --top-k 5"]
+        "--sampling-option top_k=5: top_k has an option of its own, --top-k (here -1); use --top-k 5"]
     # a list as the command line takes it: --stop repeats, each value shell-quoted; an unset default said so
     # (an empty stop string, which --stop refuses too, is never suggested)
     assert refused("--sampling-option", 'stop=["END", "two words", ""]') == [
-        "  --sampling-option stop=[\"END\", \"two words\", \"\"]: stop has an option of its own, --stop (not set "
+        "--sampling-option stop=[\"END\", \"two words\", \"\"]: stop has an option of its own, --stop (not set "
         "here); use --stop END --stop 'two words'"]
     assert refused("--sampling-option", "stop=") == [
-        "  --sampling-option stop=: stop has an option of its own, --stop (not set here); use --stop TEXT (an empty "
+        "--sampling-option stop=: stop has an option of its own, --stop (not set here); use --stop TEXT (an empty "
         "stop string is refused)"]
     assert refused("--sampling-option", "top_k=") == [  # the empty-stop wording is for stop alone
-        "  --sampling-option top_k=: top_k has an option of its own, --top-k (here -1); use --top-k ''"]
+        "--sampling-option top_k=: top_k has an option of its own, --top-k (here -1); use --top-k ''"]
     assert refused("--sampling-option", "stop=", "--stop", "a b") == [
-        "  --sampling-option stop=: stop is also set by --stop 'a b'; give it once"]
+        "--sampling-option stop=: stop is also set by --stop 'a b'; give it once"]
     assert refused("--sampling-option", "min_tokens=2", "--sampling-option", "min_tokens=3") == [
-        "  --sampling-option: min_tokens is given twice (min_tokens=2 and min_tokens=3); give it once"]
+        "--sampling-option: min_tokens is given twice (min_tokens=2 and min_tokens=3); give it once"]
     assert refused("--sampling-option", "structured_outputs={\"regex\": \"a+\"}", "--choice", "a,b") == [
-        "  --sampling-option structured_outputs={\"regex\": \"a+\"}: structured_outputs is also set by --choice a,b; "
+        "--sampling-option structured_outputs={\"regex\": \"a+\"}: structured_outputs is also set by --choice a,b; "
         "give it once"]
     assert refused("--engine-option", "max_num_seqs=4", "--max-num-seqs", "3") == [
-        "  --engine-option max_num_seqs=4: max_num_seqs is also set by --max-num-seqs 3; give it once"]
+        "--engine-option max_num_seqs=4: max_num_seqs is also set by --max-num-seqs 3; give it once"]
     assert refused("--storage-option", "secret=a", "--storage-option", "secret=b") == [
-        "  --storage-option: secret is given twice (secret=********** and secret=**********); give it once"]
+        "--storage-option: secret is given twice (secret=********** and secret=**********); give it once"]
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("sampling_options:\n  top_p: 0.5\n")
     assert refused("--spec", str(spec_file), "--top-p", "0.9") == [
-        f"  sampling_options.top_p: 0.5 in {spec_file}: top_p is also set by --top-p 0.9; give it once"]
+        f"sampling_options.top_p: 0.5 in {spec_file}: top_p is also set by --top-p 0.9; give it once"]
 
     # a command-line key still replaces the same key of the spec file; one key twice with one value is fine
     spec_file.write_text("sampling_options:\n  min_tokens: 1\n")
@@ -536,12 +532,13 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
         assert exc.value.code == 1, argv
         return capsys.readouterr().err
 
-    # one line saying what is wrong and one saying where the options are, not run's 30-line usage first
-    plan = usage_error(*run, "--plan", "bogus").splitlines()
-    assert len(plan) == 2 and plan[0].startswith("tokenmill run: error: argument --plan: invalid choice: 'bogus'")
-    assert plan[1] == "see 'tokenmill run --help'"
+    # a bad value: one line naming the option (test_a_bad_option_value_is_one_line_naming_the_option)
+    assert usage_error(*run, "--plan", "bogus").splitlines() == [
+        "tokenmill run: error: --plan must be prefix|input, got 'bogus'"]
     assert usage_error(*run, "--shard-size", "x").splitlines() == [
-        "tokenmill run: error: argument --shard-size: invalid int value: 'x'", "see 'tokenmill run --help'"]
+        "tokenmill run: error: --shard-size must be an integer, got 'x'"]
+    # a usage error: one line saying what is wrong and one saying where the options are, not run's 30-line
+    # usage first
     assert usage_error("run", "--output", str(out)).splitlines() == [  # the run command's error, not tokenmill's
         "tokenmill run: error: the following arguments are required: --input (or a --spec file that sets it)",
         "see 'tokenmill run --help'"]
@@ -552,7 +549,7 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     assert len(frob) == 2 and frob[0].startswith("tokenmill: error: argument command: invalid choice: 'frobnicate'")
     assert frob[1] == "see 'tokenmill --help'"
     assert main(run + ["--shard-size", "0"]) == 1  # the same option, refused by the spec's validation
-    assert capsys.readouterr().err.splitlines()[1] == "  --shard-size: Input should be greater than or equal to 1 (got 0)"
+    assert capsys.readouterr().err.splitlines() == ["tokenmill run: error: --shard-size must be an integer >= 1, got 0"]
     assert not out.exists()
 
     assert main(run + ["--max-tokens", "3"]) == 0
@@ -570,6 +567,73 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
+
+
+def test_a_bad_option_value_is_one_line_naming_the_option(tmp_path, capsys, monkeypatch):
+    """A bad value printed two lines (`tokenmill: invalid job options:` then the problem, or argparse's
+    `argument --plan: invalid choice: ...` then `see ...`) in pydantic's words (`Input should be greater
+    than or equal to 1 (got 0)`), or named the field rather than the option (`invalid default sampling
+    parameters: max_tokens must be ...`). Now one line, the option as typed, in the words of the engine's
+    rules (`SamplingParams.validate`, `EngineConfig`) where they have one; exit 1, nothing written."""
+    import pytest
+
+    from engine import SamplingParams
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+
+    def refused(*argv: str) -> list[str]:
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse's own checks (types, choices)
+            code = exc.code
+        assert code == 1, argv
+        assert not out.exists() and not (tmp_path / "demo_output").exists()
+        return capsys.readouterr().err.splitlines()
+
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress"]
+    cases = {
+        ("--temperature", "-1"): "--temperature must be a finite number >= 0, got -1.0",
+        ("--temperature", "hot"): "--temperature must be a number, got 'hot'",
+        ("--max-tokens", "0"): "--max-tokens must be an integer >= 1, got 0",
+        ("--max-tokens", "1.5"): "--max-tokens must be an integer, got '1.5'",
+        ("--top-p", "2"): "--top-p must be in (0, 1], got 2.0",
+        ("--top-k", "-5"): "--top-k must be -1, 0 (all) or a positive integer, got -5",
+        ("--n", "0"): "--n must be an integer >= 1, got 0",
+        ("--stop", ""): "--stop cannot contain an empty string ('')",
+        ("--shard-size", "0"): "--shard-size must be an integer >= 1, got 0",
+        ("--shards-in-flight", "0"): "--shards-in-flight must be an integer >= 1, got 0",
+        ("--price-per-hour", "-1"): "--price-per-hour must be a number >= 0, got -1.0",
+        ("--output-token-weight", "0"): "--output-token-weight must be a number > 0, got 0.0",
+        ("--lease-ttl-s", "0"): "--lease-ttl-s must be a number >= 0.1, got 0.0",
+        ("--plan", "bogus"): "--plan must be prefix|input, got 'bogus'",
+        ("--speculative", "fast"): "--speculative must be auto|ngram|suffix|draft_model|off, got 'fast'",
+        ("--dtype", "fp7"): "--dtype must be auto|float32|bfloat16|float16, got 'fp7'",
+        ("--device", "tpu"): "--device must be auto|cpu|cuda, got 'tpu'",
+        ("--quantization", "q9"): "--quantization must be None or none|int8|int4|gguf|w8a8, got 'q9'",
+        ("--max-num-seqs", "0"): "--max-num-seqs must be a positive integer, got 0",
+        ("--max-model-len", "0"): "--max-model-len must be an integer > 1, got 0",
+    }
+    for (flag, value), line in cases.items():
+        assert refused(*run, flag, value) == [f"tokenmill run: error: {line}"], flag
+    assert refused("run", "--input", "", "--output", str(out)) == [
+        "tokenmill run: error: --input must be a path or URL, got an empty string"]
+    [budget] = refused(*run, "--kv-cache-memory-bytes", "10")
+    assert budget.startswith("tokenmill run: error: --kv-cache-memory-bytes 10 is below the minimum of 737280 bytes")
+    # the engine's own words, the field's name given as the option
+    assert SamplingParams(max_tokens=0).validate() == "max_tokens must be an integer >= 1, got 0"
+    assert SamplingParams(top_p=2.0).validate() == "top_p must be in (0, 1], got 2.0"
+    # a value from a --spec file: its file and line; two bad options: a line each; `tokenmill demo` too
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(f"input: {inp}\noutput: {out}\nmax_tokens: 0\n")
+    assert refused("run", "--spec", str(spec_file)) == [
+        f"tokenmill run: error: {spec_file}:3: max_tokens must be an integer >= 1, got 0"]
+    assert refused(*run, "--shard-size", "0", "--lease-ttl-s", "0") == [
+        "tokenmill run: error: --shard-size must be an integer >= 1, got 0",
+        "tokenmill run: error: --lease-ttl-s must be a number >= 0.1, got 0.0"]
+    assert refused("demo", "--top-p", "0")[-1] == "tokenmill demo: error: --top-p must be in (0, 1], got 0.0"
 
 
 def test_an_unknown_flag_is_refused_by_the_command_it_follows(tmp_path, capsys):

@@ -4,6 +4,7 @@ Runs on Prefect's temporary local API (no server configured), one per session.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="tokenmill-prefect-"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -267,7 +269,7 @@ def test_deploy_refuses_credentials_in_the_spec_file_and_names_bad_fields(tmp_pa
     assert deploy.main([str(bad)]) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"flows.deploy: {bad}: invalid job spec:",
-        "  line 4: shard_size: Input should be a valid integer, unable to parse string as an integer (got 'many')"]
+        "  line 4: shard_size must be an integer, got 'many'"]
     ok = tmp_path / "ok.yaml"
     ok.write_text("spec:\n  input: in.parquet\n  output: out\ndeployment:\n  cron: '0 2 * * *'\n"
                   "  storage_secret: tokenmill-s3\n")
@@ -436,6 +438,187 @@ def test_ctrl_c_mid_flow_books_every_row_the_interrupted_run_committed(prefect_a
     assert (int(m["rows_ok"].sum()), int(m["prompt_tokens"].sum()), int(m["completion_tokens"].sum())) == everything
 
 
+def test_sigterm_mid_flow_is_booked_as_interrupted_like_ctrl_c(prefect_api, tmp_path, monkeypatch):
+    """A SIGTERM while window 2 ran booked the run "failed" (error "TerminationSignal", Prefect's exception
+    for it). It is booked as Ctrl-C is: "interrupted", counting every shard the run committed, window 2's
+    included; Prefect's TerminationSignal goes on up carrying the JobInterrupted, and the signal reaches the
+    process's own SIGTERM handler (the default one ends a script with 143)."""
+    from prefect.exceptions import TerminationSignal
+
+    from flows import batch_generate
+
+    flow_module = sys.modules["flows.batch_generate"]
+    settling = threading.Event()
+    real_settle = flow_module._settle_windows
+
+    def settle(*args, **kw):  # the flow caught the signal with window 2 in flight
+        settling.set()
+        return real_settle(*args, **kw)
+
+    def sigterm_in_window_2(n):
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the flow (the main thread) gets Prefect's TerminationSignal
+            assert settling.wait(10)
+
+    spec = _fake_engine_job(tmp_path, monkeypatch, sigterm_in_window_2, seed=7302)
+    monkeypatch.setattr(flow_module, "_settle_windows", settle)
+    delivered = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: delivered.append(signum))
+    try:
+        with pytest.raises(TerminationSignal) as exc:
+            batch_generate(spec, shard_retries=0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert delivered == [signal.SIGTERM]  # Prefect passed it on to this process's handler
+    parts = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
+    assert parts == ["part-00000.parquet", "part-00001.parquet"]  # window 3 never started
+    rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
+    m = read_metrics(spec.output)
+    assert (m["status"].to_list(), m["error"].to_list()) == (["interrupted"], [None])  # was failed, TerminationSignal
+    row = m.row(0, named=True)
+    assert (row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (rows, prompt_tokens,
+                                                                                completion_tokens)
+    assert (rows, completion_tokens) == (6, 6 * spec.max_tokens)
+    stopped = flow_module.interruption(exc.value)
+    assert (stopped.shards_done, stopped.shards_total, stopped.signum) == (2, 3, signal.SIGTERM)
+    assert str(stopped) == "interrupted after 2 of 3 shards"
+    assert (stopped.report.status, stopped.report.rows_ok) == ("interrupted", 6)
+
+    report = batch_generate(spec, shard_retries=0)  # the resume books only window 3
+    assert (report["status"], report["rows_skipped"], report["rows_ok"]) == ("ok", 6, 3)
+    assert read_metrics(spec.output)["status"].to_list() == ["interrupted", "ok"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_tokenmill_run_cluster_as_it_stops_tokenmill_run(prefect_api, tmp_path, monkeypatch, capsys,
+                                                                       signum):
+    """`tokenmill run --cluster` (the flow) stopped by Ctrl-C or SIGTERM said "interrupted before the job
+    started (nothing written)" with no cost report, after a run that had committed 2 shards (booked "failed"
+    on SIGTERM). It ends as `tokenmill run` does: the partial cost report on stdout, one line on stderr
+    naming the shards done, exit 128 + the signal. (The flow's windows run on this process's thread
+    runner here: the cluster's connection is stood in for.)"""
+    from pipeline.cli import main
+
+    flow_module = sys.modules["flows.batch_generate"]
+    settling = threading.Event()
+    real_settle = flow_module._settle_windows
+
+    def settle(*args, **kw):
+        settling.set()
+        return real_settle(*args, **kw)
+
+    def signal_in_window_2(n):
+        if n == 3:
+            os.kill(os.getpid(), signum)
+            assert settling.wait(10)
+
+    @contextlib.contextmanager
+    def no_cluster(spec):
+        yield None
+
+    seed = 7304 + signum
+    spec = _fake_engine_job(tmp_path, monkeypatch, signal_in_window_2, seed=seed)
+    monkeypatch.setattr(flow_module, "_settle_windows", settle)
+    monkeypatch.setattr(flow_module, "_cluster_runner", no_cluster)
+    monkeypatch.setattr(flow_module, "check_prefect_api", lambda spec: None)
+    monkeypatch.setattr(flow_module, "_require_api_for_cluster", lambda spec: None)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    rc = main(["run", "--input", spec.input, "--output", spec.output, "--max-tokens", str(spec.max_tokens),
+               "--shard-size", "3", "--shards-in-flight", "1", "--plan", "input", "--no-progress", "--seed",
+               str(seed), "--cluster", "tcp://127.0.0.1:8786"])
+    assert {s: signal.getsignal(s) for s in before} == before
+    out, err = capsys.readouterr()
+    assert rc == 128 + signum
+    assert err.splitlines()[-1] == ("tokenmill: interrupted after 2 of 3 shards; re-run the same command to "
+                                    "resume")
+    assert "cost report (partial: interrupted after 2 of 3 shards; counts are this run's committed shards" in out
+    assert sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet")) == ["part-00000.parquet",
+                                                                                 "part-00001.parquet"]
+    m = read_metrics(spec.output)
+    assert (m["status"].to_list(), m["rows_ok"].to_list(), m["error"].to_list()) == (["interrupted"], [6], [None])
+
+
+def test_ctrl_c_on_a_dask_cluster_waits_for_the_window_running_there_and_books_it(prefect_api, tmp_path,
+                                                                                  monkeypatch):
+    """On a Dask cluster a Ctrl-C cancelled every window's future and booked at once: the window running on
+    a worker went on (a cancelled Dask task's thread runs to its end) and committed its shard after the
+    run had read back its commits, so the cost row left that shard out (and a resume skipped it). The flow
+    now waits until no worker runs one of its windows, then books every shard committed. The cluster is a
+    one-worker, one-thread `LocalCluster` in this process (its tasks see this process's stand-in engine).
+    Window 2 goes on once the flow reads back what the run committed (or after 3 s), and the booking is
+    slow, as on a slow store, so that the running window commits before it ends."""
+    import distributed
+
+    import pipeline.manifest as manifest
+
+    from flows import batch_generate
+
+    flow_module = sys.modules["flows.batch_generate"]
+    main_thread = threading.main_thread().ident
+    sigint_seen, read_back, window2_committed = threading.Event(), threading.Event(), threading.Event()
+
+    def on_sigint(signum, frame):
+        sigint_seen.set()
+        raise KeyboardInterrupt
+
+    def ctrl_c_in_window_2(n):  # on the worker's thread: window 2's first output (window 1 has committed)
+        if n == 3:
+            signal.pthread_kill(main_thread, signal.SIGINT)
+            assert sigint_seen.wait(10)
+            read_back.wait(3)  # the flow read its commits back without waiting for this window: it goes on
+
+    real_committed_by_run = flow_module.committed_by_run
+
+    def committed_by_run(*args, **kw):
+        read_back.set()
+        return real_committed_by_run(*args, **kw)
+
+    real_mark_done, real_finish = manifest.mark_done, pipeline.job.finish_job
+
+    def mark_done(output, name, *args, **kw):
+        result = real_mark_done(output, name, *args, **kw)
+        if name == "part-00001.parquet":
+            window2_committed.set()
+        return result
+
+    def slow_booking(*args, **kw):  # (abort_job books through pipeline.job.finish_job)
+        window2_committed.wait(20)
+        return real_finish(*args, **kw)
+
+    spec = _fake_engine_job(tmp_path, monkeypatch, ctrl_c_in_window_2, seed=7310)
+    llm = pipeline.job._ENGINES[pipeline.job._engine_key(spec)]
+    monkeypatch.setattr(manifest, "mark_done", mark_done)
+    monkeypatch.setattr(pipeline.job, "finish_job", slow_booking)
+    monkeypatch.setattr(flow_module, "committed_by_run", committed_by_run)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  dashboard_address=":0") as cluster:
+        spec = spec.model_copy(update={"cluster": cluster.scheduler_address})
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                batch_generate(spec, shard_retries=0)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        parts = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
+        assert parts == ["part-00000.parquet", "part-00001.parquet"]  # window 3 was cancelled before it ran
+        assert (llm.calls, llm.prompts_seen) == (2, 6)
+        rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
+        m = read_metrics(spec.output)
+        assert m["status"].to_list() == ["interrupted"]
+        row = m.row(0, named=True)
+        assert (row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (rows, prompt_tokens,
+                                                                                    completion_tokens)
+        assert (rows, completion_tokens) == (6, 6 * spec.max_tokens)
+
+        monkeypatch.setattr(pipeline.job, "finish_job", real_finish)
+        report = batch_generate(spec, shard_retries=0)  # the resume computes and books only window 3
+        assert (report["status"], report["rows_skipped"], report["rows_ok"]) == ("ok", 6, 3)
+        m = read_metrics(spec.output)
+        everything = _part_token_sums(spec.output, [f"part-{i:05d}.parquet" for i in range(3)])
+        assert (int(m["rows_ok"].sum()), int(m["prompt_tokens"].sum()),
+                int(m["completion_tokens"].sum())) == everything
+
+
 def test_a_second_ctrl_c_stops_waiting_for_the_window_in_flight():
     """After the first Ctrl-C the flow cancels the windows not started and waits for the running one; a
     second Ctrl-C during that wait ends the wait (one line says so) instead of escaping the booking."""
@@ -469,3 +652,71 @@ def test_a_second_ctrl_c_stops_waiting_for_the_window_in_flight():
         "commits (Ctrl-C again to stop waiting)",
         "interrupted again: not waiting for the window in flight; booking what this run committed so far and "
         "giving the output's lease back (the window commits nothing more)"]
+
+
+def test_the_wait_for_dask_windows_ends_on_a_second_ctrl_c_or_a_lost_scheduler(monkeypatch):
+    """The Dask side of the wait: every window's future is cancelled in one call, the workers are asked
+    which windows still run until none does twice in a row; a second Ctrl-C while it polls, or workers
+    that cannot be asked (the scheduler is gone), end the wait with one line each."""
+    import flows  # noqa: F401  (loads flows.batch_generate)
+
+    flow_module = sys.modules["flows.batch_generate"]
+    monkeypatch.setattr(flow_module, "DASK_POLL_S", 0.01)
+
+    class Client:
+        def __init__(self, answers):
+            self.answers, self.cancelled, self.asked = list(answers), [], 0
+
+        def cancel(self, futures):
+            self.cancelled.append([f.key for f in futures])
+
+        def run(self, fn, keys, on_error):
+            assert fn is flow_module._windows_running and on_error == "ignore"
+            self.asked += 1
+            answer = self.answers.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return {"tcp://w1:1": [k for k in keys if k in answer], "tcp://w2:1": OSError("gone")}
+
+    class DaskWindow:
+        def __init__(self, key, client):
+            self.wrapped_future = types.SimpleNamespace(key=key, client=client)
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def warning(self, msg, *args):
+            self.lines.append(msg % args)
+
+    waiting = ("interrupted: waiting for the 1 window(s) in flight to finish, so this run's cost counts every "
+               "shard it commits (Ctrl-C again to stop waiting)")
+    # w2 runs, then ends; two empty answers in a row end the wait
+    client = Client([{"w2"}, {"w2"}, set(), set()])
+    log = Log()
+    flow_module._settle_windows([DaskWindow("w2", client), DaskWindow("w3", client)], None, log)
+    assert (client.cancelled, client.asked, log.lines) == ([["w2", "w3"]], 4, [waiting])
+    # a window seen only after the first empty answer (sent to a worker just before the cancel) is waited for
+    client = Client([set(), {"w3"}, set(), set()])
+    log = Log()
+    flow_module._settle_windows([DaskWindow("w2", client), DaskWindow("w3", client)], None, log)
+    assert (client.asked, log.lines) == (4, [])
+    # a second Ctrl-C while it polls
+    client = Client([{"w2"}, KeyboardInterrupt()])
+    log = Log()
+    flow_module._settle_windows([DaskWindow("w2", client)], None, log)
+    assert log.lines == [waiting, "interrupted again: not waiting for the window in flight; booking what this "
+                                  "run committed so far and giving the output's lease back (the window commits "
+                                  "nothing more)"]
+    # the scheduler is gone
+    client = Client([{"w2"}, OSError("Timed out trying to connect to tcp://scheduler:8786")])
+    log = Log()
+    flow_module._settle_windows([DaskWindow("w2", client)], None, log)
+    assert log.lines == [waiting, "could not ask the Dask workers whether this run's windows still run (OSError: "
+                                  "Timed out trying to connect to tcp://scheduler:8786); booking what is committed"]
+    client = Client([])
+    client.cancel = lambda futures: (_ for _ in ()).throw(OSError("Timed out trying to connect"))
+    log = Log()
+    flow_module._settle_windows([DaskWindow("w2", client)], None, log)
+    assert (client.asked, log.lines) == (0, ["could not cancel this run's windows on the Dask cluster (OSError: Timed "
+                                             "out trying to connect); booking what is committed"])

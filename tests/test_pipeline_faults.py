@@ -153,6 +153,54 @@ def test_overwrite_keeps_the_lease_of_the_run_doing_it(tmp_path):
     assert seen and all(len(names) == 1 for names in seen)
 
 
+def test_a_finished_run_leaves_no_lease_folder_and_never_removes_another_runs_lease(tmp_path, monkeypatch):
+    """A job that finished (or failed) left an empty `OUTPUT/_job/lease/` behind. Giving the lease back
+    now removes that folder when it is empty; a folder that holds another run's lease stays, and a run
+    taking the lease while the folder goes makes it again."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    write_input(tmp_path / "in.parquet", 4)
+    spec = spec_for(tmp_path / "in.parquet", tmp_path / "out")
+    job_dir = tmp_path / "out" / "_job"
+    assert run_job(spec, FakeLLM()).rows_ok == 4
+    assert sorted(p.name for p in job_dir.iterdir()) == ["done", "manifest.json", "runs"]
+    assert run_job(spec, FakeLLM()).rows_skipped == 4  # a resume too
+    assert sorted(p.name for p in job_dir.iterdir()) == ["done", "manifest.json", "runs"]
+
+    def ctrl_c(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(JobInterrupted):  # and an interrupted run (which starts over: no shard done)
+        run_job(spec.model_copy(update={"overwrite": True}), FakeLLM(on_output=ctrl_c))
+    assert sorted(p.name for p in job_dir.iterdir()) == ["manifest.json", "runs"]
+
+    # a run whose lease expired gives it back after another run took the output over: the other run's stays
+    stale = Lease.acquire(spec.output, run_id="stale", ttl_s=0.2, heartbeat=False)
+    time.sleep(0.3)
+    taker = Lease.acquire(spec.output, run_id="taker", ttl_s=60.0, heartbeat=False)
+    assert taker.generation == stale.generation + 1
+    stale.release()
+    assert io.list_names(lease_dir(spec.output)) == [Path(taker.url).name]
+    taker.token().check()  # still held
+    taker.release()
+    assert not (job_dir / "lease").exists()
+
+    # the folder removed between a taker's makedirs and its write (a run releasing at that moment)
+    real_makedirs, removed = LocalFileSystem.makedirs, []
+
+    def makedirs_then_released(self, path, exist_ok=False):
+        real_makedirs(self, path, exist_ok=exist_ok)
+        if path.endswith("/_job/lease") and not removed:
+            os.rmdir(path)
+            removed.append(path)
+
+    monkeypatch.setattr(LocalFileSystem, "makedirs", makedirs_then_released)
+    lease = Lease.acquire(spec.output, run_id="racer", ttl_s=60.0, heartbeat=False)
+    assert removed and io.list_names(lease_dir(spec.output)) == [Path(lease.url).name]
+    lease.release()
+    assert not (job_dir / "lease").exists()
+
+
 # ---------------------------------------------------------------- cost booked always
 
 def test_failed_and_interrupted_runs_book_their_cost(tmp_path):

@@ -274,7 +274,8 @@ def test_a_kv_cache_budget_below_one_block_is_refused_before_anything_is_written
 
     assert main(["run", "--input", inp, "--output", str(out), "--no-progress", "--dtype", "float32",
                  "--kv-cache-memory-bytes", "10"]) == 1
-    assert capsys.readouterr().err.splitlines() == [f"tokenmill: {message(10, block)}"]
+    assert capsys.readouterr().err.splitlines() == [  # the option as typed
+        "tokenmill run: error: --kv-cache-memory-bytes 10" + message(10, block).split("kv_cache_memory_bytes=10", 1)[1]]
     assert not out.exists()
 
     with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={block - 1} is smaller than one KV block "
