@@ -236,12 +236,11 @@ def test_lease_ttl_and_price_have_an_upper_bound_named_with_the_range(tmp_path, 
     run = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(out)]
     assert main(run + ["--lease-ttl-s", "1e300", "--price-per-hour", "1e308"]) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "tokenmill: invalid job options:",
-        "  --lease-ttl-s: must be in [0.1, 604800] seconds (at most 7 days) (got 1e+300)",
-        "  --price-per-hour: must be in [0, 1000000] USD per device-hour (got 1e+308)"]
+        "tokenmill run: error: --lease-ttl-s must be in [0.1, 604800] seconds (at most 7 days), got 1e+300",
+        "tokenmill run: error: --price-per-hour must be in [0, 1000000] USD per device-hour, got 1e+308"]
     assert main(run + ["--lease-ttl-s", "604800.5"]) == 1
-    assert capsys.readouterr().err.splitlines()[1] == (
-        "  --lease-ttl-s: must be in [0.1, 604800] seconds (at most 7 days) (got 604800.5)")
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill run: error: --lease-ttl-s must be in [0.1, 604800] seconds (at most 7 days), got 604800.5"]
     assert not out.exists()
     with pytest.raises(ValidationError) as exc:
         JobSpec(input="in.parquet", output="out", price_per_hour=1e6 + 1)
