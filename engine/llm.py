@@ -303,6 +303,18 @@ def min_kv_cache_memory_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
                           model_cfg.head_dim, cfg.block_size)
 
 
+def max_model_len_error(cfg: EngineConfig, model_cfg: ModelConfig) -> Optional[str]:
+    """The rule that `max_model_len` is at most the model's trained context (`max_position_embeddings`):
+    None when it is (or is unset), else the error message naming both. vLLM refuses a longer one too;
+    capping it quietly left a job's manifest saying 100000000 while its rows were refused past 8192.
+    `LLM` applies it when it sizes its cache, a job before it writes anything."""
+    trained = model_cfg.max_position_embeddings
+    if cfg.max_model_len is None or cfg.max_model_len <= trained:
+        return None
+    return (f"max_model_len={cfg.max_model_len} is more than the model's context ({trained} tokens, its "
+            f"max_position_embeddings); give at most {trained}, or leave it unset for the model's")
+
+
 def block_size_error(cfg: EngineConfig, model_cfg: ModelConfig) -> Optional[str]:
     """The rule that a KV block fits in the context: None when `cfg.block_size` is at most the context
     (`cfg.max_model_len`, at most the model's own), else the error message naming both. `LLM` refuses
@@ -660,7 +672,8 @@ class LLM:
             else:  # the ranks of a CPU engine share one memory
                 budget = min(int(_available_memory_bytes() * cfg.kv_cache_memory_fraction),
                              _CPU_KV_DEFAULT_CAP) // shard.world_size
-        problem = block_size_error(cfg, mcfg) or kv_budget_memory_error(cfg, str(self.device))
+        problem = (max_model_len_error(cfg, mcfg) or block_size_error(cfg, mcfg)
+                   or kv_budget_memory_error(cfg, str(self.device)))
         if problem is not None:
             raise ValueError(problem)
         num_blocks = budget // per_block

@@ -964,18 +964,20 @@ def validate_spec(spec: JobSpec) -> None:
 
 
 def _check_block_size(config: EngineConfig, source: Any) -> None:
-    """Refuse a KV block larger than the context (`--max-model-len 8` with block_size 16) before anything
-    is written, in the engine's words (`engine.llm.block_size_error`, from the model's metadata); the
-    engine would refuse it only at load, after the run's manifest.
+    """Refuse a `max_model_len` past the model's context (`engine.llm.max_model_len_error`) and a KV block
+    larger than the context (`--max-model-len 8` with block_size 16) before anything is written, in the
+    engine's words (`engine.llm.block_size_error`, from the model's metadata); the engine would refuse
+    them only at load, after the run's manifest.
 
     Raises:
-        ValueError: naming block_size and the context.
+        ValueError: naming max_model_len, or block_size and the context.
     """
-    from engine.llm import block_size_error
+    from engine.llm import block_size_error, max_model_len_error
     from engine.weights import model_config
 
     try:
-        problem = block_size_error(config, model_config(source))
+        mcfg = model_config(source)
+        problem = max_model_len_error(config, mcfg) or block_size_error(config, mcfg)
     except (ImportError, OSError, KeyError, ValueError):  # unreadable metadata: the engine checks it at load
         return
     if problem is not None:

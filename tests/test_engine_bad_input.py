@@ -561,3 +561,16 @@ def test_prompt_logprobs_match_score_and_the_logits_and_leave_generation_as_it_w
     assert [o.error for o in bad] == [f"prompt_logprobs must be an integer in [0, 20] or None, got {v!r}"
                                       for v in (-1, 21, "2")]
     assert llm.num_free_blocks == free  # the scoring pass's scratch blocks are all returned
+
+
+def test_a_max_model_len_past_the_models_context_is_refused_naming_both():
+    """`LLM(max_model_len=10**8)` was capped to the model's 8192 tokens without a word (vLLM refuses it);
+    the model's own context is accepted."""
+    from engine import LLM
+
+    with pytest.raises(ValueError) as exc:
+        LLM("smollm2-135m-instruct", max_model_len=10 ** 8, kv_cache_memory_bytes=16 << 20, speculative=None)
+    assert str(exc.value) == ("max_model_len=100000000 is more than the model's context (8192 tokens, its "
+                              "max_position_embeddings); give at most 8192, or leave it unset for the model's")
+    with LLM("smollm2-135m-instruct", max_model_len=8192, kv_cache_memory_bytes=16 << 20, speculative=None) as llm:
+        assert llm.max_model_len <= 8192

@@ -45,6 +45,9 @@ BAD_OPTIONS = [
                            "tokens): a KV block holds block_size tokens of one sequence"),
     ({"engine_options": {"block_size": 16384}}, "invalid engine option: block_size=16384 is larger than the "
                                                 "model's context (8192 tokens)"),
+    # it was capped quietly: the manifest said 100000000 while rows were refused past 8192
+    ({"max_model_len": 100000000}, "invalid engine option: max_model_len=100000000 is more than the model's "
+                                   "context (8192 tokens, its max_position_embeddings); give at most 8192"),
 ]
 
 
