@@ -131,6 +131,29 @@ def open_gguf_index(path: str) -> GGUFIndex:
     return index
 
 
+MAX_FIELD_OVERSHOOT = 64 << 20
+"""Bytes past the end of a file cut inside its header that one metadata read may ask for (a string or an
+array element); more is a garbage length: the file is corrupt, not short."""
+MAX_GGUF_BYTES = 1 << 40
+"""More tensor data than a GGUF file ever holds (1 TiB): a tensor table asking for it is corrupt."""
+MAX_GGUF_COUNT = 1 << 20
+"""More tensors or metadata keys than a GGUF file ever has."""
+
+
+def _sane_header_start(path: str) -> bool:
+    """Whether the file's first 24 bytes read as a GGUF header start: the magic, version 1-3 and tensor
+    and metadata-key counts of at most MAX_GGUF_COUNT (a shorter file: whether what it has matches)."""
+    with open(path, "rb") as fh:
+        head = fh.read(24)
+    if not b"GGUF".startswith(head[:4]):
+        return False
+    if len(head) >= 8 and int.from_bytes(head[4:8], "little") not in (1, 2, 3):
+        return False
+    if len(head) >= 16 and int.from_bytes(head[8:16], "little") > MAX_GGUF_COUNT:
+        return False
+    return not (len(head) >= 24 and int.from_bytes(head[16:24], "little") > MAX_GGUF_COUNT)
+
+
 class TruncatedGGUF(ValueError):
     """A GGUF file shorter than its own header says it is: an interrupted download or copy."""
 
@@ -150,6 +173,8 @@ def truncation_error(path: str) -> Optional[TruncatedGGUF]:
     size = os.path.getsize(path)
     if size == 0:
         return TruncatedGGUF(f"GGUF file {path!r} is empty (0 bytes): an interrupted download or copy? copy it again")
+    if not _sane_header_start(path):
+        return None  # corrupt: a cut file keeps its first bytes as they were
 
     class _Short(Exception):
         def __init__(self, needed: int, in_header: bool) -> None:
@@ -178,6 +203,10 @@ def truncation_error(path: str) -> Optional[TruncatedGGUF]:
         _Probe(path)
     except _Short as short:
         if short.needed <= size:
+            return None
+        # a garbage length or count (a corrupt byte, not a cut) asks for far more than any one field or
+        # model holds: the first read past the end of a cut header overshoots it by one field's bytes
+        if short.needed - size > (MAX_FIELD_OVERSHOOT if short.in_header else MAX_GGUF_BYTES):
             return None
         if short.in_header:
             return TruncatedGGUF(f"GGUF file {path!r} is truncated: it ends at byte {size} inside its header "

@@ -376,6 +376,14 @@ def test_a_truncated_gguf_is_named_with_its_size_and_the_size_its_tensors_need(t
     cut.write_bytes(b"")
     with pytest.raises(TruncatedGGUF, match=r"cut\.gguf' is empty \(0 bytes\)"):
         open_gguf_index(str(cut))
+    corrupt = "cannot be read, it is corrupt or not a GGUF file"
+    # full-size files with garbage bytes were called truncated: a metadata count of 2**64 - 1 (the parse ran to
+    # the end of the file), and a string length read as garbage
+    for at, junk in ((16, b"\xff" * 8), (24, b"\xff" * 8)):
+        cut.write_bytes(data[:at] + junk + data[at + len(junk):])
+        with pytest.raises(ValueError) as exc:
+            open_gguf_index(str(cut))
+        assert type(exc.value) is ValueError and corrupt in str(exc.value), (at, str(exc.value))
     cut.write_bytes(b"not a gguf file" * 10)  # corrupt, not short: named, and not called truncated
     with pytest.raises(ValueError) as exc:
         open_gguf_index(str(cut))
