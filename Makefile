@@ -22,6 +22,8 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 # packages that existed at install time.
 EDITABLE_FLAGS ?= --config-settings editable_mode=compat
 PYTEST_ARGS ?= -q -p no:cacheprovider -ra --durations=15
+# what `make test` runs: the whole suite, or e.g. `make test TESTS="tests/test_cli.py tests/test_planner.py"`
+TESTS ?= tests
 BENCH_ARGS ?=
 
 # The stamp is keyed on the content of pyproject.toml plus the torch and model
@@ -54,7 +56,7 @@ demo: setup
 	$(VENV)/bin/tokenmill demo
 
 test: setup
-	$(VPY) -m pytest $(PYTEST_ARGS) tests
+	$(VPY) -m pytest $(PYTEST_ARGS) $(TESTS)
 
 bench: setup
 	$(VPY) -m benchmarks.hf_compare $(BENCH_ARGS)
