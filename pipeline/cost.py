@@ -125,6 +125,24 @@ class CostReport:
     def as_row(self) -> dict:
         return asdict(self)
 
+    def as_frame(self) -> "pl.DataFrame":
+        """The report as a one-row polars DataFrame whose unset (None) fields keep their declared type
+        (Float64, Int64, Utf8) instead of polars' Null: runs' files then read together with one
+        `pl.read_parquet("OUT/_job/runs/*.parquet")` (a Null beside a Float64 column was a SchemaError)."""
+        import typing
+
+        import polars as pl
+
+        kinds = {float: pl.Float64, int: pl.Int64, str: pl.Utf8, bool: pl.Boolean}
+        df = pl.DataFrame([self.as_row()])
+        casts = []
+        for name, hint in typing.get_type_hints(type(self)).items():
+            if df.schema.get(name) == pl.Null:
+                args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+                if args[0] in kinds:
+                    casts.append(pl.col(name).cast(kinds[args[0]]))
+        return df.with_columns(casts) if casts else df
+
 
 def _per_1m(cost: float, tokens: int) -> Optional[float]:
     return cost / tokens * 1e6 if tokens > 0 else None

@@ -1558,7 +1558,7 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         structured=plan.structured,
     )
     name = f"run-{plan.started_at.strftime('%Y%m%dT%H%M%S%fZ')}-{plan.run_id}.parquet"
-    io.write_parquet_atomic(pl.DataFrame([report.as_row()]), manifest.job_url(spec.output, RUNS_DIR, name),
+    io.write_parquet_atomic(report.as_frame(), manifest.job_url(spec.output, RUNS_DIR, name),
                             storage_options if storage_options is not None else spec.storage_options)
     return report
 

@@ -504,3 +504,23 @@ def test_more_threads_than_cpus_is_refused_for_a_local_job_not_for_a_cluster(tmp
                                                    f"{cpus} CPUs this process may use")):
         validate_spec(JobSpec(**fields))
     validate_spec(JobSpec(**fields, cluster="tcp://127.0.0.1:8786"))  # not refused here
+
+
+def test_runs_cost_rows_read_together_with_one_read_parquet(tmp_path):
+    """A run's unset report fields were written as polars Null columns, so after a run that used speculation
+    (a float there) `pl.read_parquet("OUT/_job/runs/*.parquet")` failed with a SchemaError; they keep their
+    declared types now (Float64, Int64, Utf8)."""
+    import dataclasses
+
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    report = run_job(JobSpec(input=inp, output=str(out), progress=False, max_tokens=2), FakeLLM())
+    frame = report.as_frame()
+    assert report.spec_mean_accepted_per_verify is None and report.rows_valid is None and report.error is None
+    assert (frame.schema["spec_mean_accepted_per_verify"], frame.schema["rows_valid"], frame.schema["error"]) == (
+        pl.Float64, pl.Int64, pl.Utf8)
+    runs = out / "_job" / "runs"
+    other = dataclasses.replace(report, run_id="other", spec_mean_accepted_per_verify=1.5, rows_valid=3, error="x")
+    other.as_frame().write_parquet(runs / "run-other.parquet")
+    both = pl.read_parquet(str(runs / "*.parquet")).sort("run_id")
+    assert both.height == 2 and sorted(both["spec_mean_accepted_per_verify"].to_list(), key=str) == [1.5, None]
