@@ -5,6 +5,7 @@ Runs on Prefect's temporary local API (no server configured), one per session.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -372,6 +373,20 @@ def _fake_engine_job(tmp_path, monkeypatch, on_output, seed: int) -> JobSpec:
     return spec
 
 
+def _parts_after_ctrl_c(spec, on_sigint) -> list[str]:
+    """Run the flow with `on_sigint` as the SIGINT handler (restored after), expecting the KeyboardInterrupt
+    it ends in; the names of the part files in the output then."""
+    from flows import batch_generate
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            batch_generate(spec, shard_retries=0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(spec.output, "part-*.parquet")))
+
+
 def _part_token_sums(output: str, names: list[str]) -> tuple[int, int, int]:
     df = pl.concat([pl.read_parquet(os.path.join(output, n)) for n in names])
     return df.height, int(df["prompt_tokens"].sum()), int(df["completion_tokens"].sum())
@@ -412,13 +427,7 @@ def test_ctrl_c_mid_flow_books_every_row_the_interrupted_run_committed(prefect_a
     spec = _fake_engine_job(tmp_path, monkeypatch, ctrl_c_in_window_2, seed=7301)
     monkeypatch.setattr(manifest, "mark_done", mark_done)
     monkeypatch.setattr(flow_module, "abort_job", slow_booking)
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            batch_generate(spec, shard_retries=0)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    parts = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
+    parts = _parts_after_ctrl_c(spec, on_sigint)
     assert parts == ["part-00000.parquet", "part-00001.parquet"]  # window 3 never started
     rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
     m = read_metrics(spec.output)
@@ -593,13 +602,7 @@ def test_ctrl_c_on_a_dask_cluster_waits_for_the_window_running_there_and_books_i
     with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
                                   dashboard_address=":0") as cluster:
         spec = spec.model_copy(update={"cluster": cluster.scheduler_address})
-        previous = signal.signal(signal.SIGINT, on_sigint)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                batch_generate(spec, shard_retries=0)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        parts = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
+        parts = _parts_after_ctrl_c(spec, on_sigint)
         assert parts == ["part-00000.parquet", "part-00001.parquet"]  # window 3 was cancelled before it ran
         assert (llm.calls, llm.prompts_seen) == (2, 6)
         rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
