@@ -387,6 +387,18 @@ def _parts_after_ctrl_c(spec, on_sigint) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(spec.output, "part-*.parquet")))
 
 
+def _assert_booked_interrupted(spec, parts: list[str], rows: int) -> None:
+    """The run is booked interrupted, with the rows and tokens of the part files `parts` exactly (`rows` of
+    them, each with max_tokens completion tokens)."""
+    got_rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
+    m = read_metrics(spec.output)
+    assert m["status"].to_list() == ["interrupted"]
+    row = m.row(0, named=True)
+    assert (row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (got_rows, prompt_tokens,
+                                                                                completion_tokens)
+    assert (got_rows, completion_tokens) == (rows, rows * spec.max_tokens)
+
+
 def _part_token_sums(output: str, names: list[str]) -> tuple[int, int, int]:
     df = pl.concat([pl.read_parquet(os.path.join(output, n)) for n in names])
     return df.height, int(df["prompt_tokens"].sum()), int(df["completion_tokens"].sum())
@@ -429,13 +441,7 @@ def test_ctrl_c_mid_flow_books_every_row_the_interrupted_run_committed(prefect_a
     monkeypatch.setattr(flow_module, "abort_job", slow_booking)
     parts = _parts_after_ctrl_c(spec, on_sigint)
     assert parts == ["part-00000.parquet", "part-00001.parquet"]  # window 3 never started
-    rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
-    m = read_metrics(spec.output)
-    assert m["status"].to_list() == ["interrupted"]
-    row = m.row(0, named=True)
-    assert (row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (rows, prompt_tokens,
-                                                                                completion_tokens)
-    assert (rows, completion_tokens) == (6, 6 * spec.max_tokens)
+    _assert_booked_interrupted(spec, parts, rows=6)
 
     monkeypatch.setattr(flow_module, "abort_job", real_abort)
     report = batch_generate(spec, shard_retries=0)  # the resume computes and books only window 3
@@ -605,13 +611,7 @@ def test_ctrl_c_on_a_dask_cluster_waits_for_the_window_running_there_and_books_i
         parts = _parts_after_ctrl_c(spec, on_sigint)
         assert parts == ["part-00000.parquet", "part-00001.parquet"]  # window 3 was cancelled before it ran
         assert (llm.calls, llm.prompts_seen) == (2, 6)
-        rows, prompt_tokens, completion_tokens = _part_token_sums(spec.output, parts)
-        m = read_metrics(spec.output)
-        assert m["status"].to_list() == ["interrupted"]
-        row = m.row(0, named=True)
-        assert (row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (rows, prompt_tokens,
-                                                                                    completion_tokens)
-        assert (rows, completion_tokens) == (6, 6 * spec.max_tokens)
+        _assert_booked_interrupted(spec, parts, rows=6)
 
         monkeypatch.setattr(pipeline.job, "finish_job", real_finish)
         report = batch_generate(spec, shard_retries=0)  # the resume computes and books only window 3
