@@ -82,13 +82,6 @@ def _mix_seed(base: int, index: int) -> int:
     return x & ((1 << 63) - 1)
 
 
-def _available_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
-
-
 def memory_bytes() -> tuple[Optional[int], Optional[int]]:
     """(available, total) bytes of this machine's memory: `MemAvailable` of /proc/meminfo (what can be
     allocated without swapping, page cache included; the free pages where there is no such file), and
@@ -110,6 +103,13 @@ def memory_bytes() -> tuple[Optional[int], Optional[int]]:
     except (ValueError, OSError, AttributeError):
         total = None
     return available, total
+
+
+def _available_memory_bytes() -> int:
+    """Bytes a CPU engine's default KV budget is a share of: `memory_bytes`'s available memory (the one the
+    budget rule `kv_budget_memory_error` checks), 8 GiB where it cannot be read."""
+    available, _ = memory_bytes()
+    return available if available is not None else 8 << 30
 
 
 def kv_budget_memory_error(cfg: EngineConfig, device: str) -> Optional[str]:
