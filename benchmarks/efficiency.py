@@ -40,7 +40,7 @@ other processes), as in `benchmarks.hf_compare`.
 Usage::
 
     python -m benchmarks.efficiency [--quick] [--batch 64] [--schemes fp32,int8,gguf,w8a8]
-                                    [--kv-cache-dtype auto|fp16|int8] [--output-json F]
+                                    [--kv-cache-dtype auto|fp16|fp32|int8] [--output-json F]
 """
 from __future__ import annotations
 
@@ -328,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--matmul-size", type=int, default=None, help="cube of the peak matmul (2048; quick 1024)")
     p.add_argument("--schemes", default="fp32,int8,gguf", help=f"MBU at batch 1 for these ({','.join(SCHEMES)})")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|fp16|int8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|fp16|fp32|int8")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -366,8 +366,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"tokenmill efficiency: torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"CPU kernels {isa} ({cpu.get_num_threads() if cpu.available() else 0} threads), "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs, KV cache "
-          f"{args.kv_cache_dtype}", flush=True)
-    report.update(torch_threads=torch.get_num_threads(), kernels_isa=isa)
+          f"{args.kv_cache_dtype} ({llm.kv_bytes_per_token} bytes per token)", flush=True)
+    report.update(torch_threads=torch.get_num_threads(), kernels_isa=isa, kv_bytes_per_token=llm.kv_bytes_per_token)
 
     # 1 + 2. peak and the linear layers per M
     m = measure("peak")

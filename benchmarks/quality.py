@@ -30,7 +30,8 @@ import torch  # noqa: E402
 LICENSES = ["GPL-3", "GPL-2", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-2.1"]
 LICENSE_DIR = Path("/usr/share/common-licenses")
 SCHEMES = {
-    "fp32": dict(),
+    "fp32": dict(kv_cache_dtype="fp32"),  # the reference: fp32 weights and KV cache
+    "kv-fp16": dict(kv_cache_dtype="fp16"),  # the default on the CPU ("auto" under fp32 weights)
     "int8": dict(quantization="int8"),
     "int4-g32": dict(quantization="int4", quant_group_size=32),
     "gguf": dict(quantization="gguf"),

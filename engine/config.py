@@ -74,10 +74,12 @@ class EngineConfig:
             channel x int8 activations per token, integer arithmetic; CPU
             kernels only). See `engine.quant`.
         quant_group_size: int4 group size, 32 | 64 | 128.
-        kv_cache_dtype: "auto" (the model dtype) | "fp16" (IEEE half: half the
-            bytes of an fp32 cache, read and widened to fp32 by the CPU kernels;
-            llama.cpp's default KV type) | "int8" (per-token per-head scale) |
-            "fp8_e4m3" (CUDA only).
+        kv_cache_dtype: "auto" (the model dtype, except fp16 for an fp32
+            model, as on the CPU: `engine.llm.auto_kv_dtype` says why) |
+            "fp16" (IEEE half: half the bytes of an fp32 cache, read and
+            widened to fp32 by the CPU kernels; llama.cpp's default KV type) |
+            "fp32" (exact: greedy parity with transformers in fp32) | "int8"
+            (per-token per-head scale) | "fp8_e4m3" (CUDA only).
         attention_backend: "auto" (Triton kernels on CUDA, the PyTorch
             reference on CPU) | "torch" | "triton" (on CPU only under
             TRITON_INTERPRET=1, for tests).
@@ -181,8 +183,8 @@ class EngineConfig:
         if self.structured_outputs_backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"structured_outputs_backend must be llguidance|xgrammar, got "
                              f"{self.structured_outputs_backend!r}")
-        if self.kv_cache_dtype not in ("auto", "fp16", "int8", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be auto|fp16|int8|fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp16", "fp32", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto|fp16|fp32|int8|fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
             raise ValueError("kv_cache_dtype='fp8_e4m3' needs a CUDA device (no fp8 arithmetic on this CPU); "
                              "use kv_cache_dtype='int8' on CPU")

@@ -40,6 +40,16 @@ def llm():
 
 
 @pytest.fixture(scope="session")
+def llm_fp32():
+    """The engine with an fp32 KV cache (kv_cache_dtype="fp32"; the default stores fp16 halves under
+    the fp32 model): arithmetic as transformers' fp32, for parity and as the quantized schemes'
+    reference. A 256 MB KV budget: its users run short prompts."""
+    from engine import LLM
+
+    return LLM(MODEL_NAME, kv_cache_dtype="fp32", kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """transformers' Llama loaded from the same GGUF, dequantized to fp32 (about 25 s)."""
     from transformers import AutoModelForCausalLM

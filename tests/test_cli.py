@@ -620,7 +620,7 @@ def test_a_bad_option_value_is_one_line_naming_the_option(tmp_path, capsys, monk
     assert refused("run", "--input", "", "--output", str(out)) == [
         "tokenmill run: error: --input must be a path or URL, got an empty string"]
     [budget] = refused(*run, "--kv-cache-memory-bytes", "10")
-    assert budget.startswith("tokenmill run: error: --kv-cache-memory-bytes 10 is below the minimum of 737280 bytes")
+    assert budget.startswith("tokenmill run: error: --kv-cache-memory-bytes 10 is below the minimum of 368640 bytes")
     # the engine's own words, the field's name given as the option
     assert SamplingParams(max_tokens=0).validate() == "max_tokens must be an integer >= 1, got 0"
     assert SamplingParams(top_p=2.0).validate() == "top_p must be in (0, 1], got 2.0"

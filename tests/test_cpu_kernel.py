@@ -141,12 +141,12 @@ def test_backend_decode_through_kernel_matches_dense_with_shared_blocks(n):
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "auto"])
 def test_engine_greedy_tokens_equal_with_and_without_kernel(monkeypatch, kv):
     """The real engine on a 2-layer dummy Llama: the same greedy tokens whether decode attention
     runs in the C kernel or the PyTorch path, over steps that mix decodes, chunked prefill and a
-    prefix-cache hit; with an fp32 cache and with an fp16 one (written by the C kernel or by
-    torch's conversion, read widened to fp32 by both paths)."""
+    prefix-cache hit; with an fp32 cache and with the default ("auto": fp16 halves under fp32 weights,
+    written by the C kernel or by torch's conversion, read widened to fp32 by both paths)."""
     from engine import LLM, SamplingParams
     from engine.weights import PRESETS, ModelConfig
 
@@ -164,7 +164,7 @@ def test_engine_greedy_tokens_equal_with_and_without_kernel(monkeypatch, kv):
         llm = LLM("dummy:tiny-gqa3", **kw)
         llm.backend.use_cpu_kernel = use
         runs[use] = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.kv_cache.layers[0][0].dtype == (torch.float16 if kv == "fp16" else torch.float32)
+        assert llm.kv_cache.layers[0][0].dtype == (torch.float32 if kv == "fp32" else torch.float16)
     assert [o.outputs[0].token_ids for o in runs[True]] == [o.outputs[0].token_ids for o in runs[False]]
     assert all(len(o.outputs[0].token_ids) == 12 for o in runs[True])
     # and the same logprobs to float rounding: both paths attend over what the cache holds (the

@@ -72,6 +72,13 @@ LONG_TEXT = (
 )
 
 
+@pytest.fixture(scope="module")
+def llm(llm_fp32):
+    """Parity is a property of the fp32 arithmetic: these tests run the engine with an fp32 KV cache
+    (the default stores fp16 halves; `tests/test_quant.py` bounds what that costs)."""
+    return llm_fp32
+
+
 def _prompt_ids(llm) -> list[tuple[str, list[int]]]:
     """(label, prompt token ids) for the 16 greedy-parity prompts, tokenized by the engine."""
     out = [(f"chat{i}", llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c))) for i, c in enumerate(CHAT_PROMPTS)]

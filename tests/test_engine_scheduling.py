@@ -15,10 +15,11 @@ from engine import LLM, SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 
-# SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 head_dim x 4 bytes (fp32) per token.
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+# SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 head_dim x 2 bytes per token (the default
+# cache stores fp16 halves under the fp32 model).
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
 BLOCK_SIZE = 16
-KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * BLOCK_SIZE  # 737,280
+KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * BLOCK_SIZE  # 368,640
 
 # Real text (the Gettysburg Address), used whole, cut into prefixes and repeated.
 GETTYSBURG = (

@@ -37,7 +37,7 @@ BAD_OPTIONS = [
                                             "(LLM.generate returns them)"),
     ({"sampling_options": {"prompt_logprobs": 2}}, "invalid sampling option: prompt_logprobs: a job writes no "
                                                    "prompt logprobs (LLM.generate returns them, LLM.score too)"),
-    ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|fp16|int8|fp8_e4m3"),
+    ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|fp16|fp32|int8|fp8_e4m3"),
     ({"num_threads": -1}, "invalid engine option: num_threads must be a positive integer or None"),
     ({"num_threads": 0}, "invalid engine option: num_threads must be a positive integer or None"),
     # the engine refused it only at load, after the manifest was written: the fix then needed --overwrite
@@ -256,7 +256,7 @@ def test_a_kv_cache_budget_below_one_block_is_refused_before_anything_is_written
 
     inp = write_input(tmp_path / "in.parquet")
     out = tmp_path / "out"
-    block = 2 * 30 * 3 * 64 * 4 * 16  # K and V x 30 layers x 3 KV heads x head_dim 64 x fp32 x 16 tokens
+    block = 2 * 30 * 3 * 64 * 2 * 16  # K and V x 30 layers x 3 KV heads x head_dim 64 x fp16 (the default) x 16 tokens
 
     def refused(**options) -> str:
         with pytest.raises(ValueError) as exc:
@@ -274,6 +274,7 @@ def test_a_kv_cache_budget_below_one_block_is_refused_before_anything_is_written
     assert refused(kv_cache_memory_bytes=10, engine_options={"block_size": 32}) == message(10, 2 * block, 32)
     int8_block = 2 * 30 * 3 * (64 + 4) * 1 * 16  # int8 codes and each row's fp32 scale
     assert refused(kv_cache_memory_bytes=10, engine_options={"kv_cache_dtype": "int8"}) == message(10, int8_block)
+    assert refused(kv_cache_memory_bytes=10, engine_options={"kv_cache_dtype": "fp32"}) == message(10, 2 * block)
 
     assert main(["run", "--input", inp, "--output", str(out), "--no-progress", "--dtype", "float32",
                  "--kv-cache-memory-bytes", "10"]) == 1

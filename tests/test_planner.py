@@ -291,7 +291,7 @@ def test_planned_order_beats_input_order_on_the_real_model(llm, tmp_path):
     from engine import LLM
     from pipeline.job import planned_context_length
 
-    block_bytes = llm.kv_cache.bytes_per_block(llm.model_config, 16, llm.dtype)
+    block_bytes = llm.kv_bytes_per_token * 16  # the default cache's block (fp16 K and V)
     inp = tmp_path / "in.parquet"
     interleaved(10).write_parquet(inp)
     runs = {}

@@ -30,6 +30,13 @@ from engine.kernels.cpu.layers import CpuLinear, CpuQuantLinear
 QUANT_LAYERS = (QuantLinear, CpuQuantLinear)
 
 
+@pytest.fixture(scope="module")
+def llm(llm_fp32):
+    """The fp32 reference of every scheme here: the engine with an fp32 KV cache (the default
+    cache is fp16, itself one of the schemes measured against it)."""
+    return llm_fp32
+
+
 def cpu_kernels_available() -> bool:
     from engine.kernels import cpu
 
@@ -234,6 +241,22 @@ def test_engines_really_hold_quantized_layers(llm, engines):
     assert engines["kv-fp16"].kv_bytes_per_token == 46080 // 2
     assert engines["kv-fp16"].kv_cache.layers[0][0].dtype == torch.float16
     assert engines["kv-int8"].kv_capacity_tokens > 3.3 * (KV_BYTES // 46080 // 16 * 16)
+
+
+def test_the_default_cache_is_fp16_under_fp32_weights_and_scores_as_the_fp16_scheme(engines, windows):
+    """kv_cache_dtype="auto" (the default) under the fp32 model stores fp16 halves (engine.llm.auto_kv_dtype):
+    the same bytes per token and the same scores, bit for bit, as kv_cache_dtype="fp16"."""
+    from engine import LLM
+    from engine.llm import auto_kv_dtype
+
+    assert auto_kv_dtype(torch.float32) == torch.float16
+    assert auto_kv_dtype(torch.bfloat16) == torch.bfloat16 and auto_kv_dtype(torch.float16) == torch.float16
+    default = LLM(MODEL, kv_cache_memory_bytes=KV_BYTES)
+    assert default.config.kv_cache_dtype == "auto" and default.dtype == torch.float32
+    assert default.kv_cache.layers[0][0].dtype == torch.float16
+    assert default.kv_bytes_per_token == engines["kv-fp16"].kv_bytes_per_token == 23040
+    got, want = default.score(windows), engines["kv-fp16"].score(windows)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_int8_keeps_the_tied_lm_head_in_float_and_counts_its_bytes(llm, engines):

@@ -96,7 +96,7 @@ def test_preemption_and_prefix_caching_with_speculation(base, prefix_caching):
     """A pool of 24 blocks for 10 sequences of 70+ tokens forces preemption; greedy tokens still
     equal speculation off, and no block leaks."""
     ref_llm, prompts, params, want = base
-    small = LLM("smollm2-135m-instruct", kv_cache_memory_bytes=24 * 16 * 46080, max_num_seqs=10,
+    small = LLM("smollm2-135m-instruct", kv_cache_memory_bytes=24 * 16 * 23040,  # 24 blocks of fp16 K/V max_num_seqs=10,
                 enable_prefix_caching=prefix_caching,
                 speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     outs = small.generate(prompts[:10], params, use_tqdm=False)

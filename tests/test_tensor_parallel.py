@@ -139,8 +139,17 @@ def tiny_tp2():
 
 @pytest.fixture(scope="module")
 def smol_tp3():
-    with LLM("smollm2-135m-instruct", tensor_parallel_size=3, kv_cache_memory_bytes=32 << 20, speculative=None) as llm:
+    # an fp32 cache, as `llm` below: TP = 3 is held to fp32 rounding of one device, and an fp16 cache
+    # rounds the ranks' slightly different K/V sums to different halves (logits 1.3e-2 apart, measured)
+    with LLM("smollm2-135m-instruct", tensor_parallel_size=3, kv_cache_memory_bytes=32 << 20, speculative=None,
+             kv_cache_dtype="fp32") as llm:
         yield llm
+
+
+@pytest.fixture(scope="module")
+def llm(llm_fp32):
+    """One device's SmolLM2 with an fp32 cache, the reference of `smol_tp3`."""
+    return llm_fp32
 
 
 # ------------------------------------------------------------------ sharding rules and loading
@@ -315,7 +324,7 @@ def test_preemption_and_chunked_prefill_under_tp(tiny_tp1):
     tok = tiny_tp1.tokenizer
     prompts = _prompts(tok)[:10] + [tok.encode("Four score and seven years ago our fathers brought forth " * 6)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    per_block = 2 * 4 * 4 * (2 * 16 * 32)  # K and V, 4 layers, fp32, 2 KV heads x 16 tokens x 32 dims
+    per_block = 2 * 4 * 2 * (2 * 16 * 32)  # K and V, 4 layers, fp16 (the default), 2 KV heads x 16 tokens x 32 dims
     with _tiny(tensor_parallel_size=2, kv_cache_memory_bytes=12 * per_block, max_num_batched_tokens=16) as small:
         assert small.num_total_blocks == 12
         outs = small.generate(prompts, params, use_tqdm=False)
@@ -331,9 +340,10 @@ def test_quantized_weights_under_tp(tiny_tp1, scheme):
     and int8's row-parallel scales are the whole rows' (one all-reduce(max) at start), so the
     codes are one device's; ids equal the same scheme at TP = 1."""
     prompts = _prompts(tiny_tp1.tokenizer)[:8]
-    one = _tiny(quantization=scheme)
+    # fp32 caches: with fp16 halves one near-tie of int4 flipped between TP = 1 and 2 (ids differed)
+    one = _tiny(quantization=scheme, kv_cache_dtype="fp32")
     ref = _ids(one.generate(prompts, GREEDY, use_tqdm=False))
-    with _tiny(quantization=scheme, tensor_parallel_size=2) as q:
+    with _tiny(quantization=scheme, tensor_parallel_size=2, kv_cache_dtype="fp32") as q:
         o = q.model.layers[0].o
         assert type(o).__name__ in ("CpuQuantLinear", "QuantLinear")
         assert o.in_features == 128  # its half of the 8 x 32 attention columns
