@@ -323,6 +323,7 @@ class EngineCore:
         now = time.time()
         kept = 0
         tokens, lps = list(tokens), list(lps)
+        given = len(tokens)  # the tokens after these are forced ones (jump-forward), counted as they land
         i = 0
         while i < len(tokens):
             tok, lp = tokens[i], lps[i]
@@ -338,16 +339,16 @@ class EngineCore:
             if seq.logprobs is not None:
                 seq.logprobs.append(lp)
             kept += 1
+            if i > given:
+                seq.num_forced_tokens += 1
+                self.stats.structured_forced_tokens += 1
             self._check_stop(seq, tok)
             if seq.is_finished:
                 break
             if i == len(tokens) and seq.grammar is not None and self.jump_forward and not seq.grammar.is_error():
                 forced = self._forced_next(seq)  # jump-forward: appended without sampling each
-                if forced:
-                    seq.num_forced_tokens += len(forced)
-                    self.stats.structured_forced_tokens += len(forced)
-                    tokens += forced
-                    lps += [None] * len(forced)
+                tokens += forced  # counted above as each lands: a run may be longer than max_tokens allows
+                lps += [None] * len(forced)
         if seq.is_finished:
             if seq in self.scheduler.running:
                 self.scheduler.finish(seq)

@@ -411,7 +411,7 @@ def test_a_grammar_the_engine_gives_up_on_part_way_ends_the_completion_there_as_
         assert (c.text, c.finish_reason, c.valid, c.stop_reason) == ("hell", "error", False, None)
         assert [llm.tokenizer.decode([t]) for t in c.token_ids] == ["h", "ell"]
         assert c.error == "structured_outputs.regex: lexer error: too many expressions constructed" == o.error
-        assert o.metrics.output_tokens == 2
+        assert o.metrics.output_tokens == 2 and c.num_forced_tokens == 0  # "o" was forced, and refused
         assert (free.outputs[0].text, free.outputs[0].token_ids, free.error) == (ref.text, ref.token_ids, None)
 
 
@@ -474,6 +474,20 @@ def test_jump_forward_appends_forced_tokens_and_counts_them(eng):
     assert all(o.outputs[0].text.startswith('{"name":"') for o in outs)
     st = eng.structured.stats
     assert st.fill_s > 0 and 0.0 <= st.hidden_share <= 1.0
+
+
+def test_jump_forward_counts_only_the_forced_tokens_it_appended(eng):
+    """A forced run longer than max_tokens leaves room for: `num_forced_tokens` (and the engine's count)
+    are the forced tokens in the output, not the whole run the grammar forced (that counted 12,497
+    for a row of 16 tokens)."""
+    prompt = _chat(eng, "Answer yes or no.")
+    so = SO(regex="(yes|no), and this sentence is forced by the grammar from here to its very end")
+    f0 = eng.stats.structured_forced_tokens
+    c = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=4, structured_outputs=so),
+                     use_tqdm=False)[0].outputs[0]
+    assert (len(c.token_ids), c.finish_reason, c.num_forced_tokens) == (4, "length", 3)
+    assert [eng.tokenizer.decode([t]) for t in c.token_ids] == ["yes", ",", " and", " this"]  # "yes" sampled
+    assert eng.stats.structured_forced_tokens - f0 == 3
 
 
 def test_a_row_cut_by_a_stop_string_is_valid_only_where_its_grammar_was_complete(eng):
