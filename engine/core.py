@@ -272,14 +272,18 @@ class EngineCore:
             if tok in ends:
                 break
             take.append(tok)
+        kept = 0
         for tok in take:
+            m.accept_token(tok)
+            if m.is_error():  # the backend gave up on the grammar: the row ends after its prefill (`_append`)
+                break
             seq.token_ids.append(tok)
             if seq.logprobs is not None:
                 seq.logprobs.append(None)
-            m.accept_token(tok)
             self._check_stop(seq, tok)
-        seq.num_forced_tokens += len(take)
-        self.stats.structured_forced_tokens += len(take)
+            kept += 1
+        seq.num_forced_tokens += kept
+        self.stats.structured_forced_tokens += kept
 
     def _forced_next(self, seq: Sequence) -> list[int]:
         """The tokens seq's grammar forces after its last token: its forced continuation, or
@@ -319,28 +323,32 @@ class EngineCore:
         now = time.time()
         kept = 0
         tokens, lps = list(tokens), list(lps)
+        given = len(tokens)  # the tokens after these are forced ones (jump-forward), counted as they land
         i = 0
         while i < len(tokens):
             tok, lp = tokens[i], lps[i]
             i += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if seq.grammar is not None:
+                seq.grammar.accept_token(tok)
+                if seq.grammar.is_error():  # the grammar rejected tok, or the backend gave up on it
+                    self._finish_grammar_error(seq)
+                    break
             seq.token_ids.append(tok)
             if seq.logprobs is not None:
                 seq.logprobs.append(lp)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
             kept += 1
-            if seq.grammar is not None:
-                seq.grammar.accept_token(tok)
+            if i > given:
+                seq.num_forced_tokens += 1
+                self.stats.structured_forced_tokens += 1
             self._check_stop(seq, tok)
             if seq.is_finished:
                 break
             if i == len(tokens) and seq.grammar is not None and self.jump_forward and not seq.grammar.is_error():
                 forced = self._forced_next(seq)  # jump-forward: appended without sampling each
-                if forced:
-                    seq.num_forced_tokens += len(forced)
-                    self.stats.structured_forced_tokens += len(forced)
-                    tokens += forced
-                    lps += [None] * len(forced)
+                tokens += forced  # counted above as each lands: a run may be longer than max_tokens allows
+                lps += [None] * len(forced)
         if seq.is_finished:
             if seq in self.scheduler.running:
                 self.scheduler.finish(seq)
@@ -350,6 +358,18 @@ class EngineCore:
                 req.metrics.finish_time = time.time()
                 res.finished.append(req)
         return kept
+
+    def _finish_grammar_error(self, seq: Sequence) -> None:
+        """End a constrained sequence whose matcher is in error (a token its grammar rejected, or a
+        grammar the backend gave up on part-way: llguidance's lexer budget) with finish_reason
+        "error", before the token that failed: its text is what the grammar accepted, and it is not
+        run on unconstrained (an errored matcher masks nothing) to max_tokens. `LLM` reports it as
+        an error completion naming the constraint."""
+        seq.detokenizer.finish()
+        seq.text = seq.detokenizer.text
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)  # drafts verified past it
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = "error", None
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         """Update the text and decide whether `seq` is finished after appending `tok`.

@@ -477,8 +477,10 @@ def finish_sharded_quantization(model: LlamaModel, source, dtype: torch.dtype, d
 
 def _grammar_error(seq: Sequence) -> Optional[str]:
     """For a constrained sequence whose matcher ended in error, the error naming the constraint's kind
-    (`structured_outputs.regex: lexer error: too many expressions constructed`); else None. Its
-    masks allowed nothing but the end, so without this it came back as an empty "stop"."""
+    (`structured_outputs.regex: lexer error: too many expressions constructed`); else None. The engine
+    ends such a sequence at the token that failed (`EngineCore._finish_grammar_error`): its text is the
+    part the grammar accepted, and its completion is an error, never a "stop" or "length" that reads
+    as complete."""
     g = seq.grammar
     if g is None or not g.is_error():
         return None

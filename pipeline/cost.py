@@ -69,6 +69,10 @@ class CostReport:
     `status` is "ok", "failed" (with `error`) or "interrupted"; a failed or interrupted run's
     counts are those of the shards it committed, and `discarded_completion_tokens` are the
     output tokens it generated for shards it did not commit (its wall time still counts).
+    Every row of the job is in exactly one of four columns: `rows_total` = `rows_ok` +
+    `rows_error` (this run committed them) + `rows_skipped` (an earlier run did) +
+    `rows_not_run` (in shards this run was to run but did not commit: 0 unless the run failed
+    or was interrupted; a resume runs them).
     Structured outputs (jobs with constraints or scoring; None otherwise): `rows_valid` and
     `rows_invalid`, and for choice and score jobs `label_distribution`, a JSON object
     {label: rows}, most frequent first.
@@ -94,6 +98,7 @@ class CostReport:
     rows_ok: int
     rows_error: int
     rows_skipped: int
+    rows_not_run: int
     prompt_tokens: int
     cached_tokens: int
     prompt_tokens_computed: int
@@ -173,6 +178,7 @@ def cost_report(
     counts: TokenCounts,
     rows_total: int,
     rows_skipped: int,
+    rows_not_run: int,
     output_token_weight: float = 4.0,
     ideal_prefix_hit_rate: Optional[float] = None,
     plan: str = "input",
@@ -185,6 +191,9 @@ def cost_report(
     """Build a run's CostReport from its wall time and token counts (see CostReport for `status`).
 
     Args:
+        rows_skipped: rows of shards an earlier run committed.
+        rows_not_run: rows of shards this run was to run and did not commit (a failed or
+            interrupted run's; 0 for a run that finished).
         engine_steps: the engine's counters over the run, {"steps", "spec_steps", "spec_verifies",
             "spec_accepted_tokens"}, or None when not known (e.g. shards run by other processes).
         structured: the job constrains or scores its outputs (fills rows_valid / rows_invalid).
@@ -212,6 +221,7 @@ def cost_report(
         rows_ok=counts.rows_ok,
         rows_error=counts.rows_error,
         rows_skipped=rows_skipped,
+        rows_not_run=rows_not_run,
         prompt_tokens=counts.prompt_tokens,
         cached_tokens=counts.cached_tokens,
         prompt_tokens_computed=counts.prompt_tokens - counts.cached_tokens,

@@ -1531,7 +1531,8 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
     failing or interrupted run can book its cost too).
 
     Args:
-        results: the shards this run committed (their rows and tokens are the report's counts).
+        results: the shards this run committed (their rows and tokens are the report's counts; the
+            plan's pending shards not among them are the report's `rows_not_run`).
         status: "ok", "failed" or "interrupted".
         error: for a failed run, what failed (one line).
         discarded_completion_tokens: output tokens generated for shards that were not committed.
@@ -1547,12 +1548,14 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
     counts = TokenCounts()
     for r in results:
         counts = counts + r.counts
+    committed = {r.index for r in results}
+    rows_not_run = sum(s.length for s in plan.pending if s.index not in committed)
     report = cost_report(
         job_id=plan.job_id, run_id=plan.run_id, model=model, quantization=quantization, device=device,
         device_count=device_count or spec.devices(), started_at=plan.started_at,
         finished_at=datetime.now(timezone.utc),
         price_per_device_hour=spec.price_per_hour, counts=counts, rows_total=plan.rows_total,
-        rows_skipped=plan.rows_skipped, output_token_weight=spec.output_token_weight,
+        rows_skipped=plan.rows_skipped, rows_not_run=rows_not_run, output_token_weight=spec.output_token_weight,
         ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order, status=status, error=error,
         discarded_completion_tokens=discarded_completion_tokens, engine_steps=engine_steps,
         structured=plan.structured,
@@ -1610,7 +1613,8 @@ def booked_report(exc: BaseException) -> Optional[CostReport]:
 
 def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) -> pl.DataFrame:
     """All runs' cost reports of the job at `output`, one row per run, oldest first (failed and
-    interrupted runs included: their `status` says so). A run file that cannot be read (truncated,
+    interrupted runs included: their `status` says so; a row booked before `rows_not_run` was a column
+    gets what its other row counts leave of `rows_total`). A run file that cannot be read (truncated,
     garbage) or is not a cost row (a stray Parquet file without `METRICS_KEY_COLUMNS`) is skipped with
     a warning naming it, so the good runs still show.
 
@@ -1645,6 +1649,11 @@ def read_metrics(output: str, storage_options: Optional[dict[str, Any]] = None) 
     df = pl.concat(frames, how="diagonal_relaxed")
     if "status" in df.columns:
         df = df.with_columns(pl.col("status").fill_null("ok"))
+    counted = ("rows_total", "rows_ok", "rows_error", "rows_skipped")
+    if all(c in df.columns for c in counted):  # rows booked before rows_not_run: what the other columns leave
+        left = pl.col("rows_total") - pl.col("rows_ok") - pl.col("rows_error") - pl.col("rows_skipped")
+        old = pl.col("rows_not_run") if "rows_not_run" in df.columns else pl.lit(None, dtype=pl.Int64)
+        df = df.with_columns(old.fill_null(left.clip(lower_bound=0)).cast(pl.Int64).alias("rows_not_run"))
     return df.sort("started_at", maintain_order=True)
 
 

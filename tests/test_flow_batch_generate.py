@@ -397,6 +397,9 @@ def _assert_booked_interrupted(spec, parts: list[str], rows: int) -> None:
     assert (row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (got_rows, prompt_tokens,
                                                                                 completion_tokens)
     assert (got_rows, completion_tokens) == (rows, rows * spec.max_tokens)
+    # the rows it did not commit are booked as not run, so the row columns add up to rows_total
+    assert (row["rows_error"], row["rows_skipped"], row["rows_not_run"]) == (0, 0, row["rows_total"] - rows)
+    assert row["rows_total"] > rows
 
 
 def _part_token_sums(output: str, names: list[str]) -> tuple[int, int, int]:

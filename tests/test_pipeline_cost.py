@@ -13,7 +13,8 @@ def test_cost_and_split():
     counts = TokenCounts(rows_ok=9, rows_error=1, prompt_tokens=1000, cached_tokens=200, completion_tokens=100)
     r = cost_report(job_id="j", run_id="r", model="m", quantization=None, device="cpu", device_count=2,
                     started_at=t0, finished_at=t0 + timedelta(seconds=1800), price_per_device_hour=3.0,
-                    counts=counts, rows_total=20, rows_skipped=10, output_token_weight=4.0)
+                    counts=counts, rows_total=20, rows_skipped=10, rows_not_run=0,
+                    output_token_weight=4.0)
     assert r.wall_s == 1800 and r.device_s == 3600
     assert r.cost_usd == pytest.approx(3.0)
     # input weight 800 (uncached), output weight 400 -> 2/3 : 1/3
@@ -35,7 +36,8 @@ def test_split_edge_cases():
     assert split_cost(1.0, TokenCounts(prompt_tokens=10), 4.0) == (1.0, 0.0)
     r = cost_report(job_id="j", run_id="r", model="m", quantization="q", device="d", device_count=1,
                     started_at=datetime.now(timezone.utc), finished_at=datetime.now(timezone.utc),
-                    price_per_device_hour=1.0, counts=TokenCounts(), rows_total=0, rows_skipped=0)
+                    price_per_device_hour=1.0, counts=TokenCounts(), rows_total=0, rows_skipped=0,
+                    rows_not_run=0)
     assert r.usd_per_1m_tokens is None and r.usd_per_1m_input_tokens is None
 
 

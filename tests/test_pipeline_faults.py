@@ -233,6 +233,11 @@ def test_failed_and_interrupted_runs_book_their_cost(tmp_path):
     assert booked_report(exc.value) is partial
     assert m["error"].to_list() == ["engine exploded", None, None]
     assert m["rows_ok"].to_list() == [3, 3, 3] and m["rows_skipped"].to_list() == [0, 3, 6]
+    # the shards a failed or interrupted run left are its rows_not_run: every row of the job is in one column
+    assert m["rows_not_run"].to_list() == [6, 3, 0] and m["rows_error"].to_list() == [0, 0, 0]
+    assert m["rows_not_run"].dtype == pl.Int64 and m["rows_not_run"].null_count() == 0
+    booked_rows = m["rows_ok"] + m["rows_error"] + m["rows_skipped"] + m["rows_not_run"]
+    assert booked_rows.to_list() == m["rows_total"].to_list() == [9, 9, 9]
     assert m["completion_tokens"].to_list() == [6, 6, 6]
     # output generated for a row of a shard that was not committed: row 3 (failed run), row 6 (interrupted)
     assert m["discarded_completion_tokens"].to_list() == [2, 2, 0]
@@ -275,6 +280,7 @@ def test_ctrl_c_while_the_model_loads_books_and_prints_a_zero_token_cost_row(tmp
     row = m.row(0, named=True)
     assert m.height == 1 and row["status"] == "interrupted"
     assert (row["rows_total"], row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (4, 0, 0, 0)
+    assert (row["rows_error"], row["rows_skipped"], row["rows_not_run"]) == (0, 0, 4)
     assert row["wall_s"] > 0 and row["cost_usd"] == pytest.approx(row["wall_s"])  # 3600 USD/h = 1 USD/s
 
 
@@ -294,6 +300,7 @@ def test_a_run_that_fails_while_the_model_loads_prints_its_failed_cost_row(tmp_p
     row = read_metrics(str(out)).row(0, named=True)
     assert row["status"] == "failed" and row["error"] == "cannot load the weights: bad magic"
     assert (row["rows_total"], row["rows_ok"], row["prompt_tokens"], row["completion_tokens"]) == (4, 0, 0, 0)
+    assert (row["rows_error"], row["rows_skipped"], row["rows_not_run"]) == (0, 0, 4)
     printed = dict(line.split(None, 1) for line in lines[head + 3:] if line.strip())  # past the table's header
     assert printed["run_id"] == row["run_id"] and printed["status"] == "failed"
     assert printed["error"] == "cannot load the weights: bad magic"
@@ -428,10 +435,12 @@ def test_interrupt_prints_one_line_commits_nothing_partial_and_resumes(tmp_path,
                        f"committed shards, discarded_completion_tokens the output it abandoned)")
     table = dict(line.split(None, 1) for line in lines[head + 3:] if line.strip())
     assert table["status"] == "interrupted" and table["rows_ok"] == str(3 * n_done) and table["rows_total"] == "12"
+    assert (table["rows_error"], table["rows_skipped"], table["rows_not_run"]) == ("0", "0", str(12 - 3 * n_done))
     assert sorted(p.name for p in out.glob("part-*")) == [f"part-{i:05d}.parquet" for i in range(n_done)]
     assert not list(out.glob(".tmp-*"))
     m = read_metrics(str(out))
     assert m["status"].to_list() == ["interrupted"] and m["rows_ok"].to_list() == [3 * n_done]
+    assert m["rows_not_run"].to_list() == [12 - 3 * n_done]  # rows_ok + rows_not_run == rows_total, 12
 
     from pipeline.cli import main
 

@@ -108,6 +108,28 @@ def test_read_metrics_skips_a_damaged_or_stray_run_file_with_a_warning_and_keeps
                               f"(see the warnings)")
 
 
+def test_read_metrics_gives_a_run_file_booked_before_rows_not_run_what_its_counts_leave(local_input, tmp_path):
+    """A run row booked before `rows_not_run` was a column reads with it filled (rows_total minus the
+    other row counts), as an Int64 without nulls beside today's rows."""
+    out = tmp_path / "out"
+    spec = spec_for(local_input, out, shards_in_flight=1)
+
+    def die(result):
+        raise RuntimeError("stopped")
+
+    with pytest.raises(RuntimeError):
+        run_job(spec, FakeLLM(), on_shard_done=die)  # commits shard 0 (3 of 12 rows), then fails
+    run_job(spec, FakeLLM())
+    runs = out / "_job" / "runs"
+    first, second = sorted(runs.iterdir())
+    assert read_metrics(str(out))["rows_not_run"].to_list() == [9, 0]
+    pl.read_parquet(first).drop("rows_not_run").write_parquet(first)  # as an older tokenmill wrote it
+    m = read_metrics(str(out))
+    assert m["status"].to_list() == ["failed", "ok"]
+    assert m["rows_not_run"].dtype == pl.Int64 and m["rows_not_run"].to_list() == [9, 0]
+    assert (m["rows_ok"].to_list(), m["rows_skipped"].to_list()) == ([3, 9], [0, 3])
+
+
 def test_resume_after_failure(local_input, tmp_path):
     out = tmp_path / "out"
     spec = spec_for(local_input, out, shards_in_flight=1)

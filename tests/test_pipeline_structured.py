@@ -114,6 +114,26 @@ def test_per_row_constraint_columns_job_defaults_and_the_cost_report(eng, tmp_pa
         report.label_distribution]
 
 
+def test_a_row_whose_grammar_the_engine_gives_up_on_part_way_is_an_error_row_and_the_job_runs_on(eng, tmp_path):
+    """llguidance gives up on `(hello|hi) a{100000000}` after "hell" (its lexer's budget): that row is an
+    error row naming the cause (no generation: the engine stopped it there, and "hell" is no output
+    of the constraint), the rows beside it run as usual, and the job finishes "ok"."""
+    prompts = ["Say hello then many a letters.", "Say hello.", "Say hello then many a letters."]
+    regex = ["(hello|hi) a{100000000}", None, "hello"]
+    pl.DataFrame({"id": ["a", "b", "c"], "prompt": prompts, "regex": regex}).write_parquet(tmp_path / "in.parquet")
+    spec = JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), max_tokens=16,
+                   progress=False, plan="input")
+    report = run_job(spec, eng)
+    out = {r["id"]: r for r in pl.read_parquet(tmp_path / "out" / "part-00000.parquet").iter_rows(named=True)}
+    gave_up = out["a"]
+    assert gave_up["error"] == "structured_outputs.regex: lexer error: too many expressions constructed"
+    assert (gave_up["generation"], gave_up["finish_reason"], gave_up["valid"]) == (None, "error", None)
+    assert out["b"]["error"] is None and out["b"]["valid"] is None and out["b"]["generation"]
+    assert (out["c"]["generation"], out["c"]["valid"], out["c"]["error"]) == ("hello", True, None)
+    assert (report.status, report.rows_ok, report.rows_error, report.rows_valid, report.rows_invalid) == (
+        "ok", 2, 1, 1, 0)
+
+
 def test_score_job_writes_label_and_label_logprobs(eng, tmp_path):
     prompts = pl.read_parquet(ROOT / "data" / "labelling.parquet").head(8)
     prompts.select("id", "prompt", "reference_label").write_parquet(tmp_path / "in.parquet")

@@ -385,10 +385,34 @@ def test_a_constraint_the_grammar_engine_gives_up_on_is_an_error_completion_not_
         c = o.outputs[0]
         assert (c.finish_reason, c.valid) == ("error", False)
         assert c.error == "structured_outputs.regex: lexer error: too many expressions constructed" == o.error
-        assert set(c.text) <= {"a"}  # what the grammar had allowed before it gave up
+        assert (c.text, c.token_ids) == ("", [])  # it gives up on the first "a": nothing was accepted
     ref = eng.generate([prompt], [plain], use_tqdm=False)[0].outputs[0]
     assert (outs[2].outputs[0].text, outs[2].outputs[0].finish_reason) == (ref.text, ref.finish_reason)
     assert outs[2].outputs[0].error is None
+
+
+GIVES_UP_AFTER_HELL = "(hello|hi) a{100000000}"  # llguidance accepts "h", "ell", then gives up on "o"
+
+
+def test_a_grammar_the_engine_gives_up_on_part_way_ends_the_completion_there_as_an_error(eng):
+    """Part-way through an output llguidance's lexer gives up (budget) consuming a token its mask
+    allowed. The completion ends there, jump-forward on or off: finish_reason "error", `.error` naming
+    the constraint, its text what the grammar accepted, no token after. (An errored matcher masks
+    nothing: the row ran on, unconstrained, to max_tokens: 'hello, welcome to my office. ...')"""
+    prompt = _chat(eng, "Say hello then many a letters.")
+    p = SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(regex=GIVES_UP_AFTER_HELL))
+    plain = SamplingParams(temperature=0, max_tokens=16)
+    no_jf = LLM("smollm2-135m-instruct", speculative=None, kv_cache_memory_bytes=KV,
+                structured_outputs_jump_forward=False)
+    ref = eng.generate([prompt], plain, use_tqdm=False)[0].outputs[0]
+    for llm in (eng, no_jf):
+        o, free = llm.generate([prompt, prompt], [p, plain], use_tqdm=False)
+        c = o.outputs[0]
+        assert (c.text, c.finish_reason, c.valid, c.stop_reason) == ("hell", "error", False, None)
+        assert [llm.tokenizer.decode([t]) for t in c.token_ids] == ["h", "ell"]
+        assert c.error == "structured_outputs.regex: lexer error: too many expressions constructed" == o.error
+        assert o.metrics.output_tokens == 2 and c.num_forced_tokens == 0  # "o" was forced, and refused
+        assert (free.outputs[0].text, free.outputs[0].token_ids, free.error) == (ref.text, ref.token_ids, None)
 
 
 def test_one_compile_per_distinct_constraint(eng):
@@ -450,6 +474,20 @@ def test_jump_forward_appends_forced_tokens_and_counts_them(eng):
     assert all(o.outputs[0].text.startswith('{"name":"') for o in outs)
     st = eng.structured.stats
     assert st.fill_s > 0 and 0.0 <= st.hidden_share <= 1.0
+
+
+def test_jump_forward_counts_only_the_forced_tokens_it_appended(eng):
+    """A forced run longer than max_tokens leaves room for: `num_forced_tokens` (and the engine's count)
+    are the forced tokens in the output, not the whole run the grammar forced (that counted 12,497
+    for a row of 16 tokens)."""
+    prompt = _chat(eng, "Answer yes or no.")
+    so = SO(regex="(yes|no), and this sentence is forced by the grammar from here to its very end")
+    f0 = eng.stats.structured_forced_tokens
+    c = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=4, structured_outputs=so),
+                     use_tqdm=False)[0].outputs[0]
+    assert (len(c.token_ids), c.finish_reason, c.num_forced_tokens) == (4, "length", 3)
+    assert [eng.tokenizer.decode([t]) for t in c.token_ids] == ["yes", ",", " and", " this"]  # "yes" sampled
+    assert eng.stats.structured_forced_tokens - f0 == 3
 
 
 def test_a_row_cut_by_a_stop_string_is_valid_only_where_its_grammar_was_complete(eng):

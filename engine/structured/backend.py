@@ -59,8 +59,10 @@ class GrammarMatcher(ABC):
 
     def error_message(self) -> Optional[str]:
         """Why the matcher is in error (`is_error()`), in the backend's words; None when it is not.
-        Besides a forbidden token, a backend may give up on its own while computing a mask (llguidance:
-        "lexer error: too many expressions constructed" for `a{100000000}`)."""
+        Besides a forbidden token, a backend may give up on its own while computing a mask or consuming
+        a token the mask allowed (llguidance: "lexer error: too many expressions constructed" for
+        `a{100000000}`), possibly part-way through an output. The engine ends the sequence there, before
+        that token, and reports the completion as an error with this message."""
         return "the grammar rejected the output" if self.is_error() else None
 
 
