@@ -525,3 +525,17 @@ def test_runs_cost_rows_read_together_with_one_read_parquet(tmp_path):
     other.as_frame().write_parquet(runs / "run-other.parquet")
     both = pl.read_parquet(str(runs / "*.parquet")).sort("run_id")
     assert both.height == 2 and sorted(both["spec_mean_accepted_per_verify"].to_list(), key=str) == [1.5, None]
+
+
+@pytest.mark.parametrize("column,role", [("prompt", "the prompt"), ("max_tokens", "a per-row sampling option"),
+                                         ("generation", "an output")])
+def test_an_id_column_naming_the_prompt_or_an_option_or_output_column_is_refused_before_anything_is_written(
+        tmp_path, column, role):
+    """--id-column prompt made the output hold `prompt` twice: polars refused it after the manifest was
+    written, and the corrected command then met "another job's output". Refused up front now."""
+    inp = write_input(tmp_path / "in.parquet", max_tokens=[4, 4, 4, 4])
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as exc:
+        prepare_job(JobSpec(input=inp, output=str(out), progress=False, id_column=column))
+    assert f"id_column {column!r} is {role} column" in str(exc.value)
+    assert not out.exists()
