@@ -103,16 +103,17 @@ class InputLayout:
                 f"input needs a {PROMPT_COLUMN!r} column (string) or a {MESSAGES_COLUMN!r} column "
                 f"(list of {{role, content}}); found columns {cols}{hint}"
             )
+        def is_output(c: str) -> bool:
+            return c in GENERATION_COLUMNS or c == GENERATIONS_LIST_COLUMN or c in STRUCTURED_COLUMNS or c in SCORE_COLUMNS
+
         role = ("the prompt" if id_column in (PROMPT_COLUMN, MESSAGES_COLUMN)
                 else "a per-row sampling option" if id_column in OVERRIDE_COLUMNS
-                else "an output" if (id_column in GENERATION_COLUMNS or id_column == GENERATIONS_LIST_COLUMN
-                                     or id_column in STRUCTURED_COLUMNS or id_column in SCORE_COLUMNS) else None)
+                else "an output" if is_output(id_column) else None)
         if role is not None:  # one column cannot be both: the output would hold it twice
             raise ValueError(f"id_column {id_column!r} is {role} column; name the column that holds each row's "
                              f"id, or leave id_column unset to use the row index")
         reserved = {id_column, PROMPT_COLUMN, MESSAGES_COLUMN, *OVERRIDE_COLUMNS}
-        clash = [c for c in cols if c in GENERATION_COLUMNS or c == GENERATIONS_LIST_COLUMN
-                 or c in STRUCTURED_COLUMNS or c in SCORE_COLUMNS]
+        clash = [c for c in cols if is_output(c)]
         if clash:
             raise ValueError(f"input columns {clash} collide with output columns; rename them")
         return cls(
