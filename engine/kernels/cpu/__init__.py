@@ -3,8 +3,10 @@
 What it holds (see each C file's header for the algorithm and its source):
 
 - `gemm.c`: linear layers over weights packed once at load time into panels of
-  `nr()` output features; fp32, int8 codes dequantized in registers, and 4-bit codes
-  times int8 activations in integer arithmetic (`gemm_q4_reference` is its definition).
+  `nr()` output features; fp32, bf16 (VDPBF16PS with AVX512-BF16, widened to fp32
+  elsewhere; `gemm_bf16_reference` is its definition), int8 codes dequantized in
+  registers, and 4-bit codes times int8 activations in integer arithmetic
+  (`gemm_q4_reference` is its definition).
 - `gemm_i8.c`: W8A8 (int8 weights x int8 per-token activations, int32 sums), on AMX
   tiles where the CPU has them (`w8a8_amx`).
 - `ops.c`: RMSNorm, RoPE, SiLU x up, and the KV-cache write (fp32, fp16 and int8 rows).
@@ -62,6 +64,13 @@ _SIGNATURES = {
     "tm_pack_f32": (None, [_P, _I64, _I64, _I64, _P]),
     "tm_gemm_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]),
     "tm_gemm_argmax_scratch": (_I64, [_I64]),
+    "tm_pack_bf16_size": (_I64, [_I64, _I64]),
+    "tm_pack_bf16": (None, [_P, _I64, _I64, _I64, _P]),
+    "tm_to_bf16": (None, [_P, _I64, _I64, _I64, _P, _I64]),
+    "tm_gemm_bf16": (_I, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]),
+    "tm_gemm_bf16_silu": (_I, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64]),
+    "tm_gemm_bf16_argmax": (_I, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
+    "tm_bf16_native": (_I, []),
     "tm_gemm_f32_argmax": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
     "tm_gemm_q_argmax": (_I, [_I, _I, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
     "tm_gemm_f32_silu": (_I, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64]),
@@ -266,6 +275,135 @@ def gemm_f32_silu(x: torch.Tensor, packed: torch.Tensor, inter: int, bias: Optio
                             y.data_ptr(), y.stride(0), m, inter, k):
         raise ValueError(f"gemm_f32_silu needs inter to be a multiple of {lib.tm_gemm_nr()}, got {inter}")
     return y
+
+
+# ---------------------------------------------------------------- bf16 weights, fp32 activations
+
+def bf16_native(lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Whether a build's bf16 GEMM runs on VDPBF16PS (AVX512-BF16); False: it widens bf16 to fp32
+    in registers and uses FMAs (same products, slower than fp32 weights)."""
+    return bool(_lib(lib).tm_bf16_native())
+
+
+def to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 as the kernels round activations (VCVTNE2PS2BF16): nearest even, a
+    denormal to a zero of its sign. x: float32, any shape; returns bfloat16 of its shape."""
+    y = x.float().to(torch.bfloat16)
+    tiny = x.abs() < torch.finfo(torch.float32).tiny
+    return torch.where(tiny, torch.zeros_like(y).copysign(x.to(torch.bfloat16)), y)
+
+
+def cast_bf16(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [m, k] float32 rounded to bf16 by the kernel library, as every bf16 GEMM call rounds its
+    activations (the bits `to_bf16` defines). Returns [m, k] bfloat16."""
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    out = torch.empty(m, k + (k & 1), dtype=torch.bfloat16)
+    lib.tm_to_bf16(x.data_ptr(), x.stride(0), m, k, out.data_ptr(), out.shape[1])
+    return out[:, :k]
+
+
+def pack_bf16(w: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Pack a weight w [n, k] (rounded to bf16 if it is not) into pair panels for `gemm_bf16`.
+
+    Returns:
+        a uint8 tensor of `tm_pack_bf16_size(n, k)` bytes.
+    Raises:
+        ValueError: w is not a 2-D CPU tensor with a contiguous last dim.
+    """
+    lib = _lib(lib)
+    if w.dim() != 2 or w.device.type != "cpu":
+        raise ValueError(f"w must be a 2-D CPU tensor, got {w.dtype} {tuple(w.shape)} on {w.device}")
+    wb = w.to(torch.bfloat16).contiguous()
+    n, k = wb.shape
+    buf = huge_empty(lib.tm_pack_bf16_size(n, k))
+    lib.tm_pack_bf16(wb.data_ptr(), k, n, k, buf.data_ptr())
+    return buf
+
+
+def _check_bf16_packed(lib: ctypes.CDLL, packed: torch.Tensor, n: int, k: int) -> None:
+    if packed.numel() != lib.tm_pack_bf16_size(n, k):
+        raise ValueError(f"packed bf16 weight of {packed.numel()} bytes does not match n={n}, k={k}")
+
+
+def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+              out: Optional[torch.Tensor] = None, accumulate: bool = False,
+              lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """y = bf16(x) W^T (+ bias) (+ y if accumulate) for W packed by `pack_bf16`: x rounded to bf16
+    once (`to_bf16`), the exact bf16 products summed in fp32 (`gemm_bf16_reference`).
+
+    Args:
+        x: [m, k] float32. bias: [n] float32 or None. out: [m, n] float32 (required when accumulate).
+    Returns:
+        out, [m, n] float32.
+    Raises:
+        ValueError: a mismatched packed weight, or the kernel cannot allocate its bf16 copy of x.
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    if accumulate and out is None:
+        raise ValueError("accumulate needs out")
+    y = _out(out, m, n)
+    _check_bf16_packed(lib, packed, n, k)
+    if lib.tm_gemm_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                        y.data_ptr(), y.stride(0), m, n, k, int(accumulate)):
+        raise ValueError(f"tm_gemm_bf16 could not allocate its bf16 copy of x ({m} x {k})")
+    return y
+
+
+def gemm_bf16_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What `gemm_bf16` computes, in float64: to_bf16(x) @ bf16(w)^T (+ bias). The kernel sums the
+    same exact products in fp32, so it agrees to fp32 rounding of a k-term sum.
+
+    Args:
+        x: [m, k] float32; w: [n, k] (any float dtype; rounded to bf16); bias: [n] or None.
+    Returns:
+        [m, n] float64.
+    """
+    y = to_bf16(x).double() @ w.to(torch.bfloat16).double().t()
+    return y if bias is None else y + bias.double()
+
+
+def gemm_bf16_silu(x: torch.Tensor, packed: torch.Tensor, inter: int, bias: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """`gemm_f32_silu` for a fused [gate | up] weight [2 inter, k] packed by `pack_bf16`: out [m, inter].
+
+    Raises:
+        ValueError: inter not a multiple of `nr()`, or a mismatched packed weight.
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    _check_bf16_packed(lib, packed, 2 * inter, k)
+    y = _out(out, m, inter)
+    rc = lib.tm_gemm_bf16_silu(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                               y.data_ptr(), y.stride(0), m, inter, k)
+    if rc == -1:
+        raise ValueError(f"gemm_bf16_silu needs inter to be a multiple of {lib.tm_gemm_nr()}, got {inter}")
+    if rc:
+        raise ValueError(f"tm_gemm_bf16_silu could not allocate its bf16 copy of x ({m} x {k})")
+    return y
+
+
+def gemm_bf16_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+                     limit: Optional[int] = None, ban: Optional[torch.Tensor] = None,
+                     lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """`gemm_f32_argmax` for W packed by `pack_bf16` (the values `gemm_bf16` would store).
+
+    Returns:
+        [m] int64 argmax columns (see `gemm_f32_argmax`).
+    """
+    lib = _lib(lib)
+    _check2d("x", x, torch.float32)
+    m, k = x.shape
+    _check_bf16_packed(lib, packed, n, k)
+    limit, bp, nban, out, scratch = _argmax_args(x, n, limit, ban, lib)
+    if lib.tm_gemm_bf16_argmax(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                               m, n, k, limit, bp, nban, out.data_ptr(), scratch.data_ptr()):
+        raise ValueError(f"tm_gemm_bf16_argmax could not allocate its bf16 copy of x ({m} x {k})")
+    return out
 
 
 # ---------------------------------------------------------------- quantized weights, fp32 activations

@@ -9,7 +9,8 @@ fails, `load()` returns None, a warning says why once, and callers keep their
 PyTorch paths.
 
 Variants (for tests on one machine): "native" (what the engine uses), "native-noamx"
-(`-mno-amx-tile -mno-amx-int8`: the native build as for a CPU without AMX), "avx2"
+(`-mno-amx-tile -mno-amx-int8`: the native build as for a CPU without AMX), "native-nobf16"
+(`-mno-avx512bf16`: AVX-512 whose bf16 kernel widens to fp32), "avx2"
 (`-mno-avx512f`, the AVX2 + FMA path), "avx2-novnni" (also without AVX-VNNI) and
 "generic" (`-DTM_GENERIC`, plain C).
 
@@ -50,6 +51,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fass
 VARIANTS = {
     "native": (),
     "native-noamx": ("-mno-amx-tile", "-mno-amx-int8"),
+    "native-nobf16": ("-mno-avx512bf16", "-mno-amx-bf16"),
     "avx2": ("-mno-avx512f",),
     "avx2-novnni": ("-mno-avx512f", "-mno-avxvnni"),
     "generic": ("-DTM_GENERIC",),

@@ -23,6 +23,13 @@
  *
  * Weight formats (the `kind` of a packed matrix):
  *   TM_W_F32  fp32 values.
+ *   TM_W_BF16 bf16 values in pairs of K: each call rounds x to bf16 once (round to nearest even,
+ *             denormals to zero: VCVTNE2PS2BF16's definition) and sums the exact bf16 x bf16
+ *             products in fp32. With AVX512-BF16 one VDPBF16PS takes a broadcast pair of x and
+ *             a vector of weight pairs (two k of 16 columns); elsewhere the pairs are widened to
+ *             fp32 in registers and run through FMAs (the same products, summed one k at a time).
+ *             Panels hold cdiv(K, 2) pair rows of TM_NR columns, column-pairs contiguous, so one
+ *             pair row takes as many bytes as one fp32 row and is walked in the same K slices.
  *   TM_W_Q8   int8 codes, a scale per (column, group of gs rows of K): w = q * s.
  *   TM_W_Q4   4-bit codes 0..15 with a scale and a min per group: w = q * s + m
  *             (GGUF Q4_0/Q4_1 and our int4; Q8 may carry a min too).
@@ -58,6 +65,7 @@
 #define TM_W_F32 0
 #define TM_W_Q8 1
 #define TM_W_Q4 2
+#define TM_W_BF16 3
 
 #if defined(TM_AVX512)
 #define VL 16
@@ -134,6 +142,59 @@ void tm_pack_f32(const float *w, int64_t ldw, int64_t n, int64_t k, float *out) 
             }
         }
     }
+}
+
+int64_t tm_pack_bf16_size(int64_t n, int64_t k) { return cdiv(n, TM_NR) * cdiv(k, 2) * TM_NR * 4; }
+
+/* w [n, k] bf16 bits row-major (ldw >= k) -> panels [ceil(n / NR)][ceil(k / 2)][NR][2], zero-padded
+ * columns and (odd k) a zero second half of the last pair. */
+void tm_pack_bf16(const uint16_t *w, int64_t ldw, int64_t n, int64_t k, uint16_t *out) {
+    const int64_t np = cdiv(n, TM_NR), kp = cdiv(k, 2);
+    for (int64_t p = 0; p < np; ++p) {
+        uint16_t *dst = out + p * kp * TM_NR * 2;
+        for (int64_t j = 0; j < TM_NR; ++j) {
+            const int64_t col = p * TM_NR + j;
+            const uint16_t *src = col < n ? w + col * ldw : NULL;
+            for (int64_t q = 0; q < kp; ++q) {
+                dst[(q * TM_NR + j) * 2] = src ? src[2 * q] : 0;
+                dst[(q * TM_NR + j) * 2 + 1] = src && 2 * q + 1 < k ? src[2 * q + 1] : 0;
+            }
+        }
+    }
+}
+
+/* fp32 -> bf16 bits as VCVTNE2PS2BF16 defines it: round to nearest even, a denormal to a zero of
+ * its sign, a NaN kept quiet, infinities kept */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x [k] fp32 -> out [2 cdiv(k, 2)] bf16 bits, the last odd element's pair padded with 0 */
+static void row_to_bf16(const float *x, int64_t k, uint16_t *out) {
+    int64_t i = 0;
+#if defined(TM_AVX512) && defined(__AVX512BF16__)
+    for (; i + 32 <= k; i += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+        _mm512_storeu_si512((void *)(out + i), (__m512i)v);
+    }
+#endif
+    for (; i < k; ++i) out[i] = f32_to_bf16(x[i]);
+    if (k & 1) out[k] = 0;
+}
+
+void tm_to_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, uint16_t *out, int64_t ldo) {
+    for (int64_t r = 0; r < m; ++r) row_to_bf16(x + r * ldx, k, out + r * ldo);
 }
 
 static inline int64_t q_group_bytes(int kind, int has_min, int64_t gs) {
@@ -295,6 +356,65 @@ TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t
                 acc[r][0] = V_FMA(x, b0, acc[r][0]);
                 acc[r][1] = V_FMA(x, b1, acc[r][1]);
             }
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; ++r) {
+        V_STORE(tile + r * TM_NR, acc[r][0]);
+        V_STORE(tile + r * TM_NR + VL, acc[r][1]);
+    }
+}
+
+/* bf16 panel: tile [mr][TM_NR] = (tile if load, else 0) + rows a (bf16 pairs, stride lda pairs) times
+ * kp pair rows of panel b; one chain per tile element, in k order, as ukr_f32 (batch invariance). */
+TM_INLINE void ukr_bf16(const int mr, int64_t kp, const uint32_t *restrict a, int64_t lda,
+                        const uint16_t *restrict b, float *restrict tile, const int load, const char *pf,
+                        int64_t pf_len) {
+    vf acc[TM_MR][2];
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; ++r) {
+        acc[r][0] = load ? V_LOAD(tile + r * TM_NR) : V_ZERO();
+        acc[r][1] = load ? V_LOAD(tile + r * TM_NR + VL) : V_ZERO();
+    }
+    const int64_t pf_lines = (pf_len + 63) / 64;
+    const int64_t seg = pf_lines > 0 && kp / pf_lines > 16 ? kp / pf_lines : 16;
+    const int64_t per = (pf_lines * seg + kp - 1) / (kp > 0 ? kp : 1);
+    int64_t q = 0, off = 0;
+    while (q < kp) {
+        for (int64_t i = 0; i < per && off < pf_len; ++i, off += 64) __builtin_prefetch(pf + off, 0, 2);
+        const int64_t qend = q + seg < kp ? q + seg : kp;
+        for (; q < qend; ++q) {
+            const uint16_t *bq = b + q * TM_NR * 2;
+#if defined(TM_AVX512) && defined(__AVX512BF16__)
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)bq);
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(bq + TM_NR));
+#pragma GCC unroll 12
+            for (int r = 0; r < mr; ++r) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[r * lda + q]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+            }
+#else
+            /* widen: the even k of a 32-bit pair is its low half, the odd k its high half */
+#if defined(TM_AVX512)
+            const __m512i w0 = _mm512_loadu_si512((const void *)bq), w1 = _mm512_loadu_si512((const void *)(bq + TM_NR));
+            const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+            const vf e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+            const vf e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));
+#else
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)bq), w1 = _mm256_loadu_si256((const __m256i *)(bq + TM_NR));
+            const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+            const vf e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
+            const vf e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
+#endif
+#pragma GCC unroll 12
+            for (int r = 0; r < mr; ++r) {
+                const uint32_t pair = a[r * lda + q];
+                const vf xe = V_SET1(bf16_to_f32((uint16_t)pair)), xo = V_SET1(bf16_to_f32((uint16_t)(pair >> 16)));
+                acc[r][0] = V_FMA(xo, o0, V_FMA(xe, e0, acc[r][0]));
+                acc[r][1] = V_FMA(xo, o1, V_FMA(xe, e1, acc[r][1]));
+            }
+#endif
         }
     }
 #pragma GCC unroll 12
@@ -554,6 +674,29 @@ static void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t ld
     memcpy(tile, acc, sizeof(float) * mr * TM_NR);
 }
 
+static void ukr_bf16(const int mr, int64_t kp, const uint32_t *restrict a, int64_t lda, const uint16_t *restrict b,
+                     float *restrict tile, const int load, const char *pf, int64_t pf_len) {
+    (void)pf;
+    (void)pf_len;
+    float acc[TM_MR][TM_NR];
+    if (load)
+        memcpy(acc, tile, sizeof(float) * mr * TM_NR);
+    else
+        memset(acc, 0, sizeof acc);
+    for (int64_t q = 0; q < kp; ++q) {
+        const uint16_t *bq = b + q * TM_NR * 2;
+        for (int r = 0; r < mr; ++r) {
+            const uint32_t pair = a[r * lda + q];
+            const float xe = bf16_to_f32((uint16_t)pair), xo = bf16_to_f32((uint16_t)(pair >> 16));
+            for (int j = 0; j < TM_NR; ++j) {
+                acc[r][j] += xe * bf16_to_f32(bq[2 * j]);
+                acc[r][j] += xo * bf16_to_f32(bq[2 * j + 1]);
+            }
+        }
+    }
+    memcpy(tile, acc, sizeof(float) * mr * TM_NR);
+}
+
 static void ukr_q8(const int has_min, const int mr, int64_t k, int64_t gs, const float *restrict a, int64_t lda,
                    const char *restrict b, float *restrict tile, const char *pf, int64_t pf_len) {
     (void)pf;
@@ -649,6 +792,9 @@ typedef struct {
     const float *sa, *sx;
     int64_t ldq, ng;
     int mr;
+    /* bf16 weights: the rows of x rounded to bf16, as pairs [m, ldxb] (to_bf16_rows) */
+    const uint32_t *xb;
+    int64_t ldxb;
 } gemm_ctx;
 
 #define UKR_CASE(MR)                                                                                   \
@@ -729,6 +875,35 @@ static inline int64_t lane_group(int64_t j, int64_t groups, int64_t lanes) {
         ukr_f32(MR, kc, a, lda, b, tile, load, pf, pf_len);                                          \
         break;
 
+#define BF16_CASE(MR)                                                                                 \
+    case MR:                                                                                          \
+        ukr_bf16(MR, kc, a, lda, b, tile, load, pf, pf_len);                                         \
+        break;
+
+static void bf16_tile(int mr, int64_t kc, const uint32_t *a, int64_t lda, const uint16_t *b, float *tile, int load,
+                      const char *pf, int64_t pf_len) {
+    switch (mr) {
+        BF16_CASE(1)
+        BF16_CASE(2)
+        BF16_CASE(3)
+        BF16_CASE(4)
+#if TM_MR > 4
+        BF16_CASE(5)
+        BF16_CASE(6)
+#endif
+#if TM_MR > 6
+        BF16_CASE(7)
+        BF16_CASE(8)
+        BF16_CASE(9)
+        BF16_CASE(10)
+        BF16_CASE(11)
+        BF16_CASE(12)
+#endif
+        default:
+            break;
+    }
+}
+
 static void f32_tile(int mr, int64_t kc, const float *a, int64_t lda, const float *b, float *tile, int load,
                      const char *pf, int64_t pf_len) {
     switch (mr) {
@@ -766,6 +941,25 @@ static void panel_rows(const gemm_ctx *c, int64_t m0, int64_t m1, const char *bp
                        int64_t pf_len) {
     const int mrt = c->mr;
     const int64_t ntiles = cdiv(m1 - m0, mrt);
+    if (c->kind == TM_W_BF16) { /* the same K slices, in pair rows (one pair row = one fp32 row's bytes) */
+        const int64_t kp = cdiv(c->k, 2), nkc = cdiv(kp, c->kc);
+        if (kp <= 0) {
+            memset(acc, 0, sizeof(float) * (size_t)(m1 - m0) * TM_NR);
+            return;
+        }
+        const int64_t share = (pf_len + ntiles * nkc - 1) / (ntiles * nkc);
+        int64_t off = 0;
+        for (int64_t q0 = 0; q0 < kp; q0 += c->kc) {
+            const int64_t kc = kp - q0 < c->kc ? kp - q0 : c->kc;
+            const uint16_t *b = (const uint16_t *)bp + q0 * TM_NR * 2;
+            for (int64_t r = m0; r < m1; r += mrt, off += share) {
+                const int64_t len = pf_len - off < share ? pf_len - off : share;
+                bf16_tile(m1 - r < mrt ? (int)(m1 - r) : mrt, kc, c->xb + r * c->ldxb + q0, c->ldxb, b,
+                          acc + (r - m0) * TM_NR, q0 > 0, pf + off, len > 0 ? len : 0);
+            }
+        }
+        return;
+    }
     if (c->kind != TM_W_F32) {
         const int64_t share = (pf_len + ntiles - 1) / ntiles;
         for (int64_t r = m0, t = 0; r < m1; r += mrt, ++t) {
@@ -887,23 +1081,39 @@ static void quantize_rows_q4(void *vctx, int64_t chunk) {
                         (float *)c->sx + r * c->ng);
 }
 
-/* per-thread scratch for a call's Q4 activations, grown to the largest call (never shrunk) */
+static void to_bf16_rows(void *vctx, int64_t chunk) {
+    gemm_ctx *c = (gemm_ctx *)vctx;
+    const int64_t r0 = chunk * 16, r1 = r0 + 16 < c->m ? r0 + 16 : c->m;
+    for (int64_t r = r0; r < r1; ++r) row_to_bf16(c->x + r * c->ldx, c->k, (uint16_t *)(c->xb + r * c->ldxb));
+}
+
+/* per-thread scratch for a call's Q4 or bf16 activations, grown to the largest call (never shrunk) */
 static __thread void *q4_scratch;
 static __thread size_t q4_scratch_bytes;
+
+static int grow_scratch(size_t need) {
+    if (need <= q4_scratch_bytes) return 0;
+    void *p = realloc(q4_scratch, need);
+    if (!p) return -2;
+    q4_scratch = p;
+    q4_scratch_bytes = need;
+    return 0;
+}
 
 static int gemm_run(gemm_ctx *c) {
     if (c->m <= 0 || c->n <= 0) return 0;
     c->mr = c->kind == TM_W_Q4 ? TM_MR_Q4 : TM_MR;
+    if (c->kind == TM_W_BF16) {
+        c->ldxb = cdiv(c->k, 2);
+        if (grow_scratch((size_t)c->m * (size_t)c->ldxb * 4 + 64)) return -2;
+        c->xb = (const uint32_t *)q4_scratch;
+        tm_parallel_for(cdiv(c->m, 16), to_bf16_rows, c);
+    }
     if (c->kind == TM_W_Q4) {
         c->ng = cdiv(c->k, c->gs);
         c->ldq = c->ng * c->gs;
         const size_t need = (size_t)c->m * ((size_t)c->ldq + 2 * sizeof(float) * (size_t)c->ng) + 64;
-        if (need > q4_scratch_bytes) {
-            void *p = realloc(q4_scratch, need);
-            if (!p) return -2;
-            q4_scratch = p;
-            q4_scratch_bytes = need;
-        }
+        if (grow_scratch(need)) return -2;
         c->sa = (const float *)q4_scratch;
         c->sx = c->sa + c->m * c->ng;
         c->qa = (const int8_t *)(c->sx + c->m * c->ng);
@@ -915,7 +1125,7 @@ static int gemm_run(gemm_ctx *c) {
      * and each block reads every weight once more); quantized kinds also within TM_MC_BYTES of x.
      * Blocks of equal height, multiples of the tile height. */
     int64_t mcmax = TM_MC_MAX - TM_MC_MAX % mrt;
-    if (c->kind != TM_W_F32) {
+    if (c->kind != TM_W_F32 && c->kind != TM_W_BF16) {
         const int64_t byk = TM_MC_BYTES / ((int64_t)sizeof(float) * (c->k > 0 ? c->k : 1));
         if (byk < mcmax) mcmax = byk < mrt ? mrt : byk - byk % mrt;
     }
@@ -1025,4 +1235,37 @@ int tm_gemm_q(int kind, int has_min, const float *x, int64_t ldx, const void *w_
                   .bias = bias, .y = y, .ldy = ldy, .m = m, .n = n, .k = k, .gs = gs,
                   .panel_bytes = (kpad / gs) * q_group_bytes(kind, has_min, gs), .accumulate = accumulate};
     return gemm_run(&c);
+}
+
+/* ---------------------------------------------------------------- bf16 weights (TM_W_BF16)
+ * As tm_gemm_f32 / _silu / _argmax for W packed by tm_pack_bf16: x is rounded to bf16 once per call
+ * (see the header). Return 0, or -2 when the call's bf16 scratch for x cannot be allocated. */
+int tm_gemm_bf16(const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y, int64_t ldy,
+                 int64_t m, int64_t n, int64_t k, int accumulate) {
+    gemm_ctx c = {.kind = TM_W_BF16, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias, .y = y,
+                  .ldy = ldy, .m = m, .n = n, .k = k, .gs = k, .panel_bytes = cdiv(k, 2) * TM_NR * 4,
+                  .accumulate = accumulate};
+    return gemm_run(&c);
+}
+int tm_gemm_bf16_silu(const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y, int64_t ldy,
+                      int64_t m, int64_t inter, int64_t k) {
+    if (inter <= 0 || inter % TM_NR) return -1;
+    gemm_ctx c = {.kind = TM_W_BF16, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias, .y = y,
+                  .ldy = ldy, .m = m, .n = 2 * inter, .k = k, .gs = k, .panel_bytes = cdiv(k, 2) * TM_NR * 4,
+                  .silu_inter = inter};
+    return gemm_run(&c);
+}
+int tm_gemm_bf16_argmax(const float *x, int64_t ldx, const void *w_packed, const float *bias, int64_t m, int64_t n,
+                        int64_t k, int64_t n_limit, const int64_t *ban, int64_t nban, int64_t *out, void *scratch) {
+    gemm_ctx c = {.kind = TM_W_BF16, .x = x, .ldx = ldx, .w = (const char *)w_packed, .bias = bias, .m = m, .n = n,
+                  .k = k, .gs = k, .panel_bytes = cdiv(k, 2) * TM_NR * 4};
+    return gemm_run_argmax(&c, n_limit, ban, nban, out, scratch);
+}
+/* 1 if this build's bf16 kernel runs on VDPBF16PS, 0 if it widens bf16 to fp32 for FMAs */
+int tm_bf16_native(void) {
+#if defined(TM_AVX512) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
 }
