@@ -23,13 +23,15 @@ def _run(llm, use: bool, params):
         LlamaModel.use_c_decoder = True
 
 
-@pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("gguf", "auto"), ("int8", "auto"), ("w8a8", "auto"),
-                                             ("gguf", "int8"), (None, "fp16")])
-def test_driver_equals_the_python_layer_loop_bit_for_bit(quantization, kv):
+@pytest.mark.parametrize("quantization,kv,dtype", [(None, "auto", "float32"), ("gguf", "auto", "auto"),
+                                                   ("int8", "auto", "auto"), ("w8a8", "auto", "auto"),
+                                                   ("gguf", "int8", "auto"), (None, "fp16", "float32"),
+                                                   (None, "auto", "bfloat16")])
+def test_driver_equals_the_python_layer_loop_bit_for_bit(quantization, kv, dtype):
     # a small token budget splits prefills into chunks that share steps with decodes; no prefix
     # cache, so both runs compute the same rows in the same steps
     llm = LLM("smollm2-135m-instruct", speculative=None, quantization=quantization, enable_prefix_caching=False,
-              max_num_batched_tokens=48, kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv)
+              max_num_batched_tokens=48, kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv, dtype=dtype)
     p = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     steps0 = llm.stats.num_steps
     on = _run(llm, True, p)
@@ -74,11 +76,10 @@ def test_driver_steps_aside_for_a_hook_and_for_a_swapped_layer():
     assert got == want and len(seen) > 0  # the hook saw every step: the Python loop ran them
     assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want and model._c_decoder is not None
     first = model._c_decoder
-    # a layer swapped for another module of the same weights: the description is remade
-    from engine.kernels.cpu.layers import CpuLinear
-
+    # a layer swapped for another module of the same weights (and class: CpuLinear, or CpuBf16Linear
+    # under the default dtype on a bf16 host): the description is remade
     old = model.layers[0].down
-    model.layers[0].down = CpuLinear(old.weight.data.clone())
+    model.layers[0].down = type(old)(old.weight.data.clone())
     assert [o.outputs[0].token_ids for o in _run(llm, True, p)] == want
     assert model._c_decoder is not first and model._c_decoder.modules[3] is model.layers[0].down
     # a hook added after the description was made: the loop runs again while it is there

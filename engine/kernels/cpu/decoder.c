@@ -10,7 +10,7 @@
  *   [0]  attn_norm weight pointer     [1] mlp_norm weight pointer
  *   [2]  k cache pointer              [3] v cache pointer
  *   then four linear layers (qkv, o, gate_up, down), TM_DEC_LIN_WORDS words each:
- *   kind (TM_DEC_F32 | TM_DEC_Q | TM_DEC_W8A8), weight format (TM_W_Q8 / TM_W_Q4 for Q),
+ *   kind (TM_DEC_F32 | TM_DEC_Q | TM_DEC_W8A8 | TM_DEC_BF16), weight format (TM_W_Q8 / TM_W_Q4 for Q),
  *   has_min, n, k, kpad (Q) or kp (W8A8), group size, packed weight pointer, bias pointer (or 0).
  *
  * With timing on (tm_decoder_set_timing), the wall time of every kernel call is added to one of
@@ -26,6 +26,7 @@
 #define TM_DEC_F32 0
 #define TM_DEC_Q 1
 #define TM_DEC_W8A8 2
+#define TM_DEC_BF16 3
 #define TM_DEC_LIN_WORDS 9
 #define TM_DEC_LAYER_WORDS (4 + 4 * TM_DEC_LIN_WORDS)
 
@@ -48,6 +49,10 @@ int tm_gemm_f32_silu(const float *x, int64_t ldx, const float *w_packed, const f
                      int64_t m, int64_t inter, int64_t k);
 int tm_gemm_q_silu(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias,
                    float *y, int64_t ldy, int64_t m, int64_t inter, int64_t k, int64_t kpad, int64_t gs);
+int tm_gemm_bf16(const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y, int64_t ldy,
+                 int64_t m, int64_t n, int64_t k, int accumulate);
+int tm_gemm_bf16_silu(const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y, int64_t ldy,
+                      int64_t m, int64_t inter, int64_t k);
 int tm_gemm_nr(void);
 void tm_quantize_act(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int64_t gs,
                      unsigned char *codes, float *scales);
@@ -101,6 +106,7 @@ static int linear(const int64_t *l, const float *x, int64_t ldx, float *y, int64
     }
     if (kind == TM_DEC_Q)
         return tm_gemm_q((int)fmt, (int)has_min, x, ldx, w, bias, y, ldy, m, n, k, kpad, gs, accumulate);
+    if (kind == TM_DEC_BF16) return tm_gemm_bf16(x, ldx, w, bias, y, ldy, m, n, k, accumulate);
     if (kind == TM_DEC_W8A8) {
         tm_quantize_act(x, ldx, m, k, kpad, gs, codes, scales);
         return tm_gemm_w8a8(codes, scales, kpad, gs, w, bias, y, ldy, m, n, accumulate);
@@ -108,10 +114,10 @@ static int linear(const int64_t *l, const float *x, int64_t ldx, float *y, int64
     return -1;
 }
 
-/* Whether the gate/up layer l takes SwiGLU in its GEMM epilogue (fp32 or Q weights, inter a multiple of
- * the panel width): the same rule as the Python layers' silu_mul, so both paths run the same kernels. */
+/* Whether the gate/up layer l takes SwiGLU in its GEMM epilogue (fp32, bf16 or Q weights, inter a multiple
+ * of the panel width): the same rule as the Python layers' silu_mul, so both paths run the same kernels. */
 static int silu_fused(const int64_t *l, int64_t inter) {
-    return (l[0] == TM_DEC_F32 || l[0] == TM_DEC_Q) && inter % tm_gemm_nr() == 0;
+    return (l[0] == TM_DEC_F32 || l[0] == TM_DEC_Q || l[0] == TM_DEC_BF16) && inter % tm_gemm_nr() == 0;
 }
 
 /* act [m, inter] = silu(x Wg^T) * (x Wu^T) for a fused gate/up layer (silu_fused). */
@@ -120,6 +126,7 @@ static int linear_silu(const int64_t *l, const float *x, int64_t ldx, float *act
     const void *w = (const void *)(intptr_t)l[7];
     const float *bias = (const float *)(intptr_t)l[8];
     if (kind == TM_DEC_F32) return tm_gemm_f32_silu(x, ldx, (const float *)w, bias, act, inter, m, inter, k);
+    if (kind == TM_DEC_BF16) return tm_gemm_bf16_silu(x, ldx, w, bias, act, inter, m, inter, k);
     return tm_gemm_q_silu((int)fmt, (int)has_min, x, ldx, w, bias, act, inter, m, inter, k, kpad, gs);
 }
 

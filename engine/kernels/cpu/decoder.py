@@ -9,7 +9,7 @@ and runs the same kernels in the same order on the same buffers from C, so its o
 bit for bit the loop's.
 
 It serves a step only when everything the loop would do is one of those kernels: every
-linear layer a `CpuLinear`, `CpuQuantLinear` or `W8A8Linear` without hooks, `CpuOps` for
+linear layer a `CpuLinear`, `CpuBf16Linear`, `CpuQuantLinear` or `W8A8Linear` without hooks, `CpuOps` for
 the small ops, fp32, fp16 or int8 KV caches and the torch attention backend (or its int8-cache
 subclass) with its C kernel serving the step. Anything else (a hook observing a layer for
 calibration, another backend, a layer of another class) runs the Python loop.
@@ -23,18 +23,21 @@ import torch
 
 from . import W_Q4, W_Q8, _lib, kv_row_format
 
-DEC_F32, DEC_Q, DEC_W8A8 = 0, 1, 2
+DEC_F32, DEC_Q, DEC_W8A8, DEC_BF16 = 0, 1, 2, 3
 
 
 def _describe_linear(lin) -> Optional[list[int]]:
     """The 9 words of one linear layer (see decoder.c), or None for a layer the driver cannot run."""
-    from .layers import CpuLinear, CpuQuantLinear, W8A8Linear
+    from .layers import CpuBf16Linear, CpuLinear, CpuQuantLinear, W8A8Linear
 
     if lin._forward_pre_hooks or lin._forward_hooks:
         return None
     bias = 0 if lin.bias is None else lin.bias.data_ptr()
     if type(lin) is CpuLinear:
         return [DEC_F32, 0, 0, lin.out_features, lin.in_features, lin.in_features, lin.in_features,
+                lin.packed.data_ptr(), bias]
+    if type(lin) is CpuBf16Linear:
+        return [DEC_BF16, 0, 0, lin.out_features, lin.in_features, lin.in_features, lin.in_features,
                 lin.packed.data_ptr(), bias]
     if type(lin) is CpuQuantLinear:
         return [DEC_Q, W_Q8 if lin.bits == 8 else W_Q4, int(lin.has_min), lin.out_features, lin.in_features,
@@ -164,7 +167,7 @@ class CpuDecoder:
 
 
 def desc_kind(lin) -> int:
-    """The driver's kind of a linear layer (DEC_F32 / DEC_Q / DEC_W8A8), -1 for others."""
+    """The driver's kind of a linear layer (DEC_F32 / DEC_Q / DEC_W8A8 / DEC_BF16), -1 for others."""
     d = _describe_linear(lin)
     return -1 if d is None else d[0]
 

@@ -9,6 +9,9 @@ holds. Every layer here keeps that contract:
         into the GEMM's store); else out (or a new tensor) = x W^T (+ b).
 
 - `CpuLinear`: fp32 weights packed into panels (`gemm.c`).
+- `CpuBf16Linear`: the same weights rounded to bf16 (VDPBF16PS where the CPU has AVX512-BF16);
+  x is rounded to bf16 per call, the products are summed in fp32, and y (the residual stream
+  it is added to included) stays fp32.
 - `CpuQuantLinear`: the codes and scales of a `QuantLinear` (int8 per channel or per
   group, int4 / GGUF Q4_0 / Q4_1 / Q8_0 groups) packed; int8 codes are dequantized in
   registers, 4-bit codes multiply int8 activations (per token and group, quantized in the
@@ -29,8 +32,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import (W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_f32, gemm_f32_argmax, gemm_f32_silu, gemm_q, gemm_q_argmax,
-               gemm_q_error, gemm_q_silu, gemm_w8a8, library, pack_f32, pack_q, pack_w8a8, quantize_act)
+from . import (W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_bf16, gemm_bf16_argmax, gemm_bf16_silu, gemm_f32,
+               gemm_f32_argmax, gemm_f32_silu, gemm_q, gemm_q_argmax, gemm_q_error, gemm_q_silu, gemm_w8a8, library,
+               pack_bf16, pack_f32, pack_q, pack_w8a8, quantize_act)
 
 _F32 = torch.float32
 
@@ -102,6 +106,74 @@ class CpuLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes read per forward pass: the packed panels (padding columns included) and the bias."""
+        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+class CpuBf16Linear(nn.Module):
+    """Linear layer with bf16 weights and fp32 activations: x [T, in] float32 is rounded to bf16 in
+    the call, the exact bf16 products are summed in fp32 (`engine.kernels.cpu.gemm_bf16_reference`
+    is the definition), y [T, out] is float32.
+
+    Args:
+        weight: [out, in], any float dtype (rounded to bf16, nearest even).
+        bias: [out] or None (kept in float32).
+        lib: a specific build (tests); default the native one.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 lib: Optional[ctypes.CDLL] = None) -> None:
+        super().__init__()
+        self.lib = lib
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", pack_bf16(weight, lib=lib), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self._call = (_lib(lib).tm_gemm_bf16, self.packed.data_ptr(),
+                      None if self.bias is None else self.bias.data_ptr())
+        self.silu_fused = _silu_fusable(self.out_features, lib)
+
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = residual if residual is not None else out
+        n, k = self.out_features, self.in_features
+        if _fast_ok(x, k, y, n):
+            m = x.shape[0]
+            if y is None:
+                y = torch.empty(m, n)
+            fn, w, b = self._call
+            if fn(x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k, residual is not None):
+                raise ValueError(f"tm_gemm_bf16 could not allocate its bf16 copy of x ({m} x {k})")
+            return y
+        return gemm_bf16(x, self.packed, n, self.bias, y, residual is not None, lib=self.lib)
+
+    def silu_mul(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """For a fused [gate | up] weight: silu(x Wg^T) * (x Wu^T), [T, out / 2] float32, in the GEMM's
+        epilogue (`engine.kernels.cpu.gemm_bf16_silu`). Raises ValueError unless `silu_fused`."""
+        if not self.silu_fused:
+            raise ValueError(f"a layer of {self.out_features} outputs cannot fuse SwiGLU (half width not a "
+                             f"multiple of {_lib(self.lib).tm_gemm_nr()})")
+        return gemm_bf16_silu(x, self.packed, self.out_features // 2, self.bias, out, lib=self.lib)
+
+    def argmax(self, x: torch.Tensor, limit: Optional[int] = None, ban: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+        """Greedy argmax of each row of x [T, in] W^T (+ b) without writing the logits: [T] int64
+        (`engine.kernels.cpu.gemm_bf16_argmax`: limit, ban as there)."""
+        return gemm_bf16_argmax(x.contiguous(), self.packed, self.out_features, self.bias, limit, ban, lib=self.lib)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] as float32 (the bf16 values the kernel multiplies), from the packed panels."""
+        nr = _lib(self.lib).tm_gemm_nr()
+        kp, n, k = -(-self.in_features // 2), self.out_features, self.in_features
+        panels = self.packed.view(torch.bfloat16).view(-1, kp, nr, 2)  # [panel, pair, column, 2]
+        w = panels.permute(0, 2, 1, 3).reshape(-1, 2 * kp)[:n, :k]
+        return w.float().contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The bf16 weight [out, in] (unpacked from the panels; for inspection and byte accounting)."""
+        return self.dequantize().to(torch.bfloat16)
+
+    def weight_bytes(self) -> int:
+        """Bytes read per forward pass: the packed bf16 panels (padding included) and the bias."""
         return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
 
 
@@ -278,14 +350,20 @@ def available_for(model: nn.Module) -> bool:
     return model.device.type == "cpu" and model.dtype == torch.float32 and library() is not None
 
 
-def use_cpu_kernels(model: nn.Module, lib: Optional[ctypes.CDLL] = None) -> dict[str, str]:
+def use_cpu_kernels(model: nn.Module, lib: Optional[ctypes.CDLL] = None,
+                    weight_dtype: torch.dtype = torch.float32) -> dict[str, str]:
     """Swap every linear layer of `model` (`model.linear_layers()`) for its CPU-kernel
-    counterpart, in place: `Linear` -> `CpuLinear`, `QuantLinear` -> `CpuQuantLinear`; layers
-    already served by the library are kept. Returns {layer name: new class name}.
+    counterpart, in place: `Linear` -> `CpuLinear` (`CpuBf16Linear` with weight_dtype
+    torch.bfloat16: the weights rounded to bf16, activations kept fp32), `QuantLinear` ->
+    `CpuQuantLinear`; layers already served by the library are kept. Returns {layer name: new
+    class name}.
 
     Raises:
         RuntimeError: if the library is unavailable.
+        ValueError: weight_dtype is neither float32 nor bfloat16.
     """
+    if weight_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the CPU kernels take float32 or bfloat16 weights, got {weight_dtype}")
     from ...models.llama import Linear
     from ...quant import QuantLinear, _swap
 
@@ -293,10 +371,12 @@ def use_cpu_kernels(model: nn.Module, lib: Optional[ctypes.CDLL] = None) -> dict
         raise RuntimeError("the CPU kernel library is unavailable")
     done = {}
     for name, lin in model.linear_layers():
-        if isinstance(lin, (CpuLinear, CpuQuantLinear, W8A8Linear)):
+        if isinstance(lin, (CpuLinear, CpuBf16Linear, CpuQuantLinear, W8A8Linear)):
             continue
         if isinstance(lin, QuantLinear):
             new: nn.Module = CpuQuantLinear(lin, lib=lib)
+        elif isinstance(lin, Linear) and weight_dtype == torch.bfloat16:
+            new = CpuBf16Linear(lin.weight.data, None if lin.bias is None else lin.bias.data, lib=lib)
         elif isinstance(lin, Linear):
             new = CpuLinear(lin.weight.data, None if lin.bias is None else lin.bias.data, lib=lib)
         else:
