@@ -224,20 +224,32 @@ def _params_list(sampling_params, n: int) -> list:
     return params_list
 
 
-def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype) -> bool:
-    """Whether the CPU kernel library runs a model: asked for, fp32 on the CPU, and it builds."""
-    if not cpu_kernels or device != "cpu" or dtype != torch.float32:
+def _cpu_kernels_serve(cpu_kernels: bool, device: str, dtype: torch.dtype, quantization: Optional[str] = None) -> bool:
+    """Whether the CPU kernel library runs a model: asked for, on the CPU, the library builds, and
+    fp32 weights, or bf16 weights that are not quantized (bf16 linear layers, fp32 activations)."""
+    if not cpu_kernels or device != "cpu":
+        return False
+    if dtype != torch.float32 and not (dtype == torch.bfloat16 and quantization is None):
         return False
     from .kernels import cpu
 
     return cpu.available()
 
 
+def compute_dtype(dtype: torch.dtype, device: str, cpu_kernels: bool, quantization: Optional[str] = None) -> torch.dtype:
+    """The dtype of the activations (residual stream, attention, KV writes) of a model whose
+    weights are `dtype`: fp32 where the CPU kernels serve bf16 weights (they take fp32 rows and
+    round them to bf16 inside each linear layer), else the weights' dtype."""
+    if dtype == torch.bfloat16 and _cpu_kernels_serve(cpu_kernels, device, dtype, quantization):
+        return torch.float32
+    return dtype
+
+
 def w8a8_unservable(cpu_kernels: bool, device: str, dtype: torch.dtype) -> Optional[str]:
     """Why quantization="w8a8" cannot run with these resolved settings, or None when it can (the CPU
     kernel library with fp32 on the CPU, or Triton on CUDA). The engine raises it at load, and a job
     before anything is written under `_job/`."""
-    if device.startswith("cuda") or _cpu_kernels_serve(cpu_kernels, device, dtype):
+    if device.startswith("cuda") or _cpu_kernels_serve(cpu_kernels, device, dtype, "w8a8"):
         return None
     from .kernels import cpu
 
@@ -288,12 +300,26 @@ def make_attention_backend(attention_backend: str, kv_cache_dtype: str, cpu_kern
     return backend, kv_dtype
 
 
+def auto_dtype(device: torch.device, quantization: Optional[str], cpu_kernels: bool) -> str:
+    """What dtype="auto" resolves to: "bfloat16" on CUDA; on the CPU "bfloat16" where the host has a
+    bf16 matrix unit (AMX-BF16 or AVX512-BF16: `engine.host.Host.auto_dtype`) and the CPU kernels
+    serve unquantized bf16 weights, else "float32" (quantized weights compute in fp32 on the CPU)."""
+    if device.type == "cuda":
+        return "bfloat16"
+    from .host import Host
+
+    if (quantization in (None, "none") and Host.current().auto_dtype() == "bfloat16"
+            and _cpu_kernels_serve(cpu_kernels, device.type, torch.bfloat16)):
+        return "bfloat16"
+    return "float32"
+
+
 def resolve_settings(cfg: EngineConfig) -> tuple[torch.device, torch.dtype, str]:
     """(device, weights dtype, attention backend name) that an engine with `cfg` runs with: "auto" resolved
-    (CUDA when available, bf16 on CUDA and fp32 on the CPU, the Triton backend on CUDA and the PyTorch one
-    on the CPU)."""
+    (CUDA when available; the dtype by `auto_dtype`; the Triton backend on CUDA and the PyTorch one on
+    the CPU)."""
     dev = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else auto_dtype(dev, cfg.quantization, cfg.cpu_kernels)
     backend = cfg.attention_backend if cfg.attention_backend != "auto" else (
         "triton" if dev.type == "cuda" else "torch")
     return dev, _DTYPES[dtype_name], backend
@@ -316,8 +342,10 @@ def min_kv_cache_memory_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     one KV block per rank (`kv_block_bytes`), in bytes. Cheap: no weights are read, no memory is allocated
     (a job checks it before writing anything; `LLM` refuses a smaller budget when it sizes the cache).
     """
-    _, dtype, backend_name = resolve_settings(cfg)
-    backend, kv_dtype = make_attention_backend(backend_name, cfg.kv_cache_dtype, cfg.cpu_kernels, dtype)
+    dev, dtype, backend_name = resolve_settings(cfg)
+    quant = None if cfg.quantization in (None, "none") else cfg.quantization
+    act = compute_dtype(dtype, dev.type, cfg.cpu_kernels, quant)
+    backend, kv_dtype = make_attention_backend(backend_name, cfg.kv_cache_dtype, cfg.cpu_kernels, act)
     return kv_block_bytes(backend, kv_dtype, model_cfg.num_layers, model_cfg.num_kv_heads // cfg.tensor_parallel_size,
                           model_cfg.head_dim, cfg.block_size)
 
@@ -402,8 +430,9 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     """Load weights and tokenizer once per process; LLM instances share the read-only weights.
     `quantization` ("int8" | "int4" | "gguf" | "w8a8") builds a copy of the cached float model whose
     linear layers are swapped (`engine.quant.quantized_copy`); embedding and norms are shared.
-    With `cpu_kernels` (fp32 on the CPU) the linear layers are then swapped for the CPU kernel
-    library's (`engine.kernels.cpu.layers.use_cpu_kernels`) and the small ops run in C; without,
+    With `cpu_kernels` (fp32, or unquantized bf16 weights, on the CPU) the linear layers are then
+    swapped for the CPU kernel library's (`engine.kernels.cpu.layers.use_cpu_kernels`; bf16 weights
+    under an fp32 model) and the small ops run in C; without,
     the PyTorch reference ops run. With `shard`, the model holds one tensor-parallel rank's
     slices only (read so from the file; quantized from them); `with_tokenizer` False (a
     worker) skips the tokenizer and returns None for it.
@@ -415,7 +444,7 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
     from .models.ops import TorchOps
 
     source = source_key
-    use_c = _cpu_kernels_serve(cpu_kernels, device, dtype)
+    use_c = _cpu_kernels_serve(cpu_kernels, device, dtype, quantization)
     if quantization is not None:
         from .quant import quantized_copy
 
@@ -434,7 +463,7 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
         gguf_path = source.path if quantization == "gguf" else None
         qmodel = quantized_copy(base, quantization, group_size, gguf_path)
         qmodel.ops = base.ops
-        if use_c:
+        if _cpu_kernels_serve(cpu_kernels, device, qmodel.dtype):  # (fp32 activations: also under bf16 weights)
             use_cpu_kernels(qmodel)
         return qmodel, tokenizer
     mcfg, state = load_model_weights(source, shard)
@@ -447,14 +476,16 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
         tokenizer = Tokenizer.from_pretrained(source.path)
     else:
         tokenizer = Tokenizer.default()
-    model = LlamaModel(mcfg, dtype, torch.device(device), shard)
+    # bf16 weights on the CPU kernels: an fp32 model (activations, norms, embedding) whose linear
+    # layers are then packed in bf16
+    model = LlamaModel(mcfg, torch.float32 if use_c else dtype, torch.device(device), shard)
     if state is None:
         model.init_dummy(seed)
     else:
         model.load_weights(state)
         del state
     if use_c:
-        use_cpu_kernels(model)
+        use_cpu_kernels(model, weight_dtype=dtype)
     elif model.ops.name == "cpu":
         model.ops = TorchOps()
     return model, tokenizer
@@ -683,8 +714,9 @@ class LLM:
         self.load_time_s = time.perf_counter() - t0
 
         # KV cache sized from the memory budget (per rank: each holds num_kv_heads / N heads of every block)
+        # the activations' dtype picks the cache's (fp32 rows also under bf16 weights on the CPU kernels)
         self.backend, kv_dtype = make_attention_backend(self.attention_backend, cfg.kv_cache_dtype, cfg.cpu_kernels,
-                                                        self.dtype)
+                                                        self.model.dtype)
         kv_heads = self.model.local.num_kv_heads
         per_block = kv_block_bytes(self.backend, kv_dtype, mcfg.num_layers, kv_heads, mcfg.head_dim, bs)
         infos = self.workers.wait_ready() if self.workers is not None else []
@@ -723,7 +755,7 @@ class LLM:
                                             cfg.cpu_kernels, shard, True, tp_group)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, tp=tp_group, workers=self.workers)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids,
-                               cpu_kernels=_cpu_kernels_serve(cfg.cpu_kernels, str(self.device), self.dtype))
+                               cpu_kernels=_cpu_kernels_serve(cfg.cpu_kernels, str(self.device), self.dtype, quant))
         self.spec = None
         if spec_cfg is not None:
             def draft_factory():

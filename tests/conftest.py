@@ -41,12 +41,13 @@ def llm():
 
 @pytest.fixture(scope="session")
 def llm_fp32():
-    """The engine with an fp32 KV cache (kv_cache_dtype="fp32"; the default stores fp16 halves under
-    the fp32 model): arithmetic as transformers' fp32, for parity and as the quantized schemes'
-    reference. A 256 MB KV budget: its users run short prompts."""
+    """The engine in fp32 weights with an fp32 KV cache (dtype="float32", kv_cache_dtype="fp32"; the
+    default is bf16 weights on hosts with a bf16 unit, and stores fp16 halves in the cache):
+    arithmetic as transformers' fp32, for parity and as the quantized schemes' reference. A 256 MB KV
+    budget: its users run short prompts."""
     from engine import LLM
 
-    return LLM(MODEL_NAME, kv_cache_dtype="fp32", kv_cache_memory_bytes=256 << 20)
+    return LLM(MODEL_NAME, dtype="float32", kv_cache_dtype="fp32", kv_cache_memory_bytes=256 << 20)
 
 
 @pytest.fixture(scope="session")

@@ -433,7 +433,7 @@ def test_llamacpp_loads_the_f16_copy_and_follows_the_q4_1_model(tok, q4_model, t
     assert [x[:3] for x in a] == [x[:3] for x in b]  # same weights up to fp16 rounding and q8 activations
 
 
-def test_int8_diagnosis_hidden_states_reproduce_the_engines_scores(llm):
+def test_int8_diagnosis_hidden_states_reproduce_the_engines_scores(llm_fp32):
     """benchmarks.int8_diagnosis scores heads on captured final hidden states: the fp32 head on them
     gives LLM.score's log-probabilities, and the quantizers match engine.quant."""
     import torch
@@ -441,6 +441,7 @@ def test_int8_diagnosis_hidden_states_reproduce_the_engines_scores(llm):
     from benchmarks.int8_diagnosis import final_hidden, int8_absmax, int8_mse_clip
     from engine.quant import quantize_int8
 
+    llm = llm_fp32  # the fp32 head (the default dtype is bf16 on hosts with a bf16 unit)
     seqs = [llm.tokenizer.encode("The licence grants you the right to copy"), [1, 2, 3, 4, 5, 6, 7]]
     hs = final_hidden(llm, seqs, chunk_size=8)  # chunked like a long prefill
     w = llm.model.lm_head.weight.data

@@ -175,7 +175,8 @@ def test_forward_with_c_ops_and_layers_matches_the_reference_forward():
 
     outs = {}
     for ck in (True, False):
-        llm = LLM("dummy:smollm2-135m", cpu_kernels=ck, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64)
+        llm = LLM("dummy:smollm2-135m", cpu_kernels=ck, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
+                  dtype="float32")
         assert llm.model.ops.name == ("cpu" if ck else "torch")
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 70, 33)]

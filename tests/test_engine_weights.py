@@ -53,7 +53,8 @@ def _tiny_folder(tmp_path, kind: str):
 def test_hf_folder_matches_transformers(tmp_path, kind):
     folder, ref = _tiny_folder(tmp_path, kind)
     # an fp32 cache: the checkpoint is fp32, and parity with transformers is held to fp32 rounding
-    llm = LLM(str(folder), kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=7, kv_cache_dtype="fp32")
+    llm = LLM(str(folder), kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=7, kv_cache_dtype="fp32",
+              dtype="float32")
     assert llm.model_config.attention_bias == (kind == "qwen2")
     assert llm.model_config.tie_word_embeddings == (kind == "llama_tied")
     for p in PROMPTS:

@@ -208,8 +208,9 @@ def engines(llm):
         "gguf": LLM(MODEL, quantization="gguf", **kw),
         "int8": LLM(MODEL, quantization="int8", **kw),
         "int4": LLM(MODEL, quantization="int4", quant_group_size=32, **kw),
-        "kv-int8": LLM(MODEL, kv_cache_dtype="int8", **kw),
-        "kv-fp16": LLM(MODEL, kv_cache_dtype="fp16", **kw),
+        # the cache schemes under fp32 weights (the default dtype is bf16 on hosts with a bf16 unit)
+        "kv-int8": LLM(MODEL, kv_cache_dtype="int8", dtype="float32", **kw),
+        "kv-fp16": LLM(MODEL, kv_cache_dtype="fp16", dtype="float32", **kw),
     }
 
 
@@ -245,13 +246,14 @@ def test_engines_really_hold_quantized_layers(llm, engines):
 
 def test_the_default_cache_is_fp16_under_fp32_weights_and_scores_as_the_fp16_scheme(engines, windows):
     """kv_cache_dtype="auto" (the default) under the fp32 model stores fp16 halves (engine.llm.auto_kv_dtype):
-    the same bytes per token and the same scores, bit for bit, as kv_cache_dtype="fp16"."""
+    the same bytes per token and the same scores, bit for bit, as kv_cache_dtype="fp16". (So does the
+    default bf16 weights' fp32 activations: tests/test_engine_dtype.py.)"""
     from engine import LLM
     from engine.llm import auto_kv_dtype
 
     assert auto_kv_dtype(torch.float32) == torch.float16
     assert auto_kv_dtype(torch.bfloat16) == torch.bfloat16 and auto_kv_dtype(torch.float16) == torch.float16
-    default = LLM(MODEL, kv_cache_memory_bytes=KV_BYTES)
+    default = LLM(MODEL, kv_cache_memory_bytes=KV_BYTES, dtype="float32")
     assert default.config.kv_cache_dtype == "auto" and default.dtype == torch.float32
     assert default.kv_cache.layers[0][0].dtype == torch.float16
     assert default.kv_bytes_per_token == engines["kv-fp16"].kv_bytes_per_token == 23040

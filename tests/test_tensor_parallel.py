@@ -107,7 +107,9 @@ def _spawned_children() -> list[int]:
 
 
 def _tiny(**kw) -> LLM:
-    kw = {"kv_cache_memory_bytes": 16 << 20, "speculative": None, "num_threads": 1, **kw}
+    # fp32 weights: TP = N is held to one device's fp32 rounding (the default dtype is bf16 on hosts with a
+    # bf16 unit, where the ranks' partial sums of o and down round differently)
+    kw = {"kv_cache_memory_bytes": 16 << 20, "speculative": None, "num_threads": 1, "dtype": "float32", **kw}
     return LLM(TINY, **kw)
 
 
@@ -142,7 +144,7 @@ def smol_tp3():
     # an fp32 cache, as `llm` below: TP = 3 is held to fp32 rounding of one device, and an fp16 cache
     # rounds the ranks' slightly different K/V sums to different halves (logits 1.3e-2 apart, measured)
     with LLM("smollm2-135m-instruct", tensor_parallel_size=3, kv_cache_memory_bytes=32 << 20, speculative=None,
-             kv_cache_dtype="fp32") as llm:
+             kv_cache_dtype="fp32", dtype="float32") as llm:
         yield llm
 
 
