@@ -76,7 +76,7 @@ from pipeline import (
     JobInterrupted, JobSpec, ShardResult, WindowRun, finish_job, format_report, get_llm, prepare_job,
 )
 from pipeline.job import (
-    abort_job, add_steps, default_worker, engine_lock, job_device, plan_windows, run_window,
+    abort_job, add_steps, default_worker, engine_lock, engine_spec, job_device, plan_windows, run_window,
 )
 from pipeline.lease import LeaseToken
 from pipeline.manifest import committed_by_run, read_marker
@@ -514,7 +514,8 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
             try:
                 with _resources(spec, runner):
                     for window in windows:
-                        params = dict(spec=spec, window=window, run_id=plan.run_id, lease=token,
+                        # "auto" as the manifest recorded it: every window computes with the job's dtype
+                        params = dict(spec=engine_spec(spec, plan.dtype), window=window, run_id=plan.run_id, lease=token,
                                       storage_secret=storage_secret, columns=plan.columns,
                                       structured=plan.structured)
                         futures.append(runner.submit(window_task, parameters=params) if runner is not None

@@ -76,7 +76,9 @@ class CostReport:
     Structured outputs (jobs with constraints or scoring; None otherwise): `rows_valid` and
     `rows_invalid`, and for choice and score jobs `label_distribution`, a JSON object
     {label: rows}, most frequent first.
-    Speculative decoding: drafted and accepted tokens of the committed rows, their ratio
+    `dtype` is the weights dtype the job computed with ("auto" resolved, as the manifest recorded
+    it); `host` the CPU of the process that booked the run (`engine.host.describe`; on a cluster
+    the workers' may differ). Speculative decoding: drafted and accepted tokens of the committed rows, their ratio
     (the acceptance rate), and, from the engine's counters over the run when it ran in
     this process, accepted tokens per verified draft and the share of steps that verified
     drafts (None when not known).
@@ -126,6 +128,8 @@ class CostReport:
     rows_valid: Optional[int] = None
     rows_invalid: Optional[int] = None
     label_distribution: Optional[str] = None
+    dtype: Optional[str] = None
+    host: Optional[str] = None
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -187,6 +191,8 @@ def cost_report(
     discarded_completion_tokens: int = 0,
     engine_steps: Optional[dict] = None,
     structured: bool = False,
+    dtype: Optional[str] = None,
+    host: Optional[str] = None,
 ) -> CostReport:
     """Build a run's CostReport from its wall time and token counts (see CostReport for `status`).
 
@@ -197,6 +203,7 @@ def cost_report(
         engine_steps: the engine's counters over the run, {"steps", "spec_steps", "spec_verifies",
             "spec_accepted_tokens"}, or None when not known (e.g. shards run by other processes).
         structured: the job constrains or scores its outputs (fills rows_valid / rows_invalid).
+        dtype: the weights dtype the run computed with; host: the host line of the booking process.
     """
     es = engine_steps or {}
     wall_s = max((finished_at - started_at).total_seconds(), 1e-9)
@@ -252,6 +259,8 @@ def cost_report(
         rows_invalid=counts.rows_invalid if structured else None,
         label_distribution=(json.dumps(dict(sorted(counts.labels.items(), key=lambda kv: (-kv[1], kv[0]))))
                             if counts.labels else None),
+        dtype=dtype,
+        host=host,
     )
 
 

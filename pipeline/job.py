@@ -154,8 +154,9 @@ class JobSpec(BaseModel):
 
     model: str = Field("smollm2-135m-instruct", description="engine model: smollm2-135m-instruct, a .gguf file, "
                                                             "a Hugging Face folder, or dummy:<shape>")
-    dtype: str = Field("auto", description="weights dtype: auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, "
-                                           "bf16 on CUDA)")
+    dtype: str = Field("auto", description="weights dtype: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA "
+                                           "and on CPUs with AMX-BF16 or AVX512-BF16, else fp32; a resume keeps "
+                                           "the dtype the job's manifest recorded)")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     quantization: Optional[str] = Field(None, description="weight quantization: none | int8 | int4 | gguf | "
                                                           "w8a8 (int8 x int8 arithmetic, CPU) (default none)")
@@ -619,7 +620,34 @@ _ENGINE_LOADS = 0  # engines get_llm built in this process
 
 
 def _engine_key(spec: JobSpec) -> str:
-    return json.dumps([spec.model, spec.engine_kwargs()], sort_keys=True, default=str)
+    kw = spec.engine_kwargs()
+    if kw.get("dtype") == "auto":  # the engine "auto" builds here is the one its resolved dtype names
+        kw["dtype"] = host_dtype(spec)
+    return json.dumps([spec.model, kw], sort_keys=True, default=str)
+
+
+def host_dtype(spec: JobSpec) -> str:
+    """The weights dtype the spec's engine runs with on this machine: `spec.dtype`, or for "auto" what
+    the engine resolves it to here (`engine.llm.resolve_settings`: bf16 on CUDA and on CPUs with a bf16
+    matrix unit, else float32). "auto" when the engine options are invalid (validation names them)."""
+    if spec.dtype != "auto":
+        return spec.dtype
+    from engine.llm import resolve_settings
+
+    try:
+        _, dtype, _ = resolve_settings(EngineConfig(model=spec.model, **spec.engine_kwargs()))
+    except (ValueError, TypeError):
+        return "auto"
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_spec(spec: JobSpec, dtype: Optional[str]) -> JobSpec:
+    """The spec a run's engine is built from: `spec` with dtype "auto" replaced by the job's dtype
+    (`JobPlan.dtype`: what the manifest recorded when the job was planned), so that a job resumed on
+    another host computes with the dtype its first rows were computed with."""
+    if spec.dtype != "auto" or dtype in (None, "auto"):
+        return spec
+    return spec.model_copy(update={"dtype": dtype})
 
 
 def get_llm(spec: JobSpec) -> Any:
@@ -698,6 +726,9 @@ class JobPlan:
         structured: the job constrains or scores outputs (a default constraint, `score_choices`, or
             a constraint column in any input file), so every part file has the `valid` and
             `parsed` columns; give it to `run_shards`.
+        dtype: the weights dtype the job computes with ("float32", "bfloat16", ...): `spec.dtype`, or
+            for "auto" the one the manifest recorded when the job was planned (a resume on another
+            host keeps it); run the engine from `engine_spec(spec, plan.dtype)`.
     """
 
     spec: JobSpec
@@ -710,6 +741,7 @@ class JobPlan:
     columns: dict[str, pl.DataType] = field(default_factory=dict)
     lease: Optional[Lease] = None
     structured: bool = False
+    dtype: Optional[str] = None
     rows_total: int = field(init=False)
     rows_skipped: int = field(init=False)
 
@@ -1104,12 +1136,14 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
             for message in check_ids(files, spec.id_column, spec.limit, so):
                 warnings.warn(f"{spec.input}: {message}", stacklevel=2)
             shards, stats = plan_job(spec, files, tokenizer, max_model_len)
+            dtype = host_dtype(spec)
             manifest.write_manifest(spec.output, {"fingerprint": digest, **doc, **readable, "plan": stats.to_json(),
-                                                  "shards": [s.to_json() for s in shards],
+                                                  "shards": [s.to_json() for s in shards], "dtype": dtype,
                                                   "created_at": started_at.isoformat()}, so)
         else:
             shards = [Shard.from_json(d) for d in previous["shards"]]
             stats = PlanStats(**previous.get("plan", {}))
+            dtype = recorded_dtype(spec, previous)
         done = done_shards(spec)
         if done:
             done = _drop_markers_of_lost_parts(spec, shards, done)
@@ -1126,7 +1160,25 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
     pending = [s for s in shards if s.index not in done]
     structured = spec.constrained or any(c in f.columns for f in files for c in CONSTRAINT_COLUMNS)
     return JobPlan(spec=spec, job_id=digest[:16], run_id=run_id, shards=shards, pending=pending,
-                   started_at=started_at, stats=stats, columns=columns, lease=lease, structured=structured)
+                   started_at=started_at, stats=stats, columns=columns, lease=lease, structured=structured,
+                   dtype=dtype)
+
+
+def recorded_dtype(spec: JobSpec, manifest_doc: dict) -> str:
+    """The dtype a resumed job computes with: `spec.dtype` when given; for "auto", the one its manifest
+    recorded. A manifest written before the dtype was recorded was planned when "auto" meant fp32 on the
+    CPU and bf16 on CUDA."""
+    if spec.dtype != "auto":
+        return spec.dtype
+    if manifest_doc.get("dtype"):
+        return str(manifest_doc["dtype"])
+    from engine.llm import resolve_settings
+
+    try:
+        device, _, _ = resolve_settings(EngineConfig(model=spec.model, **spec.engine_kwargs()))
+    except (ValueError, TypeError):
+        return "auto"
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 def _drop_markers_of_lost_parts(spec: JobSpec, shards: list[Shard], done: dict[int, ShardResult]
@@ -1558,12 +1610,19 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         rows_skipped=plan.rows_skipped, rows_not_run=rows_not_run, output_token_weight=spec.output_token_weight,
         ideal_prefix_hit_rate=plan.stats.ideal_hit_rate, plan=plan.stats.order, status=status, error=error,
         discarded_completion_tokens=discarded_completion_tokens, engine_steps=engine_steps,
-        structured=plan.structured,
+        structured=plan.structured, dtype=plan.dtype or spec.dtype, host=_host_line(),
     )
     name = f"run-{plan.started_at.strftime('%Y%m%dT%H%M%S%fZ')}-{plan.run_id}.parquet"
     io.write_parquet_atomic(report.as_frame(), manifest.job_url(spec.output, RUNS_DIR, name),
                             storage_options if storage_options is not None else spec.storage_options)
     return report
+
+
+def _host_line() -> str:
+    """This process's host (`engine.host.describe`): the CPU a run's figures were measured on."""
+    from engine.host import describe
+
+    return describe()
 
 
 def abort_job(plan: JobPlan, results: list[ShardResult], exc: BaseException, *, model: str,
@@ -1847,6 +1906,7 @@ def run_job(
                          f"Prefect flow (flows.batch_generate(spec), or `tokenmill run --cluster ...`)")
     plan = prepare_job(spec, tokenizer=llm.tokenizer if llm is not None else None,
                        max_model_len=getattr(llm, "max_model_len", None) if llm is not None else None)
+    spec = engine_spec(spec, plan.dtype)  # "auto" as the manifest recorded it (a resume keeps it)
     results: list[ShardResult] = []
     bar = None
     out_tokens = 0

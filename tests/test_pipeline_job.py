@@ -720,3 +720,58 @@ def test_a_glob_input_on_s3(s3_bucket, s3_server, tmp_path):
     with pytest.raises(FileNotFoundError) as exc:
         io.list_input_files(f"s3://{s3_bucket}/in/*.csv", so)
     assert str(exc.value) == f"no Parquet files match the pattern s3://{s3_bucket}/in/*.csv"
+
+
+def test_the_manifest_and_cost_report_record_the_resolved_dtype_and_a_resume_keeps_it(local_input, tmp_path,
+                                                                                       monkeypatch):
+    """dtype="auto" is resolved for this host when the job is planned (bf16 where the CPU has a bf16
+    matrix unit, else fp32) and recorded in the manifest; the cost report names it and the host. A
+    resume builds its engine with the recorded dtype, whatever this host would pick, and a manifest
+    from before the dtype was recorded resumes with what "auto" meant then on the CPU (fp32)."""
+    import json
+
+    from engine.host import describe
+    from pipeline import job
+
+    built = []
+
+    def fake_get_llm(spec):
+        built.append(spec.dtype)
+        return FakeLLM()
+
+    monkeypatch.setattr(job, "get_llm", fake_get_llm)
+    out = tmp_path / "out"
+    spec = spec_for(local_input, out, shards_in_flight=1)
+    here = job.host_dtype(spec)
+    assert here in ("float32", "bfloat16")
+
+    class Killed(Exception):
+        pass
+
+    def die(result):
+        raise Killed
+
+    with pytest.raises(Killed):
+        run_job(spec, on_shard_done=die)
+    doc = json.loads((out / "_job" / "manifest.json").read_text())
+    assert doc["dtype"] == here and built == [here]
+    row = read_metrics(str(out)).row(0, named=True)
+    assert row["dtype"] == here and row["host"] == describe()
+    # planned on another host: the resume computes in the recorded dtype
+    other = "float32" if here == "bfloat16" else "bfloat16"
+    doc["dtype"] = other
+    (out / "_job" / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(Killed):
+        run_job(spec, on_shard_done=die)
+    assert built[-1] == other
+    assert read_metrics(str(out)).sort("started_at")["dtype"].to_list()[-1] == other
+    # an older manifest, without the dtype: "auto" meant fp32 on the CPU
+    del doc["dtype"]
+    (out / "_job" / "manifest.json").write_text(json.dumps(doc))
+    report = run_job(spec)
+    assert built[-1] == "float32" and report.dtype == "float32"
+    assert report.rows_ok + report.rows_skipped == 12 and report.rows_skipped > 0
+    # an explicit dtype is the spec's own (a new job)
+    run_job(spec_for(local_input, tmp_path / "out2", dtype="float32"))
+    assert built[-1] == "float32"
+    assert json.loads((tmp_path / "out2" / "_job" / "manifest.json").read_text())["dtype"] == "float32"
