@@ -3,8 +3,9 @@ the non-linear share of a decode step, MBU at batch 1, KV utilisation.
 
 Measured in one run, on the same machine state:
 
-1. **Peak** (GFLOP/s): the best of a large fp32 `torch.mm` (``--matmul-size`` cube), tokenmill's
-   own linear kernel on the same cube, and every linear-layer rate measured in section 2:
+1. **Peak** (GFLOP/s): the best of a large `torch.mm` (``--matmul-size`` cube) in the engine's
+   weights dtype (fp32, or bf16: oneDNN on AMX / AVX512-BF16), tokenmill's own linear kernel of that
+   dtype on the same cube, and every linear-layer rate measured in section 2:
    a peak below what a kernel reaches in the same run would be a wrong peak (an MFU over
    100%). **Bandwidth**: a large copy, bytes read + written / s.
 2. **Linear layers per M**: every linear layer of the model (the 120 decoder projections and
@@ -31,6 +32,8 @@ Measured in one run, on the same machine state:
    bytes per step = weights read per decode step + the KV of the mean context;
    MBU = bytes / step time / copy bandwidth. For each of ``--schemes``.
 6. **KV cache utilisation** of the batch run.
+7. **Prefill-step breakdown**: one prompt of ``--prefill-tokens`` (4096) tokens in one step (the
+   token budget raised to hold it), split as the decode step is.
 
 Speculative decoding is off in every engine here: the figures are of plain steps.
 
@@ -39,8 +42,11 @@ other processes), as in `benchmarks.hf_compare`.
 
 Usage::
 
-    python -m benchmarks.efficiency [--quick] [--batch 64] [--schemes fp32,int8,gguf,w8a8]
+    python -m benchmarks.efficiency [--quick] [--batch 64] [--schemes fp32,bf16,int8,gguf,w8a8]
+                                    [--dtype auto|float32|bfloat16] [--prefill-tokens 4096]
                                     [--kv-cache-dtype auto|fp16|fp32|int8] [--output-json F]
+
+The host (`engine.host`) is printed first: every figure is read beside the CPU it ran on.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ from benchmarks.throughput import DEFAULT_MODEL, make_llm, stats_delta  # noqa: 
 from benchmarks.workloads import build_workload  # noqa: E402
 
 LINEAR_MS = (1, 8, 32, 64, 128, 1024)
-SCHEMES = {"fp32": {}, "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
+SCHEMES = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
            "int4": {"quantization": "int4"}, "w8a8": {"quantization": "w8a8"}}
 
 
@@ -78,17 +84,19 @@ def _best_time(fn: Callable[[], Any], reps: int) -> float:
     return best
 
 
-def peak_matmul_gflops(n: int = 2048, reps: int = 3) -> dict[str, float]:
-    """GFLOP/s of an [n x n] @ [n x n] fp32 product (2 n^3 FLOPs): torch.mm, and tokenmill's
-    linear kernel (`engine.kernels.cpu`) where it builds."""
+def peak_matmul_gflops(n: int = 2048, reps: int = 3, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """GFLOP/s of an [n x n] @ [n x n] product (2 n^3 FLOPs) with `dtype` operands (fp32 or bf16):
+    torch.mm, and tokenmill's linear kernel of that weight dtype (`engine.kernels.cpu`; bf16 weights
+    take fp32 activations and round them in the call) where it builds."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    out = {"torch_mm": 2 * n ** 3 / _best_time(lambda: torch.mm(a, b), reps) / 1e9}
+    ad, bd = a.to(dtype), b.to(dtype)
+    out = {"torch_mm": 2 * n ** 3 / _best_time(lambda: torch.mm(ad, bd), reps) / 1e9}
     from engine.kernels import cpu
 
     if cpu.available():
-        from engine.kernels.cpu.layers import CpuLinear
+        from engine.kernels.cpu.layers import CpuBf16Linear, CpuLinear
 
-        lin, y = CpuLinear(b), torch.empty(n, n)
+        lin, y = (CpuBf16Linear if dtype == torch.bfloat16 else CpuLinear)(b), torch.empty(n, n)
         out["tokenmill"] = 2 * n ** 3 / _best_time(lambda: lin(a, out=y), reps) / 1e9
     return out
 
@@ -142,19 +150,21 @@ def linear_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2) -> 
     return out
 
 
-def torch_mm_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2) -> dict[int, float]:
+def torch_mm_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2,
+                   dtype: torch.dtype = torch.float32) -> dict[int, float]:
     """GFLOP/s of torch.mm (MKL on this CPU build) over the same layer shapes and the same M, in
     the same order, each layer a different fp32 matrix of random values (the rate does not depend
     on them): the reference for the linear layers at each M. Both layouts are timed, [in, out]
     (x @ W) and [out, in] (x @ W^T, as nn.Linear holds it), and the faster is kept: on a 2-core
-    Xeon [in, out] was 4-10% faster for M = 8-128 and [out, in] 27% faster at M = 1."""
+    Xeon [in, out] was 4-10% faster for M = 8-128 and [out, in] 27% faster at M = 1. With `dtype`
+    bf16 the operands and outputs are bf16 (oneDNN's bf16 GEMM)."""
     shapes = [(lin.in_features, lin.out_features) for _, lin in model.linear_layers()]
     gen = torch.Generator().manual_seed(0)
-    ws = [torch.randn(k, n, generator=gen) for k, n in shapes]
+    ws = [torch.randn(k, n, generator=gen).to(dtype) for k, n in shapes]
     out = {}
     for m in ms:
-        xs = {k: torch.randn(m, k, generator=gen) for k, _ in shapes}
-        ys_by_width = {n: torch.empty(m, n) for n in {n for _, n in shapes}}  # as linear_sweep's
+        xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k, _ in shapes}
+        ys_by_width = {n: torch.empty(m, n, dtype=dtype) for n in {n for _, n in shapes}}  # as linear_sweep's
         ys = [ys_by_width[n] for _, n in shapes]
 
         def run_in_out() -> None:
@@ -326,9 +336,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--batch", type=int, default=None, help="concurrent requests of the breakdown run (64)")
     p.add_argument("--matmul-size", type=int, default=None, help="cube of the peak matmul (2048; quick 1024)")
-    p.add_argument("--schemes", default="fp32,int8,gguf", help=f"MBU at batch 1 for these ({','.join(SCHEMES)})")
+    p.add_argument("--schemes", default="fp32,bf16,int8,gguf", help=f"MBU at batch 1 for these ({','.join(SCHEMES)})")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|fp16|fp32|int8")
+    p.add_argument("--dtype", default="auto", help="weights of the end-to-end and breakdown runs: auto|float32|bfloat16")
+    p.add_argument("--prefill-tokens", type=int, default=None, help="prompt of the prefill-step breakdown (4096)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -359,20 +371,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     # speculation off everywhere here: these figures are of plain steps (a verification step runs
     # more tokens per row, and the MBU runs repeat one prompt, whose output the job-wide suffix
     # proposer would learn and then draft whole)
+    from engine.host import Host
+
+    host = Host.current()
+    print(f"host: {host.describe()}", flush=True)
     llm = make_llm(args.model, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                   num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype, speculative=None)
+                   num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype, speculative=None, dtype=args.dtype)
     model = llm.model
+    wdtype = llm.dtype  # the weights' dtype ("auto" resolved): the matmul peak is measured in it
     isa = cpu.isa() if cpu.available() else "none"
     print(f"tokenmill efficiency: torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"CPU kernels {isa} ({cpu.get_num_threads() if cpu.available() else 0} threads), "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs, KV cache "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {os.cpu_count()} CPUs, weights "
+          f"{str(wdtype).removeprefix('torch.')} (dtype={args.dtype}), KV cache "
           f"{args.kv_cache_dtype} ({llm.kv_bytes_per_token} bytes per token)", flush=True)
-    report.update(torch_threads=torch.get_num_threads(), kernels_isa=isa, kv_bytes_per_token=llm.kv_bytes_per_token)
+    report.update(torch_threads=torch.get_num_threads(), kernels_isa=isa, kv_bytes_per_token=llm.kv_bytes_per_token,
+                  host=host.as_dict(), dtype=str(wdtype).removeprefix("torch."))
 
     # 1 + 2. peak and the linear layers per M
     m = measure("peak")
     n = args.matmul_size or (1024 if q else 2048)
-    cube = peak_matmul_gflops(n)
+    cube = peak_matmul_gflops(n, dtype=wdtype)
     bw = peak_copy_gbps(128 if q else 256)
     done(m)
     m = measure("linear")
@@ -381,11 +400,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     # and with best of 2 a burst of other work on this shared host moved M = 32 between 65% and 87% of
     # the peak from one run to the next (2026-12-04, a 2-core Zen 3 VM)
     sweep = linear_sweep(model, ms, reps=5)
-    mkl = torch_mm_sweep(model, ms, reps=5)
+    mkl = torch_mm_sweep(model, ms, reps=5, dtype=wdtype)
     # the cube once more after the sweep, the best of the two kept: a burst of other work during one
     # measurement (torch.mm 2048^3 read 99 GFLOP/s once, against 366 in the next run) would lower the
     # peak and flatter every percentage below
-    again = peak_matmul_gflops(n)
+    again = peak_matmul_gflops(n, dtype=wdtype)
     if any(abs(again[k] - cube[k]) > 0.2 * max(again[k], cube[k]) for k in cube):
         print(f"note: the {n}^3 product measured {', '.join(f'{k} {cube[k]:.0f} / {again[k]:.0f}' for k in cube)} "
               f"GFLOP/s before / after the sweep: the machine was busy during one of them; the best is used",
@@ -394,7 +413,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     done(m)
     peak = max([*cube.values(), *(r["gflops"] for r in sweep.values()), *mkl.values()])
     report["peak"] = {"cube": cube, "matmul_size": n, "peak_gflops": peak, "copy_gbps": bw}
-    print(f"peak: {n}^3 fp32 product torch.mm {cube['torch_mm']:.0f} GFLOP/s, tokenmill "
+    print(f"peak: {n}^3 {str(wdtype).removeprefix('torch.')} product torch.mm {cube['torch_mm']:.0f} GFLOP/s, tokenmill "
           f"{cube.get('tokenmill', float('nan')):.0f}; peak used {peak:.0f} GFLOP/s (the best of everything measured "
           f"here); copy {bw:.1f} GB/s (read + write)", flush=True)
     body, head = linear_params(model)
@@ -518,6 +537,37 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{lin_ms:.1f} ms, the non-linear share would be {100 * floor_share:.1f}%", flush=True)
         else:
             print("  (the C decoder driver did not serve these steps)", flush=True)
+
+    # 7. one prefill step of a long prompt, split as the decode step is
+    plen = args.prefill_tokens or (512 if q else 4096)
+    pllm = make_llm(args.model, max_num_seqs=1, max_num_batched_tokens=plen, enable_prefix_caching=False,
+                    num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype, speculative=None, dtype=args.dtype)
+    if plen + 2 <= pllm.max_model_len:
+        stream = [t for p in build_workload("random", tok, num_prompts=64, seed=3).prompt_token_ids for t in p]
+        long_prompt = (stream * (plen // max(len(stream), 1) + 1))[:plen]
+        pllm.generate([long_prompt[:64]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        for label, use_driver in (("Python layer loop", False), ("C decoder driver", True)):
+            if use_driver and not pllm.model.use_c_decoder:
+                continue
+            m = measure(f"prefill {plen}, {label}")
+            ptimers = StepTimers(pllm, decode_only=False, kernels=not use_driver, driver=use_driver)
+            try:
+                pllm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            finally:
+                ptimers.close()
+            busy = done(m)
+            psplit = ptimers.fractions()
+            p_ms = 1e3 * ptimers.t["step"] / max(ptimers.steps, 1)
+            report.setdefault("prefill", {})[label] = {"tokens": plen, "steps": ptimers.steps, "ms_per_step": p_ms,
+                                                       "fractions": psplit, "non_linear": 1 - psplit["linear layers"],
+                                                       "other_busy_during": busy}
+            print(f"prefill-step breakdown, one prompt of {plen} tokens ({label}, {ptimers.steps} step(s), "
+                  f"{p_ms:.0f} ms, {plen / p_ms * 1e3:.0f} prompt tok/s):")
+            for k, v in psplit.items():
+                print(f"  {k:<52} {100 * v:5.1f}%")
+            print(f"  non-linear share (everything but the linear layers)   {100 * (1 - psplit['linear layers']):5.1f}%",
+                  flush=True)
+    del pllm
 
     # 5. MBU at batch 1, per scheme
     report["mbu"] = {}

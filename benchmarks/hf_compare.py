@@ -9,8 +9,9 @@ tokens per prompt, greedy, EOS ignored, so both sides produce exactly
 - tokenmill: ``LLM(model).generate(prompt_token_ids, SamplingParams(temperature=0,
   max_tokens=N, ignore_eos=True))``: continuous batching over all prompts.
 - transformers: ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name,
-  dtype=torch.float32)`` from the same GGUF, static batches of ``--batch-size``
-  prompts in input order, left padding, ``min_new_tokens = max_new_tokens = N``.
+  dtype=...)`` from the same GGUF, in the host's best dtype (``--hf-dtype auto``: bf16 where
+  the CPU has AMX-BF16 or AVX512-BF16, as `engine.host` says, else fp32), static batches of
+  ``--batch-size`` prompts in input order, left padding, ``min_new_tokens = max_new_tokens = N``.
 
 Both sides get the same prompt token ids (tokenised once by tokenmill's
 tokenizer). Only ``generate`` is timed (a short warm-up runs first); loading is
@@ -23,7 +24,7 @@ a lot: trust a run only when those figures are near 0.
 
 Usage::
 
-    python -m benchmarks.hf_compare [--num-prompts 64] [--max-tokens 64]
+    python -m benchmarks.hf_compare [--num-prompts 64] [--max-tokens 64] [--hf-dtype auto|float32|bfloat16]
                                     [--batch-size 32] [--wait-quiet SECONDS]
                                     [--output-json PATH]
 
@@ -209,6 +210,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="tokenmill model name (the default model's GGUF "
                         "is also what transformers loads)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="transformers' dtype (auto: bf16 on hosts with a bf16 unit, else fp32)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                         help="before each measurement, wait up to this long for other processes to go quiet")
     parser.add_argument("--output-json", type=Path, default=None, help="also write the results here")
@@ -219,8 +222,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.threads)
 
     from engine import LLM
+    from engine.host import Host
     from engine.weights import default_gguf_path
 
+    host = Host.current()
+    hf_dtype = getattr(torch, host.auto_dtype() if args.hf_dtype == "auto" else args.hf_dtype)
+    print(f"host: {host.describe()}", flush=True)
     print(f"tokenmill vs transformers: {args.num_prompts} prompts x {args.max_tokens} new tokens, greedy, "
           f"ignore_eos; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", flush=True)
@@ -240,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     gguf = Path(default_gguf_path())
     t0 = time.perf_counter()
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=hf_dtype)
     hf_model.eval()
     hf_load_s = time.perf_counter() - t0
     pad_id = hf_model.generation_config.pad_token_id
@@ -268,8 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     agree = _agreement(results["tokenmill"]["token_ids"], results["transformers"]["token_ids"])
     ratio = results["tokenmill"]["output_tok_s"] / results["transformers"]["output_tok_s"]
 
-    names = {"tokenmill": "tokenmill LLM.generate",
-             "transformers": f"transformers generate (batch {args.batch_size})"}
+    names = {"tokenmill": f"tokenmill LLM.generate ({str(llm.dtype).removeprefix('torch.')})",
+             "transformers": f"transformers generate ({str(hf_dtype).removeprefix('torch.')}, batch {args.batch_size})"}
     print()
     def cores(x: Optional[float]) -> str:
         return "n/a" if x is None else f"{x:.2f}"
@@ -294,7 +301,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         report = {
             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
             "model": args.model, "gguf": str(gguf), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "host": host.as_dict(),
+            "hf_dtype": str(hf_dtype).removeprefix("torch."), "tokenmill_dtype": str(llm.dtype).removeprefix("torch."),
             "prompt_tokens": sum(lens), "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens),
             "machine_load_start": load_start, "ratio_output_tok_s": ratio, "agreement": agree,
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in results.items()},

@@ -13,7 +13,9 @@ bytes (held, and read per decode step); KV bytes per token and capacity;
 decode tokens/s at batch 1 and 64. The machine's load average is printed
 next to every timing (2 shared cores: timings under load are not comparable).
 
-    python -m benchmarks.quality [--tokens 20000] [--schemes fp32,int8,int4-g32,gguf,kv-int8] [--kernels]
+    python -m benchmarks.quality [--tokens 20000] [--schemes fp32,bf16,int8,int4-g32,gguf,kv-int8] [--kernels]
+
+The host (`engine.host`) is printed first: figures are read beside the CPU they ran on.
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ import torch  # noqa: E402
 LICENSES = ["GPL-3", "GPL-2", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-2.1"]
 LICENSE_DIR = Path("/usr/share/common-licenses")
 SCHEMES = {
-    "fp32": dict(kv_cache_dtype="fp32"),  # the reference: fp32 weights and KV cache
-    "kv-fp16": dict(kv_cache_dtype="fp16"),  # the default on the CPU ("auto" under fp32 weights)
+    "fp32": dict(dtype="float32", kv_cache_dtype="fp32"),  # the reference: fp32 weights and KV cache
+    "kv-fp16": dict(dtype="float32", kv_cache_dtype="fp16"),  # fp32 weights, the default fp16 cache
+    "bf16": dict(dtype="bfloat16"),  # bf16 weights (fp32 activations), the default fp16 cache
+    "default": dict(),  # dtype="auto": bf16 on hosts with AMX-BF16 or AVX512-BF16, else fp32
     "int8": dict(quantization="int8"),
     "int4-g32": dict(quantization="int4", quant_group_size=32),
     "gguf": dict(quantization="gguf"),
@@ -126,9 +130,12 @@ def main() -> None:
     from engine import LLM
     from engine.quant import decode_weight_bytes, model_weight_bytes
 
+    from engine.host import describe
+
+    print(f"host: {describe()}")
     if args.kernels:
         kernels()
-    base = LLM("smollm2-135m-instruct")
+    base = LLM("smollm2-135m-instruct", dtype="float32")
     ids = base.tokenizer.encode(corpus_text())
     if len(ids) < args.tokens:
         raise SystemExit(f"corpus has {len(ids)} tokens < {args.tokens}")
