@@ -49,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-WEIGHTS = ("q4_1", "f16", "f32")
+WEIGHTS = ("q4_1", "f16", "f32", "bf16", "q8_0", "q4_0")  # q4_1: the bundled file; the others: gguf_f16 copies
 DEFAULT_PARALLEL = (1, 8, 32, 64)
 _CTX_ALIGN = 256  # llama.cpp rounds context sizes up to this
 
@@ -59,7 +59,8 @@ class LlamaCppConfig:
     """One llama.cpp peer configuration.
 
     Attributes:
-        weights: "q4_1" (the bundled GGUF), "f16" or "f32" (`benchmarks.gguf_f16`'s copies of it).
+        weights: "q4_1" (the bundled GGUF), or one of `benchmarks.gguf_f16`'s copies of it: "f16",
+            "f32", "bf16", "q8_0", "q4_0".
         parallel: sequences decoded together (1 = one request at a time).
         n_batch: most tokens per ``llama_decode`` call (decode tokens + prompt tokens).
         n_ubatch: most tokens llama.cpp computes in one graph (it splits a batch into these).
@@ -101,7 +102,7 @@ def all_configs(weights: Sequence[str] = WEIGHTS, parallel: Sequence[int] = DEFA
 
 
 def parse_config_name(name: str, **kwargs: Any) -> LlamaCppConfig:
-    """``llamacpp-<q4_1|f16|f32>-<serial|pN>`` -> its `LlamaCppConfig`.
+    """``llamacpp-<weights>-<serial|pN>`` (weights: one of `WEIGHTS`) -> its `LlamaCppConfig`.
 
     Raises:
         ValueError: a name of another shape.
@@ -144,6 +145,26 @@ def available(omp_wait_policy: Optional[str] = None) -> Optional[str]:
             else:
                 os.environ["OMP_WAIT_POLICY"] = saved
     return None
+
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the `bench` extra's pin
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build_command(amx: bool, python: Optional[str] = None) -> str:
+    """The shell command that builds llama-cpp-python from source into `python`'s environment
+    (default: this interpreter's; 5-14 minutes on 2 cores).
+
+    On an AMX host (`amx` True) its native build segfaults on every quantized type at the
+    first decode (seen on the AMX Xeon), so the command turns AMX code generation off;
+    elsewhere it builds natively.
+    """
+    import sys
+
+    cmd = f"{python or sys.executable} -m pip install '{LLAMA_CPP_PYTHON}'"
+    if amx:
+        return f"CMAKE_ARGS=\"-DCMAKE_C_FLAGS='{_NO_AMX}' -DCMAKE_CXX_FLAGS='{_NO_AMX}'\" {cmd}"
+    return cmd
 
 
 _LOG_CALLBACK = None  # kept alive: llama.cpp holds the pointer

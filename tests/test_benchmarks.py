@@ -142,11 +142,14 @@ def test_parse_engines_expands_llamacpp_to_every_configuration():
     assert (cfg.weights, cfg.parallel, cfg.n_batch, cfg.name) == ("q4_1", 8, 256, "llamacpp-q4_1-p8")
     assert parse_config_name("llamacpp-f16-serial").parallel == 1
     assert parse_config_name("llamacpp-f32-p64").weights == "f32"
-    for bad in ("vllm", "llamacpp-bf16-p8", "llamacpp-f16-p0", "llamacpp-f16", ""):
+    for weights in ("bf16", "q8_0", "q4_0"):
+        assert parse_config_name(f"llamacpp-{weights}-p32").weights == weights
+    assert parse_engines("llamacpp-bf16-p32,llamacpp-q4_0-serial") == ["llamacpp-bf16-p32", "llamacpp-q4_0-serial"]
+    for bad in ("vllm-gpu", "llamacpp-q5_k-p8", "llamacpp-f16-p0", "llamacpp-f16", "hf-fp16", "tokenmill-fp8", ""):
         with pytest.raises(ValueError):
             parse_engines(bad)
     with pytest.raises(ValueError):
-        parse_engines("llamacpp", ["q8_0"], [8])
+        parse_engines("llamacpp", ["q5_k"], [8])
 
 
 def _fake(out_tok_s: float, total_tok_s: float) -> dict:
@@ -314,7 +317,37 @@ def test_f32_conversion_holds_the_dequantized_values_exactly(tmp_path):
         np.testing.assert_array_equal(gguf.quants.dequantize(tb.data, tb.tensor_type),
                                       gguf.quants.dequantize(ta.data, ta.tensor_type))
     with pytest.raises(ValueError, match="kind must be one of"):
-        convert_to_f16(src, tmp_path / "x.gguf", "BF16")
+        convert_to_f16(src, tmp_path / "x.gguf", "Q5_K")
+
+
+@pytest.mark.parametrize("kind,file_type,max_err", [("BF16", 32, 2 ** -8), ("Q8_0", 7, 1 / 127), ("Q4_0", 2, 1 / 7)])
+def test_bf16_q8_0_q4_0_copies_are_the_source_values_requantized_once(tmp_path, kind, file_type, max_err):
+    """Each matrix of a BF16 / Q8_0 / Q4_0 copy is gguf's own quantization of the source's dequantized
+    values (so its error is that type's rounding, relative to a 32-value block's largest magnitude);
+    norm weights stay F32 bit for bit; the file type says the kind."""
+    import gguf
+
+    from benchmarks.gguf_f16 import convert_to_f16
+
+    src, dst = tmp_path / "tiny.gguf", tmp_path / f"tiny.{kind}.gguf"
+    _tiny_gguf(src, np.random.default_rng(0))
+    convert_to_f16(src, dst, kind)
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    assert b.fields["general.file_type"].contents() == file_type
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    qtype = gguf.GGMLQuantizationType[kind]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert list(ta.shape) == list(tb.shape)
+        ref = gguf.quants.dequantize(ta.data, ta.tensor_type)
+        got = gguf.quants.dequantize(tb.data, tb.tensor_type)
+        if len(ta.shape) == 1:
+            assert tb.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(got, ref)
+            continue
+        assert tb.tensor_type == qtype
+        np.testing.assert_array_equal(got, gguf.quants.dequantize(gguf.quants.quantize(ref, qtype), qtype))
+        blocks = np.abs(ref.reshape(-1, 32)).max(axis=1, keepdims=True)
+        assert (np.abs(got - ref).reshape(-1, 32) <= max_err * blocks + 1e-6).all()
 
 
 def test_staged_default_model_is_found_without_the_wheel_and_holds_every_field_but_no_tensor(tmp_path):
