@@ -30,8 +30,12 @@ generates exactly the same number of tokens per request (EOS ignored):
   refill and greedy sampling in C (``llamacpp-f16-p32``, ...), and BF16, Q8_0 and
   Q4_0 copies (``llamacpp-bf16-p32``, ...). ``llamacpp``
   alone means every (``--llamacpp-weights``) x (``--llamacpp-parallel``) pair;
-  a row name picks one. Skipped with a message when llama-cpp-python is not
-  installed (the message gives the command that builds it for this host).
+  a row name picks one. The rows run in a child process: with this interpreter
+  when llama_cpp imports in it, else with a venv of its own that the benchmark
+  builds from source and caches (``<tokenmill cache>/peers/llama-cpp-python-0.3.36``,
+  ``--llamacpp-venv``; natively, or without AMX on an AMX host; the table names the
+  build). Skipped with the reason (and the build command) when that venv is missing
+  and ``--llamacpp-no-build`` is given, or when building fails.
 
 Only generation is timed (after a short warm-up); model loading is reported
 apart. Before and during each measurement the machine load is recorded (the
@@ -43,7 +47,7 @@ Usage::
 
     python -m benchmarks.throughput --workload labelling|synthetic|random|in99-out64|in45-out256|all
         [--engines tokenmill,hf,hf-bf16,vllm,llamacpp | tokenmill,tokenmill-bf16,llamacpp-f16-p32,...]
-        [--num-prompts N] [--quick] [--vllm-venv DIR] [--vllm-no-build]
+        [--num-prompts N] [--quick] [--vllm-venv DIR] [--vllm-no-build] [--llamacpp-venv DIR] [--llamacpp-no-build]
         [--seed 0] [--max-num-seqs 128] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
         [--quantization int8|int4|gguf] [--kv-cache-dtype auto|fp16|fp32|int8]
         [--llamacpp-weights q4_1,f16,f32,bf16,q8_0,q4_0] [--llamacpp-parallel 1,8,32] [--llamacpp-n-batch 2048]
@@ -240,10 +244,16 @@ def run_hf(model: Any, wl: Workload, batch_size: int = 32, warmup: bool = True) 
 LLAMACPP_OMP_WAIT_POLICY: Optional[str] = None  # llama.cpp's OpenMP wait policy (None: its own default)
 
 
-def llamacpp_available() -> Optional[str]:
-    """None if llama-cpp-python imports, else the reason it does not (imported with llama.cpp's own
-    OpenMP wait policy, `LLAMACPP_OMP_WAIT_POLICY`; see `llamacpp_peer.available`)."""
-    return llamacpp_peer.available(LLAMACPP_OMP_WAIT_POLICY)
+def prepare_llamacpp(venv: Optional[Path] = None, build: bool = True, log: Any = print) -> dict[str, Any]:
+    """The interpreter the llama.cpp rows run with (`llamacpp_peer.peer_python`): this one when
+    llama_cpp imports here (checked with llama.cpp's own OpenMP wait policy,
+    `LLAMACPP_OMP_WAIT_POLICY`), else the llama.cpp venv's (`venv`, default
+    `llamacpp_peer.default_venv_dir()`), built first when missing if `build`.
+
+    Raises:
+        llamacpp_peer.PeerUnavailable: neither is usable (the reasons and the build command).
+    """
+    return llamacpp_peer.peer_python(venv, build=build, omp_wait_policy=LLAMACPP_OMP_WAIT_POLICY, log=log)
 
 
 def llamacpp_gguf(weights: str, log: Any = print) -> Path:
@@ -256,13 +266,16 @@ def llamacpp_gguf(weights: str, log: Any = print) -> Path:
     return src if weights == "q4_1" else f16_gguf_path(src, log=log, kind=weights.upper())
 
 
-def run_llamacpp(path: str, wl: Workload, cfg: "llamacpp_peer.LlamaCppConfig", threads: int) -> dict[str, Any]:
-    """One llama.cpp configuration on the workload, in a process of its own with llama.cpp's own
-    OpenMP wait policy (`llamacpp_peer.generate_in_child`; EOS ignored)."""
+def run_llamacpp(path: str, wl: Workload, cfg: "llamacpp_peer.LlamaCppConfig", threads: int,
+                 python: Optional[str] = None) -> dict[str, Any]:
+    """One llama.cpp configuration on the workload, in a process of its own (`python`: its interpreter,
+    default this one) with llama.cpp's own OpenMP wait policy (`llamacpp_peer.generate_in_child`;
+    EOS ignored)."""
     seeds = [wl.request_seed(i) for i in range(wl.num_requests)] if wl.temperature > 0 else None
     return llamacpp_peer.generate_in_child(path, wl.prompt_token_ids, wl.output_lens, cfg, threads,
-                                           omp_wait_policy=LLAMACPP_OMP_WAIT_POLICY, temperature=wl.temperature,
-                                           seeds=seeds, shared_prefix_tokens=wl.shared_prefix_tokens)
+                                           omp_wait_policy=LLAMACPP_OMP_WAIT_POLICY, python=python,
+                                           temperature=wl.temperature, seeds=seeds,
+                                           shared_prefix_tokens=wl.shared_prefix_tokens)
 
 
 # ----------------------------------------------------------------- vLLM
@@ -418,6 +431,10 @@ def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
                          f"{100 * r['sample_s'] / wall:.0f}%, Python/batch building {100 * r['other_s'] / wall:.0f}%; "
                          f"decode-only steps {r['decode_only_tok_s']:.1f} tok/s; shared prefix computed once: "
                          f"{r['prefix_tokens_shared']} tokens")
+    lc = next((r for eng, r in results.items() if eng.startswith("llamacpp") and "build" in r), None)
+    if lc is not None:
+        lines.append(f"llama.cpp: llama-cpp-python {lc.get('versions', {}).get('llama_cpp_python', '?')}, "
+                     f"{lc['build']}; python {lc.get('python', '?')}")
     vr = results.get("vllm")
     if vr and "load_s" in vr:
         lines.append(f"vllm {vr['versions'].get('vllm', '?')} (torch {vr['versions'].get('torch', '?')}), "
@@ -476,7 +493,8 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                   hf_batch_size: int = 32, wait_quiet_s: float = 0.0, model: str = DEFAULT_MODEL,
                   log: Any = print, llamacpp_options: Optional[dict[str, Any]] = None,
                   vllm_venv: Optional[Path] = None, vllm_build: bool = True,
-                  vllm_options: Optional[dict[str, Any]] = None, vllm_timeout_s: float = 3600.0) -> dict[str, Any]:
+                  vllm_options: Optional[dict[str, Any]] = None, vllm_timeout_s: float = 3600.0,
+                  llamacpp_venv: Optional[Path] = None, llamacpp_build: bool = True) -> dict[str, Any]:
     """Run every engine row on every workload; returns {"workloads": {name: {...}}, "skipped": {...},
     "failed": {workload: {row: why}} (a llama.cpp or vLLM row whose child process failed; the others
     still run), ...}.
@@ -489,6 +507,9 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
             if `vllm_build`, else the row is skipped.
         vllm_options: `vllm_peer.VllmJob` fields besides the workload's (dtype, max_num_seqs, ...).
         vllm_timeout_s: a vLLM child still running after this many seconds is killed (the row fails).
+        llamacpp_venv: the llama.cpp venv (default `llamacpp_peer.default_venv_dir()`), used when
+            llama_cpp does not import in this interpreter; built when missing if `llamacpp_build`,
+            else the llama.cpp rows are skipped.
     Each engine result has wall_s, output_tokens, requests, the four rates, the
     machine load before (`machine_load`) and the cores other processes kept
     busy during (`other_busy_during`). Each workload entry also has
@@ -516,14 +537,20 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
         except vllm_peer.PeerUnavailable as e:
             skipped["vllm"] = f"vLLM is not available: {e}"
             log(f"skipping vllm: {e}")
+    llamacpp_info: dict[str, Any] = {}
     if configs:
-        why = llamacpp_available()
-        if why is not None:
-            build = llamacpp_peer.build_command(amx="amx_bf16" in read_host()["flags"])
+        t0 = time.perf_counter()
+        try:
+            llamacpp_info = prepare_llamacpp(llamacpp_venv, llamacpp_build, log=log)
+        except llamacpp_peer.PeerUnavailable as e:
             for n in configs:
-                skipped[n] = f"llama-cpp-python is not installed ({why}); to compare, build it: {build}"
-            log(f"skipping {', '.join(configs)}: llama-cpp-python is not installed ({why})")
+                skipped[n] = f"llama-cpp-python is not available: {e}"
+            log(f"skipping {', '.join(configs)}: llama-cpp-python is not available: {e}")
         else:
+            llamacpp_info = {k: v for k, v in llamacpp_info.items() if k != "marker"} | {
+                "install_s": llamacpp_info["marker"].get("install_s"), "setup_s": time.perf_counter() - t0}
+            log(f"llama.cpp rows run with {llamacpp_info['python']} ({llamacpp_info['source']}; "
+                f"{llamacpp_info['build']})")
             for w in dict.fromkeys(c.weights for c in configs.values()):
                 t0 = time.perf_counter()
                 path = llamacpp_gguf(w, log=log)
@@ -533,7 +560,7 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
     failed: dict[str, dict[str, str]] = {}  # workload -> engine row -> why (a llama.cpp or vLLM child that failed)
     report: dict[str, Any] = {"workloads": {}, "skipped": skipped, "failed": failed, "model_load_s": load_s,
                               "llamacpp_configs": {n: c.describe() for n, c in configs.items()},
-                              "llamacpp_threads": threads, "vllm": vllm_info}
+                              "llamacpp_threads": threads, "llamacpp": llamacpp_info, "vllm": vllm_info}
     try:
         for wl in workloads:
             results: dict[str, dict[str, Any]] = {}
@@ -559,7 +586,9 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                             load_s.setdefault("vllm", r["load_s"])
                         else:
                             cfg = configs[eng]
-                            r = run_llamacpp(peers[f"llamacpp-{cfg.weights}"], wl, cfg, threads)
+                            r = run_llamacpp(peers[f"llamacpp-{cfg.weights}"], wl, cfg, threads,
+                                             llamacpp_info["python"])
+                            r["build"] = llamacpp_info["build"]
                     except RuntimeError as e:  # a peer that crashes is reported, the other rows still run
                         meter.stop()
                         failed.setdefault(wl.name, {})[eng] = str(e).strip()
@@ -618,6 +647,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="the vLLM venv (default: <tokenmill cache>/peers/vllm-cpu-%s; built when missing)"
                         % vllm_peer.VLLM_VERSION)
     p.add_argument("--vllm-no-build", action="store_true", help="skip the vllm row instead of building its venv")
+    p.add_argument("--llamacpp-venv", type=Path, default=None,
+                   help="the llama.cpp venv, used when llama_cpp does not import here (default: <tokenmill cache>/"
+                        "peers/llama-cpp-python-%s; built from source when missing, 5-14 minutes)"
+                        % llamacpp_peer.LLAMACPP_VERSION)
+    p.add_argument("--llamacpp-no-build", action="store_true",
+                   help="skip the llama.cpp rows instead of building their venv")
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (bfloat16 | float32)")
     p.add_argument("--vllm-max-num-seqs", type=int, default=None, help="vLLM's max_num_seqs (default: its own)")
     p.add_argument("--vllm-max-num-batched-tokens", type=int, default=None,
@@ -690,7 +725,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                vllm_venv=args.vllm_venv, vllm_build=not args.vllm_no_build,
                                vllm_options={"dtype": args.vllm_dtype, "max_num_seqs": args.vllm_max_num_seqs,
                                              "max_num_batched_tokens": args.vllm_max_num_batched_tokens},
-                               vllm_timeout_s=args.vllm_timeout)
+                               vllm_timeout_s=args.vllm_timeout, llamacpp_venv=args.llamacpp_venv,
+                               llamacpp_build=not args.llamacpp_no_build)
     finally:
         for b in busy:
             b.kill()

@@ -206,26 +206,145 @@ def test_greedy_agreement_counts_common_prefixes():
     assert a["mean_common_prefix"] == pytest.approx((4 + 2 + 0) / 3)
 
 
-def test_missing_llamacpp_skips_its_rows_with_the_reason(tok, monkeypatch):
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def test_llamacpp_venv_build_command_is_native_or_without_amx():
+    from pathlib import Path
+
+    from benchmarks.llamacpp_peer import build_command, build_env, build_kind, build_steps, host_has_amx
+
+    venv = Path("/c/peers/llama-cpp-python-0.3.36")
+    assert build_command(False, venv) == ("python3.11 -m venv /c/peers/llama-cpp-python-0.3.36 && "
+                                          "/c/peers/llama-cpp-python-0.3.36/bin/pip install llama-cpp-python==0.3.36 numpy")
+    assert build_command(True, venv) == ("python3.11 -m venv /c/peers/llama-cpp-python-0.3.36 && "
+                                         f"CMAKE_ARGS=\"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'\" "
+                                         "/c/peers/llama-cpp-python-0.3.36/bin/pip install llama-cpp-python==0.3.36 numpy")
+    assert build_env(False) == {} and build_env(True) == {"CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{NO_AMX}' "
+                                                                         f"-DCMAKE_CXX_FLAGS='{NO_AMX}'"}
+    assert build_steps(venv, "py") == [["py", "-m", "venv", str(venv)],
+                                       [f"{venv}/bin/pip", "install", "llama-cpp-python==0.3.36", "numpy"]]
+    assert "native" in build_kind(False) and "without AMX" in build_kind(True)
+    assert not host_has_amx(["avx512f", "avx512_bf16", "avx512_vnni"])  # AMD EPYC Zen 4: native build
+    assert host_has_amx(["avx512f", "amx_tile"]) and host_has_amx(["amx_int8"]) and host_has_amx(["amx_bf16"])
+
+
+def test_llamacpp_venv_readiness_and_build_failures_give_the_reason(tmp_path):
+    import json
+
+    from benchmarks.llamacpp_peer import (READY_MARKER, PeerUnavailable, build_venv, ensure_venv, read_marker,
+                                          venv_missing)
+
+    venv = tmp_path / "venv"
+    assert venv_missing(venv) == f"no llama.cpp venv at {venv}"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    assert "never completed" in venv_missing(venv) and read_marker(venv) == {}
+    (venv / READY_MARKER).write_text(json.dumps({"llama_cpp_python": "0.3.2"}))
+    assert venv_missing(venv) == f"{venv} holds llama-cpp-python '0.3.2', not 0.3.36"
+    (venv / READY_MARKER).write_text(json.dumps({"llama_cpp_python": "0.3.36", "build": "built from source, native"}))
+    assert venv_missing(venv) is None and ensure_venv(venv, build=False) == venv / "bin" / "python"
+    with pytest.raises(PeerUnavailable, match=r"no llama.cpp venv at .*; build it with: python3.11 -m venv "):
+        ensure_venv(tmp_path / "absent", build=False)
+    with pytest.raises(PeerUnavailable, match=r"/nonexistent/python3.11 -m venv: .*No such file"):
+        build_venv(tmp_path / "new", amx=False, python="/nonexistent/python3.11", log=lambda s: None)
+
+
+def test_llamacpp_child_uses_this_interpreter_when_llama_cpp_imports_here_else_the_venvs(tmp_path, monkeypatch):
+    import json
     import sys
 
+    from benchmarks import llamacpp_peer as P
+
+    monkeypatch.setattr(P, "available", lambda policy=None: None)  # importable here: as before
+    here = P.peer_python(tmp_path / "absent", build=False)
+    assert here["python"] == sys.executable and here["source"] == "this interpreter" and here["venv"] is None
+    monkeypatch.setattr(P, "available", lambda policy=None: "ModuleNotFoundError: No module named 'llama_cpp'")
+    with pytest.raises(P.PeerUnavailable, match=r"llama_cpp does not import here \(ModuleNotFoundError.*"
+                                                r"no llama.cpp venv at .*build it with: "):
+        P.peer_python(tmp_path / "absent", build=False)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / P.READY_MARKER).write_text(json.dumps({"llama_cpp_python": "0.3.36", "build": "built from source, native",
+                                                   "install_s": 600.0}))
+    got = P.peer_python(venv, build=False)
+    assert got["python"] == str(venv / "bin" / "python") and got["source"] == "venv"
+    assert got["build"] == "built from source, native" and got["marker"]["install_s"] == 600.0
+    assert P.child_command(got["python"]) == [str(venv / "bin" / "python"), "-m", "benchmarks.llamacpp_peer"]
+    assert P.child_command() == [sys.executable, "-m", "benchmarks.llamacpp_peer"]
+
+
+def test_llamacpp_child_environment_and_command_line(monkeypatch):
+    import pickle
+    import subprocess
+    import sys
+
+    from benchmarks import llamacpp_peer as P
+
+    base = {"PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = P.child_env(None, "/venv/bin/python", base)  # the venv's python: no project Python settings
+    assert env == {"PATH": "/bin"}
+    env = P.child_env("ACTIVE", None, base)  # this interpreter: they stay
+    assert env == {"PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v", "OMP_WAIT_POLICY": "ACTIVE"}
+    assert P.child_env(None, sys.executable, base)["PYTHONPATH"] == "/p"
+    calls = []
+
+    def fake_run(cmd, input, capture_output, env, cwd):
+        calls.append((cmd, env, cwd, pickle.loads(input)))
+        return subprocess.CompletedProcess(cmd, 0, pickle.dumps(("ok", {"wall_s": 1.0})), b"")
+
+    monkeypatch.setattr(P.subprocess, "run", fake_run)
+    cfg = P.LlamaCppConfig("q8_0", 32)
+    assert P.generate_in_child("/m.gguf", [[1, 2]], [3], cfg, 2, python="/venv/bin/python") == {"wall_s": 1.0}
+    cmd, env, cwd, (path, args, kwargs) = calls[0]
+    assert cmd == ["/venv/bin/python", "-m", "benchmarks.llamacpp_peer"] and cwd == str(P.REPO)
+    assert (path, args, kwargs) == ("/m.gguf", ([[1, 2]], [3], cfg, 2), {})
+    assert "OMP_WAIT_POLICY" not in env and "PYTHONPATH" not in env
+
+
+def test_llamacpp_child_side_imports_only_the_standard_library_llama_cpp_and_numpy():
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks import llamacpp_peer as P
+
+    tree = ast.parse(Path(P.__file__).read_text())
+    parent_only = {"default_venv_dir"}  # the venv's folder: the parent's cache base (engine.disk_cache)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found |= {n.split(".")[0] for n in names}
+    allowed = set(sys.stdlib_module_names) | {"llama_cpp", "numpy", "__future__"}
+    assert found - allowed == {"engine"}
+    owners = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+              for n in ast.walk(f) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("engine")}
+    assert owners == parent_only
+    code = ("import sys, benchmarks.llamacpp_peer; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', 'numpy', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(P.REPO), check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_llamacpp_venv_skips_its_rows_with_the_reason(tok, tmp_path, monkeypatch):
     from benchmarks import throughput as T
-    from benchmarks.llamacpp_peer import build_command
 
-    assert build_command(False, "py") == "py -m pip install 'llama-cpp-python==0.3.36'"
-    assert build_command(True, "py") == ("CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
-                                         "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" "
-                                         "py -m pip install 'llama-cpp-python==0.3.36'")
-    monkeypatch.setattr(T, "read_host", lambda: {"cpu": "x", "flags": ["avx2"], "cpus": 2})
-
-    monkeypatch.setattr(T, "llamacpp_available", lambda: "ImportError: no module named llama_cpp")
+    monkeypatch.setattr(T.llamacpp_peer, "available", lambda policy=None: "ModuleNotFoundError: no llama_cpp")
+    monkeypatch.setattr(T.llamacpp_peer, "host_has_amx", lambda flags=None: False)
     wl = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=2)
     logs: list[str] = []
-    report = T.run_benchmark([wl], ["llamacpp-f16-p32", "llamacpp-q4_1-serial"], {}, log=logs.append)
+    report = T.run_benchmark([wl], ["llamacpp-f16-p32", "llamacpp-q4_1-serial"], {}, log=logs.append,
+                             llamacpp_venv=tmp_path / "none", llamacpp_build=False)
     assert set(report["skipped"]) == {"llamacpp-f16-p32", "llamacpp-q4_1-serial"}
-    assert all("ImportError: no module named llama_cpp" in why for why in report["skipped"].values())
-    assert all(f"build it: {sys.executable} -m pip install 'llama-cpp-python==0.3.36'" in why
-               for why in report["skipped"].values())
+    for why in report["skipped"].values():
+        assert why.startswith("llama-cpp-python is not available: llama_cpp does not import here "
+                              "(ModuleNotFoundError: no llama_cpp)")
+        assert f"no llama.cpp venv at {tmp_path / 'none'}" in why
+        assert why.endswith(f"build it with: python3.11 -m venv {tmp_path / 'none'} && "
+                            f"{tmp_path / 'none'}/bin/pip install llama-cpp-python==0.3.36 numpy")
     entry = report["workloads"]["in45-out256"]
     assert entry["results"] == {} and entry["best_peer"] is None
     assert any("skipping" in line for line in logs)
@@ -234,25 +353,32 @@ def test_missing_llamacpp_skips_its_rows_with_the_reason(tok, monkeypatch):
 def test_a_crashed_llamacpp_row_is_reported_and_the_others_still_run(tok, monkeypatch, tmp_path):
     from benchmarks import throughput as T
 
-    monkeypatch.setattr(T, "llamacpp_available", lambda: None)
+    info = {"python": "/venv/bin/python", "source": "venv", "venv": "/venv", "marker": {"install_s": 600.0},
+            "build": "built from source, native"}
+    monkeypatch.setattr(T, "prepare_llamacpp", lambda venv, build, log=None: dict(info))
     monkeypatch.setattr(T, "llamacpp_gguf", lambda w, log=None: tmp_path / f"{w}.gguf")
     ran = []
 
-    def fake(path, wl, cfg, threads):
-        ran.append(cfg.weights)
+    def fake(path, wl, cfg, threads, python=None):
+        ran.append((cfg.weights, python))
         if cfg.weights == "q4_1":
             raise RuntimeError("the llama.cpp child process failed (exit code -11): ")
-        return {"wall_s": 1.0, "output_tokens": wl.num_output_tokens, "requests": wl.num_requests}
+        return {"wall_s": 1.0, "output_tokens": wl.num_output_tokens, "requests": wl.num_requests,
+                "versions": {"llama_cpp_python": "0.3.36"}, "python": python}
 
     monkeypatch.setattr(T, "run_llamacpp", fake)
     wl = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=2)
     logs: list[str] = []
     report = T.run_benchmark([wl], ["llamacpp-q4_1-p32", "llamacpp-f16-p32"], {}, log=logs.append)
-    assert ran == ["q4_1", "f16"]  # the crash did not stop the next row
+    assert ran == [("q4_1", "/venv/bin/python"), ("f16", "/venv/bin/python")]  # the crash did not stop the next row
     assert list(report["failed"]["in45-out256"]) == ["llamacpp-q4_1-p32"]
     assert "exit code -11" in report["failed"]["in45-out256"]["llamacpp-q4_1-p32"]
-    assert list(report["workloads"]["in45-out256"]["results"]) == ["llamacpp-f16-p32"]
+    results = report["workloads"]["in45-out256"]["results"]
+    assert list(results) == ["llamacpp-f16-p32"] and results["llamacpp-f16-p32"]["build"] == info["build"]
+    assert report["llamacpp"]["python"] == "/venv/bin/python" and report["llamacpp"]["install_s"] == 600.0
     assert any("failed" in line for line in logs)
+    table = T.format_table("in45-out256", wl, results)
+    assert "llama.cpp: llama-cpp-python 0.3.36, built from source, native; python /venv/bin/python" in table
 
 
 def test_parse_engines_knows_the_vllm_hf_bf16_and_dtype_rows():
