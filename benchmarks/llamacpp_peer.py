@@ -171,7 +171,8 @@ _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 class PeerUnavailable(RuntimeError):
-    """llama-cpp-python cannot be used here (not importable, its venv missing or not buildable); the message says why."""
+    """llama-cpp-python cannot be used here (not importable, its venv missing or not buildable); the message
+    says why."""
 
 
 def host_has_amx(flags: Optional[Sequence[str]] = None) -> bool:

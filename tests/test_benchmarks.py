@@ -215,11 +215,10 @@ def test_llamacpp_venv_build_command_is_native_or_without_amx():
     from benchmarks.llamacpp_peer import build_command, build_env, build_kind, build_steps, host_has_amx
 
     venv = Path("/c/peers/llama-cpp-python-0.3.36")
-    assert build_command(False, venv) == ("python3.11 -m venv /c/peers/llama-cpp-python-0.3.36 && "
-                                          "/c/peers/llama-cpp-python-0.3.36/bin/pip install llama-cpp-python==0.3.36 numpy")
-    assert build_command(True, venv) == ("python3.11 -m venv /c/peers/llama-cpp-python-0.3.36 && "
-                                         f"CMAKE_ARGS=\"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'\" "
-                                         "/c/peers/llama-cpp-python-0.3.36/bin/pip install llama-cpp-python==0.3.36 numpy")
+    pip = f"{venv}/bin/pip install llama-cpp-python==0.3.36 numpy"
+    assert build_command(False, venv) == f"python3.11 -m venv {venv} && {pip}"
+    assert build_command(True, venv) == (f"python3.11 -m venv {venv} && "
+                                         f"CMAKE_ARGS=\"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'\" {pip}")
     assert build_env(False) == {} and build_env(True) == {"CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{NO_AMX}' "
                                                                          f"-DCMAKE_CXX_FLAGS='{NO_AMX}'"}
     assert build_steps(venv, "py") == [["py", "-m", "venv", str(venv)],
