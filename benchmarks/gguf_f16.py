@@ -1,35 +1,42 @@
-"""An F16 (or F32) copy of a GGUF file, for peers that run best on float weights (llama.cpp's F16
-and F32 paths).
+"""Float and re-quantized copies of a GGUF file, for peers that run best on other weight types
+(llama.cpp's F16, F32, BF16, Q8_0 and Q4_0 paths).
 
 The bundled SmolLM2 file is Q4_1 (token embedding Q8_0). llama.cpp multiplies
-Q4_1 weights with 8-bit-quantized activations; on a CPU with fast fp16/fp32
-matmuls its F16 path is faster at batch sizes above a few. To measure the
-peer in its best configuration the benchmark writes an F16 file from the same
-weights with the `gguf` library (and an F32 one: on a CPU whose F16 dot products
-convert every weight first, F32 may be the faster of the two):
+Q4_1 weights with 8-bit-quantized activations; on a CPU with fast fp16/fp32/bf16
+matmuls its float paths are faster at batch sizes above a few, and Q8_0 / Q4_0 have
+the most tuned dot products. To measure the peer in its best configuration the
+benchmark writes copies of the same weights with the `gguf` library, one per `kind`:
+
+- ``F16`` / ``F32``: every matrix dequantized and stored as fp16 / fp32;
+- ``BF16``: stored as bf16 (``gguf.quants.quantize``: round to nearest even);
+- ``Q8_0`` / ``Q4_0``: dequantized, then re-quantized with ``gguf.quants.quantize``
+  (blocks of 32 along a row). Q4_0 of dequantized Q4_1 values adds a second rounding
+  (Q4_0 has no per-block minimum), so its greedy tokens may drift from the source's.
+
+In every kind:
 
 - every metadata field is copied in order, except ``general.file_type``, which
-  becomes 1 (``MOSTLY_F16``) or 0 (``ALL_F32``), and the fields the writer itself owns
+  becomes the kind's llama_ftype (`FILE_TYPES`), and the fields the writer itself owns
   (``general.architecture``, ``GGUF.*``; ``general.alignment`` is kept as the
   writer's alignment);
-- every tensor is expanded with ``gguf.quants.dequantize`` and stored as F16,
-  (or F32) except 1-D tensors (the RMSNorm weights), which stay F32 as
-  llama.cpp's own converter keeps them;
+- 1-D tensors (the RMSNorm weights) stay F32, as llama.cpp's own converter keeps them;
 - tensor names, order and shapes are unchanged, so the GGUF-specific q/k row
   permutation of the source stays as it is.
 
-The values are those of the source after dequantization, rounded once to
+The F16 values are those of the source after dequantization, rounded once to
 fp16 (a Q4_1 value ``d * q + m`` is usually not exactly representable in
 fp16: relative error at most 2^-11); the F32 copy holds them exactly.
 
-The file is cached under `bench_cache_dir()` and keyed by the source's
-SHA-256, so it is written once per source file (about 270 MB for SmolLM2-135M
-in F16, 540 MB in F32, a few seconds). Never written into the repository.
+Each file is cached under `bench_cache_dir()` and keyed by the source's
+SHA-256, so it is written once per source file and kind (for SmolLM2-135M about
+270 MB in F16/BF16, 540 MB in F32, 145 MB in Q8_0, 78 MB in Q4_0; a few seconds each).
+Never written into the repository.
 
 Usage::
 
     from benchmarks.gguf_f16 import f16_gguf_path
-    path = f16_gguf_path(default_gguf_path())   # converts on first use
+    path = f16_gguf_path(default_gguf_path())               # F16, converts on first use
+    path = f16_gguf_path(default_gguf_path(), kind="Q8_0")  # or F32, BF16, Q4_0
 """
 from __future__ import annotations
 
@@ -42,8 +49,10 @@ import numpy as np
 
 MOSTLY_F16 = 1  # llama_ftype LLAMA_FTYPE_MOSTLY_F16
 ALL_F32 = 0  # llama_ftype LLAMA_FTYPE_ALL_F32
+# kind -> llama_ftype of the file (LLAMA_FTYPE_ALL_F32, _MOSTLY_F16, _MOSTLY_BF16, _MOSTLY_Q8_0, _MOSTLY_Q4_0)
+FILE_TYPES = {"F16": MOSTLY_F16, "F32": ALL_F32, "BF16": 32, "Q8_0": 7, "Q4_0": 2}
+KINDS = tuple(FILE_TYPES)
 _FORMAT = "f16-v1"  # bump when the conversion changes, so old cache entries are not reused
-_KINDS = {"F16": (np.float16, MOSTLY_F16), "F32": (np.float32, ALL_F32)}
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -139,57 +148,61 @@ def stage_default_model(site_dir: PathLike) -> Path:
 
 
 def convert_to_f16(src: PathLike, dst: PathLike, kind: str = "F16") -> Path:
-    """Write `dst`, an F16 (`kind` "F16") or F32 ("F32") GGUF of `src` (see the module docstring
-    for what is kept and what changes).
+    """Write `dst`, a copy of `src` whose matrices are of type `kind` (one of `KINDS`: "F16",
+    "F32", "BF16", "Q8_0", "Q4_0"; see the module docstring for what is kept and what changes).
 
     Writes to ``dst + ".tmp"`` and renames, so a crash never leaves a partial
     file under the final name.
     Returns:
         the path written.
     Raises:
-        ValueError: another `kind`.
+        ValueError: another `kind`, or a Q8_0/Q4_0 matrix whose rows are not a multiple of 32.
         NotImplementedError: a tensor type `gguf.quants` cannot dequantize.
     """
     import gguf
 
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
-    matrix_dtype, file_type = _KINDS[kind]
+    if kind not in FILE_TYPES:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    qtype = gguf.GGMLQuantizationType[kind]
 
     src, dst = Path(src), Path(dst)
     reader = gguf.GGUFReader(src)
     arch_field = reader.fields[gguf.Keys.General.ARCHITECTURE]
     tmp = dst.with_name(dst.name + ".tmp")
     writer = gguf.GGUFWriter(tmp, arch=arch_field.contents())
-    _copy_metadata(reader, writer, file_type)
+    _copy_metadata(reader, writer, FILE_TYPES[kind])
 
-    def out_dtype(t: "gguf.ReaderTensor") -> type:
-        return np.float32 if len(t.shape) == 1 else matrix_dtype
+    def out_type(t: "gguf.ReaderTensor") -> "gguf.GGMLQuantizationType":
+        return gguf.GGMLQuantizationType.F32 if len(t.shape) == 1 else qtype
 
     for t in reader.tensors:
         np_shape = [int(n) for n in reversed(t.shape)]  # t.shape is in ggml order (innermost first)
-        dt = np.dtype(out_dtype(t))
-        writer.add_tensor_info(t.name, np_shape, dt, int(np.prod(np_shape)) * dt.itemsize)
+        ot = out_type(t)
+        block = gguf.GGML_QUANT_SIZES[ot][0]
+        if np_shape[-1] % block:
+            raise ValueError(f"{t.name}: rows of {np_shape[-1]} values are not a multiple of {kind}'s {block}")
+        byte_shape = gguf.quant_shape_to_byte_shape(np_shape, ot)
+        writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=ot)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for t in reader.tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-        writer.write_tensor_data(np.ascontiguousarray(values, dtype=out_dtype(t)))
+        values = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        writer.write_tensor_data(np.ascontiguousarray(gguf.quants.quantize(values, out_type(t)).view(np.uint8)))
     writer.close()
     os.replace(tmp, dst)
     return dst
 
 
 def f16_gguf_path(src: PathLike, cache_dir: Optional[PathLike] = None, log=None, kind: str = "F16") -> Path:
-    """The cached F16 (or, with `kind` "F32", F32) copy of `src`, converting it first when it is
-    not cached yet.
+    """The cached copy of `src` with `kind` matrices (F16 by default; see `KINDS`), converting it
+    first when it is not cached yet.
 
     Args:
         src: a GGUF file (any tensor types `gguf.quants` can dequantize).
         cache_dir: where to keep it (default `bench_cache_dir()`).
         log: optional callable(str) told when a conversion runs and how long it took.
-        kind: "F16" or "F32".
+        kind: one of `KINDS`: "F16", "F32", "BF16", "Q8_0", "Q4_0".
     Returns:
         ``<cache_dir>/<src stem>.<sha256[:16]>.<format>.<kind>.gguf``.
     Raises:
@@ -199,8 +212,8 @@ def f16_gguf_path(src: PathLike, cache_dir: Optional[PathLike] = None, log=None,
 
     src = Path(src)
     folder = Path(cache_dir) if cache_dir is not None else bench_cache_dir()
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
+    if kind not in FILE_TYPES:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     dst = folder / f"{src.stem}.{file_sha256(src)[:16]}.{_FORMAT}.{kind}.gguf"
     if not dst.is_file():
         folder.mkdir(parents=True, exist_ok=True)

