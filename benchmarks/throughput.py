@@ -85,7 +85,7 @@ from benchmarks.hf_compare import (  # noqa: E402
     BusyMeter, _fmt_load, machine_load, wait_for_quiet, warn_if_busy, write_json_report,
 )
 from benchmarks import llamacpp_peer, vllm_peer  # noqa: E402
-from benchmarks.host_info import describe_host, read_host  # noqa: E402
+from engine.host import Host  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, build_workload, parse_workloads  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -376,8 +376,8 @@ def compare_to_peers(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- table
 def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
-                 agreement: Optional[dict[str, dict[str, Any]]] = None, host: Optional[dict[str, Any]] = None) -> str:
-    """The per-workload table: the host (`host_info.describe_host`, when given), rates, greedy
+                 agreement: Optional[dict[str, dict[str, Any]]] = None, host: Optional[Host] = None) -> str:
+    """The per-workload table: the host (`engine.host.Host.describe`, when given), rates, greedy
     agreement and load per engine, then tokenmill's ratios.
 
     The ratio lines give tokenmill / each peer configuration, then a line of
@@ -394,7 +394,7 @@ def format_table(name: str, wl: Workload, results: dict[str, dict[str, Any]],
         return f"{a['agree']}/{a['requests']}" if a else "n/a"
 
     w = max([22] + [len(k) for k in results])
-    lines = [f"== {name}: {wl.summary()}"] + ([describe_host(host)] if host else []) + [
+    lines = [f"== {name}: {wl.summary()}"] + ([f"host: {host.describe()}"] if host else []) + [
              f"{'engine':<{w}} {'wall s':>8} {'req/s':>7} {'in tok/s':>9} {'out tok/s':>9} {'total tok/s':>11} "
              f"{f'agree@{AGREE_FIRST}':>8} {'load 1m':>7} {'busy before':>11} {'busy during':>11}"]
     for eng, r in results.items():
@@ -699,11 +699,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     LLAMACPP_OMP_WAIT_POLICY = None if args.llamacpp_omp_wait_policy == "default" else args.llamacpp_omp_wait_policy
     from engine.tokenizer import Tokenizer
 
-    host = read_host()
+    host = Host.current()
     print(f"tokenmill throughput: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs", flush=True)
-    print(describe_host(host), flush=True)
+    print(f"host: {host.describe()}", flush=True)
     print(f"engines: {', '.join(engines)}", flush=True)
     start_load = machine_load()
     print(f"machine at start: {_fmt_load(start_load)}", flush=True)
@@ -749,7 +749,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         warn_if_busy(busiest)
     report.update(machine_load_start=start_load, machine_load_end=machine_load(), max_other_busy_cores=busiest,
                   torch=torch.__version__, torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
-                  cpu=platform.processor() or platform.machine(), host=host, model=args.model,
+                  cpu=platform.processor() or platform.machine(), host=host.as_dict(), model=args.model,
                   engine_kwargs=engine_kwargs,
                   hf_batch_size=args.hf_batch_size, quick=args.quick, seed=args.seed, busy_loops=args.busy_loops,
                   llamacpp_omp_wait_policy=args.llamacpp_omp_wait_policy)

@@ -633,22 +633,16 @@ def test_hf_folder_writer_drops_the_quantization_config_and_keeps_every_weight(t
     assert not (dst / "tokenizer.json").exists() and (dst / "config.json").is_file()
 
 
-def test_host_line_names_the_cpu_and_its_matrix_flags():
-    from benchmarks.host_info import describe_host, read_host
+def test_tables_name_the_host():
     from benchmarks.throughput import format_table
+    from engine.host import Host
 
-    text = ("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
-            "processor\t: 1\nmodel name\t: other\nflags\t\t: amx_bf16\n")
-    host = read_host(text)
-    assert host["cpu"] == "AMD EPYC 9654" and host["flags"] == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]
-    line = describe_host(host)
-    assert line == f"host: AMD EPYC 9654, {host['cpus']} CPUs; avx2 avx512f avx512_bf16 avx512_vnni; no amx_bf16 amx_int8"
-    xeon = read_host("model name : Xeon\nflags : avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_int8 amx_tile\n")
-    assert xeon["flags"] == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"]
-    assert describe_host(xeon).endswith("avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_int8")
+    host = Host.from_cpuinfo("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse avx2 fma avx512f "
+                             "avx512bw avx512vl avx512_bf16 avx512_vnni\n", cpus=2)
     wl = W.Workload(name="x", prompt_token_ids=[[1]], output_lens=[1], temperature=0.0, seed=0)
     table = format_table("x", wl, {"tokenmill": _fake(2.0, 4.0), "vllm": _fake(1.0, 2.0)}, host=host)
-    assert table.splitlines()[1] == line
+    assert table.splitlines()[1] == ("host: AMD EPYC 9654 (x86_64), 2 CPUs, ISA avx2,fma,avx512f,avx512bw,avx512vl,"
+                                     "avx512_bf16,avx512_vnni, matrix unit avx512-bf16")
     assert ">>> tokenmill / BEST PEER (vllm, 1.0 output tok/s): 2.00x" in table
 
 

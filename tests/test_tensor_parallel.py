@@ -62,8 +62,10 @@ def _ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _assert_greedy_equal(ref_llm: LLM, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]]) -> None:
-    """got == ref per prompt, except at a near tie of the reference (reported with its gap)."""
+def _assert_greedy_equal(ref_llm: LLM, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]],
+                         near_tie: float = NEAR_TIE) -> None:
+    """got == ref per prompt, except at a near tie of the reference (top-2 logit gap below `near_tie`,
+    reported with its gap)."""
     ties = []
     for i, (p, r, g) in enumerate(zip(prompts, ref, got)):
         if r == g:
@@ -72,7 +74,7 @@ def _assert_greedy_equal(ref_llm: LLM, prompts: list[list[int]], ref: list[list[
         top = torch.topk(ref_llm.compute_logits(p + r[:k]), 2).values
         gap = float(top[0] - top[1])
         ties.append((i, k, gap))
-        assert gap < NEAR_TIE, f"prompt {i}: TP ids differ at output {k}, where one device's top-2 gap is {gap:.3g}"
+        assert gap < near_tie, f"prompt {i}: TP ids differ at output {k}, where one device's top-2 gap is {gap:.3g}"
     print(f"greedy: {len(prompts) - len(ties)}/{len(prompts)} identical; near ties (prompt, position, gap): {ties}")
     assert len(ties) <= 1, ties
 
@@ -340,7 +342,7 @@ def test_preemption_and_chunked_prefill_under_tp(tiny_tp1):
 def test_quantized_weights_under_tp(tiny_tp1, scheme):
     """Each rank quantizes its own slices: int4 groups of 32 never straddle a shard boundary,
     and int8's row-parallel scales are the whole rows' (one all-reduce(max) at start), so the
-    codes are one device's; ids equal the same scheme at TP = 1."""
+    codes are one device's; ids equal the same scheme at TP = 1 but at a near tie."""
     prompts = _prompts(tiny_tp1.tokenizer)[:8]
     # fp32 caches: with fp16 halves one near-tie of int4 flipped between TP = 1 and 2 (ids differed)
     one = _tiny(quantization=scheme, kv_cache_dtype="fp32")
@@ -352,7 +354,11 @@ def test_quantized_weights_under_tp(tiny_tp1, scheme):
         want = one.model.layers[0].o.dequantize()[:, :128]  # rank 0's columns of one device's codes
         assert torch.equal(o.dequantize(), want)
         got = _ids(q.generate(prompts, GREEDY, use_tqdm=False))
-    assert got == ref
+    # the codes are one device's, but the row-parallel halves add their fp32 group sums in another order;
+    # int4 then rounds its activations to int8 codes, where an fp32 difference of one ulp can move a code
+    # by a step: ids equal except at a tie within that step's effect (a Zen 4 host flipped one int4 token
+    # at a top-2 gap of 0.0063; int8's activations stay fp32)
+    _assert_greedy_equal(one, prompts, ref, got, NEAR_TIE if scheme == "int8" else 2e-2)
 
 
 def test_speculative_decoding_under_tp(tiny_tp1):
