@@ -9,7 +9,7 @@ Measured in one run, on the same machine state:
    a peak below what a kernel reaches in the same run would be a wrong peak (an MFU over
    100%). **Bandwidth**: a large copy, bytes read + written / s.
 2. **Linear layers per M**: every linear layer of the model (the 120 decoder projections and
-   the LM head) run once on an [M, in] input, for M in 1, 8, 32, 64, 128, 1024, each into the one
+   the LM head) run once on an [M, in] input, for M in 1, 8, 32, 64, 128, 256, 1024, each into the one
    output buffer of its width (as the engine's step reuses its scratch; until 2026-12-03 every
    layer had an output tensor of its own, whose first-touch stores cost our kernel 10-15% at
    M = 128-1024 on a Xeon): GFLOP/s and
@@ -68,7 +68,7 @@ from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_bu
 from benchmarks.throughput import DEFAULT_MODEL, make_llm, stats_delta  # noqa: E402
 from benchmarks.workloads import build_workload  # noqa: E402
 
-LINEAR_MS = (1, 8, 32, 64, 128, 1024)
+LINEAR_MS = (1, 8, 32, 64, 128, 256, 1024)
 SCHEMES = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}, "gguf": {"quantization": "gguf"},
            "int4": {"quantization": "int4"}, "w8a8": {"quantization": "w8a8"}}
 

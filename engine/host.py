@@ -64,6 +64,8 @@ class Host:
 
     Attributes:
         model_name: the CPU's model name ("AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+", ...).
+        family, model: the CPU's family and model numbers (x86: AMD family 25 model 17 is Zen 4,
+            family 26 Zen 5; None where not reported), which a VM's bare model name leaves out.
         machine: `platform.machine()` ("x86_64", "aarch64").
         flags: the ISA features of `ISA_FLAGS` this CPU reports.
         cpus: CPUs this process may run on (its affinity mask).
@@ -73,6 +75,8 @@ class Host:
     model_name: str
     machine: str
     flags: frozenset = field(default_factory=frozenset)
+    family: Optional[int] = None
+    model: Optional[int] = None
     cpus: int = 1
     caches: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -80,7 +84,7 @@ class Host:
     def from_cpuinfo(cls, cpuinfo: str, machine: str = "x86_64", cpus: int = 1,
                      caches: Optional[dict] = None) -> "Host":
         """A host from the text of /proc/cpuinfo (the first processor's model name and flags)."""
-        name, flags = "", set()
+        name, flags, nums = "", set(), {}
         for line in cpuinfo.splitlines():
             key, _, value = line.partition(":")
             key = key.strip()
@@ -88,8 +92,11 @@ class Host:
                 name = value.strip()
             elif key == "flags" and not flags:
                 flags = set(value.split())
+            elif key in ("cpu family", "model") and key not in nums and value.strip().isdigit():
+                nums[key] = int(value.strip())
         return cls(model_name=name or platform.processor() or machine, machine=machine,
-                   flags=frozenset(f for f in ISA_FLAGS if f in flags), cpus=cpus, caches=dict(caches or {}))
+                   flags=frozenset(f for f in ISA_FLAGS if f in flags), family=nums.get("cpu family"),
+                   model=nums.get("model"), cpus=cpus, caches=dict(caches or {}))
 
     @staticmethod
     @functools.lru_cache(maxsize=1)
@@ -139,12 +146,14 @@ class Host:
     def describe(self) -> str:
         """One line for reports: model name, CPUs, ISA features, matrix unit and caches."""
         caches = " ".join(f"{k} {v >> 10} KiB" for k, v in sorted(self.caches.items()))
-        return (f"{self.model_name} ({self.machine}), {self.cpus} CPUs, ISA {self.isa or 'none'}, "
+        fm = f"family {self.family} model {self.model}, " if self.family is not None else ""
+        return (f"{self.model_name} ({fm}{self.machine}), {self.cpus} CPUs, ISA {self.isa or 'none'}, "
                 f"matrix unit {self.matrix_unit}" + (f", caches {caches}" if caches else ""))
 
     def as_dict(self) -> dict:
         """The record as plain JSON types (for benchmark reports and the cost report)."""
-        return {"cpu": self.model_name, "machine": self.machine, "cpus": self.cpus, "isa": self.isa,
+        return {"cpu": self.model_name, "family": self.family, "model": self.model, "machine": self.machine,
+                "cpus": self.cpus, "isa": self.isa,
                 "matrix_unit": self.matrix_unit, "caches": dict(self.caches)}
 
 
