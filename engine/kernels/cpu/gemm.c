@@ -321,6 +321,16 @@ static void argmax_tile(const float *tile, int mr, int ncols, int64_t n0, int64_
  * nothing there (these steps wait on memory, not on FMA latency). */
 #define KSPLIT(mr) 1
 
+/* A micro-kernel call's share of the next panel (pf_len bytes), spread over its `steps` steps of k:
+ * runs of *seg steps, each after *per prefetched 64-byte lines, so that the steps' loop has no branch
+ * but its own. Runs of at least 16 steps (benchmarks/gemm_ab.py measured shorter and longer runs,
+ * and one line checked at every step, slower on a 2-core Xeon). */
+TM_INLINE void prefetch_plan(int64_t pf_len, int64_t steps, int64_t *seg, int64_t *per) {
+    const int64_t lines = (pf_len + 63) / 64;
+    *seg = lines > 0 && steps / lines > 16 ? steps / lines : 16;
+    *per = (lines * *seg + steps - 1) / (steps > 0 ? steps : 1);
+}
+
 /* tile [mr][TM_NR] = (tile if load, else 0) + rows a (stride lda) times k rows of panel b, the rows'
  * sums running over k in order (one FMA chain per tile element; see KSPLIT). panel_rows calls it on
  * one K slice at a time and carries the sums in the tile between slices: storing and reloading an
@@ -333,16 +343,8 @@ TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t
         acc[r][0] = load ? V_LOAD(tile + r * TM_NR) : V_ZERO();
         acc[r][1] = load ? V_LOAD(tile + r * TM_NR + VL) : V_ZERO();
     }
-    /* this call's share of the next panel (pf_len bytes), spread over the whole call: runs of seg
-     * steps of k, each after `per` prefetched lines, so that the steps' loop has no branch but its
-     * own. Runs of at least 16 steps: measured with benchmarks/gemm_ab.py on a 2-core Xeon (AVX-512),
-     * against a line every k / lines steps checked at every step: M = 32 +3-4%, M = 64 -1%,
-     * M = 128 +4-5%, M = 1024 +5-7% (runs of 8: about half of that; 64: M = 32 -12%). Earlier, on
-     * a 2-core AVX2 machine: spreading the lines over the tile beat a burst of a line per step at
-     * its start by 9-35% at M = 32. */
-    const int64_t pf_lines = (pf_len + 63) / 64;
-    const int64_t seg = pf_lines > 0 && k / pf_lines > 16 ? k / pf_lines : 16;
-    const int64_t per = (pf_lines * seg + k - 1) / (k > 0 ? k : 1);
+    int64_t seg, per;
+    prefetch_plan(pf_len, k, &seg, &per);
     int64_t kk = 0, off = 0;
     while (kk < k) {
         for (int64_t i = 0; i < per && off < pf_len; ++i, off += 64) __builtin_prefetch(pf + off, 0, 2);
@@ -376,9 +378,8 @@ TM_INLINE void ukr_bf16(const int mr, int64_t kp, const uint32_t *restrict a, in
         acc[r][0] = load ? V_LOAD(tile + r * TM_NR) : V_ZERO();
         acc[r][1] = load ? V_LOAD(tile + r * TM_NR + VL) : V_ZERO();
     }
-    const int64_t pf_lines = (pf_len + 63) / 64;
-    const int64_t seg = pf_lines > 0 && kp / pf_lines > 16 ? kp / pf_lines : 16;
-    const int64_t per = (pf_lines * seg + kp - 1) / (kp > 0 ? kp : 1);
+    int64_t seg, per;
+    prefetch_plan(pf_len, kp, &seg, &per);
     int64_t q = 0, off = 0;
     while (q < kp) {
         for (int64_t i = 0; i < per && off < pf_len; ++i, off += 64) __builtin_prefetch(pf + off, 0, 2);

@@ -55,79 +55,21 @@ def _fast_ok(x: torch.Tensor, k: int, y: Optional[torch.Tensor], n: int) -> bool
                          and y.shape[1] == n and y.stride(1) == 1)
 
 
-class CpuLinear(nn.Module):
-    """fp32 linear layer over a packed copy of its weight.
+class _PanelLinear(nn.Module):
+    """What `CpuLinear` and `CpuBf16Linear` share: a weight packed into panels by `_pack`, and the
+    forward / silu_mul / argmax calls of its format (`_gemm`, `_silu`, `_argmax`, `_raw`: the checked
+    wrappers and the raw C function of `engine.kernels.cpu`)."""
 
-    Args:
-        weight: [out, in] float32 (kept, so the layer can be re-quantized or inspected).
-        bias: [out] float32 or None.
-        lib: a specific build (tests); default the native one.
-    """
+    _pack = _gemm = _silu = _argmax = None  # set by each subclass
+    _raw = ""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 lib: Optional[ctypes.CDLL] = None) -> None:
-        super().__init__()
-        self.lib = lib
-        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
-        self.out_features, self.in_features = self.weight.shape
-        self.register_buffer("packed", pack_f32(self.weight.data, lib=lib), persistent=False)
-        # the hot path's raw call: the packed panels are never replaced after construction
-        self._call = (_lib(lib).tm_gemm_f32, self.packed.data_ptr(),
-                      None if self.bias is None else self.bias.data_ptr())
-        self.silu_fused = _silu_fusable(self.out_features, lib)
-
-    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = residual if residual is not None else out
-        n, k = self.out_features, self.in_features
-        if _fast_ok(x, k, y, n):
-            m = x.shape[0]
-            if y is None:
-                y = torch.empty(m, n)
-            fn, w, b = self._call
-            fn(x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k, residual is not None)
-            return y
-        return gemm_f32(x, self.packed, n, self.bias, y, residual is not None, lib=self.lib)
-
-    def silu_mul(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """For a fused [gate | up] weight: silu(x Wg^T) * (x Wu^T), [T, out / 2] float32, in the GEMM's
-        epilogue (`engine.kernels.cpu.gemm_f32_silu`). Raises ValueError unless `silu_fused`."""
-        if not self.silu_fused:
-            raise ValueError(f"a layer of {self.out_features} outputs cannot fuse SwiGLU (half width not a "
-                             f"multiple of {_lib(self.lib).tm_gemm_nr()})")
-        return gemm_f32_silu(x, self.packed, self.out_features // 2, self.bias, out, lib=self.lib)
-
-    def argmax(self, x: torch.Tensor, limit: Optional[int] = None, ban: Optional[torch.Tensor] = None
-               ) -> torch.Tensor:
-        """Greedy argmax of each row of x [T, in] W^T (+ b) without writing the logits: [T] int64
-        (`engine.kernels.cpu.gemm_f32_argmax`: limit, ban as there)."""
-        return gemm_f32_argmax(x.contiguous(), self.packed, self.out_features, self.bias, limit, ban, lib=self.lib)
-
-    def weight_bytes(self) -> int:
-        """Bytes read per forward pass: the packed panels (padding columns included) and the bias."""
-        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
-
-
-class CpuBf16Linear(nn.Module):
-    """Linear layer with bf16 weights and fp32 activations: x [T, in] float32 is rounded to bf16 in
-    the call, the exact bf16 products are summed in fp32 (`engine.kernels.cpu.gemm_bf16_reference`
-    is the definition), y [T, out] is float32.
-
-    Args:
-        weight: [out, in], any float dtype (rounded to bf16, nearest even).
-        bias: [out] or None (kept in float32).
-        lib: a specific build (tests); default the native one.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 lib: Optional[ctypes.CDLL] = None) -> None:
-        super().__init__()
+    def _setup(self, weight: torch.Tensor, bias: Optional[torch.Tensor], lib: Optional[ctypes.CDLL]) -> None:
         self.lib = lib
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", pack_bf16(weight, lib=lib), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
-        self._call = (_lib(lib).tm_gemm_bf16, self.packed.data_ptr(),
+        self.register_buffer("packed", type(self)._pack(weight, lib=lib), persistent=False)
+        # the hot path's raw call: the packed panels are never replaced after construction
+        self._call = (getattr(_lib(lib), self._raw), self.packed.data_ptr(),
                       None if self.bias is None else self.bias.data_ptr())
         self.silu_fused = _silu_fusable(self.out_features, lib)
 
@@ -141,23 +83,66 @@ class CpuBf16Linear(nn.Module):
                 y = torch.empty(m, n)
             fn, w, b = self._call
             if fn(x.data_ptr(), x.stride(0), w, b, y.data_ptr(), y.stride(0), m, n, k, residual is not None):
-                raise ValueError(f"tm_gemm_bf16 could not allocate its bf16 copy of x ({m} x {k})")
+                raise ValueError(f"{self._raw} could not allocate its scratch ({m} x {k})")
             return y
-        return gemm_bf16(x, self.packed, n, self.bias, y, residual is not None, lib=self.lib)
+        return type(self)._gemm(x, self.packed, n, self.bias, y, residual is not None, lib=self.lib)
 
     def silu_mul(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """For a fused [gate | up] weight: silu(x Wg^T) * (x Wu^T), [T, out / 2] float32, in the GEMM's
-        epilogue (`engine.kernels.cpu.gemm_bf16_silu`). Raises ValueError unless `silu_fused`."""
+        epilogue (`engine.kernels.cpu.gemm_f32_silu` / `gemm_bf16_silu`). Raises ValueError unless
+        `silu_fused`."""
         if not self.silu_fused:
             raise ValueError(f"a layer of {self.out_features} outputs cannot fuse SwiGLU (half width not a "
                              f"multiple of {_lib(self.lib).tm_gemm_nr()})")
-        return gemm_bf16_silu(x, self.packed, self.out_features // 2, self.bias, out, lib=self.lib)
+        return type(self)._silu(x, self.packed, self.out_features // 2, self.bias, out, lib=self.lib)
 
     def argmax(self, x: torch.Tensor, limit: Optional[int] = None, ban: Optional[torch.Tensor] = None
                ) -> torch.Tensor:
         """Greedy argmax of each row of x [T, in] W^T (+ b) without writing the logits: [T] int64
-        (`engine.kernels.cpu.gemm_bf16_argmax`: limit, ban as there)."""
-        return gemm_bf16_argmax(x.contiguous(), self.packed, self.out_features, self.bias, limit, ban, lib=self.lib)
+        (`engine.kernels.cpu.gemm_f32_argmax` / `gemm_bf16_argmax`: limit, ban as there)."""
+        return type(self)._argmax(x.contiguous(), self.packed, self.out_features, self.bias, limit, ban,
+                                  lib=self.lib)
+
+    def weight_bytes(self) -> int:
+        """Bytes read per forward pass: the packed panels (padding columns included) and the bias."""
+        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+class CpuLinear(_PanelLinear):
+    """fp32 linear layer over a packed copy of its weight.
+
+    Args:
+        weight: [out, in] float32 (kept, so the layer can be re-quantized or inspected).
+        bias: [out] float32 or None.
+        lib: a specific build (tests); default the native one.
+    """
+
+    _pack, _gemm, _silu, _argmax, _raw = pack_f32, gemm_f32, gemm_f32_silu, gemm_f32_argmax, "tm_gemm_f32"
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 lib: Optional[ctypes.CDLL] = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)
+        self._setup(self.weight.data, bias, lib)
+
+
+class CpuBf16Linear(_PanelLinear):
+    """Linear layer with bf16 weights and fp32 activations: x [T, in] float32 is rounded to bf16 in
+    the call, the exact bf16 products are summed in fp32 (`engine.kernels.cpu.gemm_bf16_reference`
+    is the definition), y [T, out] is float32.
+
+    Args:
+        weight: [out, in], any float dtype (rounded to bf16, nearest even).
+        bias: [out] or None (kept in float32).
+        lib: a specific build (tests); default the native one.
+    """
+
+    _pack, _gemm, _silu, _argmax, _raw = pack_bf16, gemm_bf16, gemm_bf16_silu, gemm_bf16_argmax, "tm_gemm_bf16"
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 lib: Optional[ctypes.CDLL] = None) -> None:
+        super().__init__()
+        self._setup(weight, bias, lib)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] as float32 (the bf16 values the kernel multiplies), from the packed panels."""
@@ -171,10 +156,6 @@ class CpuBf16Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The bf16 weight [out, in] (unpacked from the panels; for inspection and byte accounting)."""
         return self.dequantize().to(torch.bfloat16)
-
-    def weight_bytes(self) -> int:
-        """Bytes read per forward pass: the packed bf16 panels (padding included) and the bias."""
-        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
 
 
 class CpuQuantLinear(nn.Module):
