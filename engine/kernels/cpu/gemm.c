@@ -321,6 +321,18 @@ static void argmax_tile(const float *tile, int mr, int ncols, int64_t n0, int64_
  * nothing there (these steps wait on memory, not on FMA latency). */
 #define KSPLIT(mr) 1
 
+/* An fp32 tile [mr][TM_NR] held as acc[mr][2] vectors: loaded from `tile` (load) or zeroed, and stored. */
+#define TILE_LOAD(acc, mr, tile, load)                                                     \
+    _Pragma("GCC unroll 12") for (int r_ = 0; r_ < (mr); ++r_) {                            \
+        (acc)[r_][0] = (load) ? V_LOAD((tile) + r_ * TM_NR) : V_ZERO();                    \
+        (acc)[r_][1] = (load) ? V_LOAD((tile) + r_ * TM_NR + VL) : V_ZERO();               \
+    }
+#define TILE_STORE(acc, mr, tile)                                                          \
+    _Pragma("GCC unroll 12") for (int r_ = 0; r_ < (mr); ++r_) {                            \
+        V_STORE((tile) + r_ * TM_NR, (acc)[r_][0]);                                        \
+        V_STORE((tile) + r_ * TM_NR + VL, (acc)[r_][1]);                                   \
+    }
+
 /* A micro-kernel call's share of the next panel (pf_len bytes), spread over its `steps` steps of k:
  * runs of *seg steps, each after *per prefetched 64-byte lines, so that the steps' loop has no branch
  * but its own. Runs of at least 16 steps (benchmarks/gemm_ab.py measured shorter and longer runs,
@@ -338,11 +350,7 @@ TM_INLINE void prefetch_plan(int64_t pf_len, int64_t steps, int64_t *seg, int64_
 TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t lda, const float *restrict b,
                        float *restrict tile, const int load, const char *pf, int64_t pf_len) {
     vf acc[TM_MR][2];
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; ++r) {
-        acc[r][0] = load ? V_LOAD(tile + r * TM_NR) : V_ZERO();
-        acc[r][1] = load ? V_LOAD(tile + r * TM_NR + VL) : V_ZERO();
-    }
+    TILE_LOAD(acc, mr, tile, load);
     int64_t seg, per;
     prefetch_plan(pf_len, k, &seg, &per);
     int64_t kk = 0, off = 0;
@@ -360,11 +368,7 @@ TM_INLINE void ukr_f32(const int mr, int64_t k, const float *restrict a, int64_t
             }
         }
     }
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; ++r) {
-        V_STORE(tile + r * TM_NR, acc[r][0]);
-        V_STORE(tile + r * TM_NR + VL, acc[r][1]);
-    }
+    TILE_STORE(acc, mr, tile);
 }
 
 /* bf16 panel: tile [mr][TM_NR] = (tile if load, else 0) + rows a (bf16 pairs, stride lda pairs) times
@@ -373,11 +377,7 @@ TM_INLINE void ukr_bf16(const int mr, int64_t kp, const uint32_t *restrict a, in
                         const uint16_t *restrict b, float *restrict tile, const int load, const char *pf,
                         int64_t pf_len) {
     vf acc[TM_MR][2];
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; ++r) {
-        acc[r][0] = load ? V_LOAD(tile + r * TM_NR) : V_ZERO();
-        acc[r][1] = load ? V_LOAD(tile + r * TM_NR + VL) : V_ZERO();
-    }
+    TILE_LOAD(acc, mr, tile, load);
     int64_t seg, per;
     prefetch_plan(pf_len, kp, &seg, &per);
     int64_t q = 0, off = 0;
@@ -418,11 +418,7 @@ TM_INLINE void ukr_bf16(const int mr, int64_t kp, const uint32_t *restrict a, in
 #endif
         }
     }
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; ++r) {
-        V_STORE(tile + r * TM_NR, acc[r][0]);
-        V_STORE(tile + r * TM_NR + VL, acc[r][1]);
-    }
+    TILE_STORE(acc, mr, tile);
 }
 
 /* One row of int8 codes (TM_NR columns) widened to two fp32 vectors. */
