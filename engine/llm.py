@@ -261,8 +261,9 @@ def w8a8_unservable(cpu_kernels: bool, device: str, dtype: torch.dtype) -> Optio
         why = "cpu_kernels=False"
     else:
         why = f"the CPU kernel library is unavailable ({cpu.why_unavailable()})"
+    fix = "; use dtype='auto' or 'float32'" if device == "cpu" and dtype != torch.float32 else ""
     return (f"quantization='w8a8' runs on the CPU kernels (fp32 on the CPU with cpu_kernels=True and the "
-            f"library built: see engine.kernels.cpu) or on CUDA (Triton); here: {why}")
+            f"library built: see engine.kernels.cpu) or on CUDA (Triton); here: {why}{fix}")
 
 
 def auto_kv_dtype(dtype: torch.dtype) -> torch.dtype:
