@@ -8,8 +8,9 @@ tokens per prompt, greedy, EOS ignored, so both sides produce exactly
 
 - tokenmill: ``LLM(model).generate(prompt_token_ids, SamplingParams(temperature=0,
   max_tokens=N, ignore_eos=True))``: continuous batching over all prompts.
-- transformers: ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name,
-  dtype=...)`` from the same GGUF, in the host's best dtype (``--hf-dtype auto``: bf16 where
+- transformers: ``AutoModelForCausalLM.from_pretrained(folder, dtype=...)`` on a dense Hugging
+  Face folder written once from the same GGUF (`benchmarks.throughput.load_hf_model`), in the
+  host's best dtype (``--hf-dtype auto``: bf16 where
   the CPU has AMX-BF16 or AVX512-BF16, as `engine.host` says, else fp32), static batches of
   ``--batch-size`` prompts in input order, left padding, ``min_new_tokens = max_new_tokens = N``.
 
@@ -243,11 +244,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"prompts: {sum(lens)} tokens, {min(lens)}-{max(lens)} per prompt (mean {sum(lens) / len(lens):.0f})",
           flush=True)
 
-    from transformers import AutoModelForCausalLM
+    from benchmarks.throughput import load_hf_model  # the dense folder: a GGUF load computes in fp32 whatever dtype
 
     gguf = Path(default_gguf_path())
     t0 = time.perf_counter()
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=hf_dtype)
+    hf_model = load_hf_model(hf_dtype)
     hf_model.eval()
     hf_load_s = time.perf_counter() - t0
     pad_id = hf_model.generation_config.pad_token_id

@@ -189,13 +189,15 @@ def run_tokenmill(llm: Any, wl: Workload, warmup: bool = True) -> dict[str, Any]
 
 # ----------------------------------------------------------------- transformers
 def load_hf_model(dtype: torch.dtype = torch.float32) -> Any:
-    """transformers' Llama from the default GGUF, dequantized to `dtype` (fp32 for ``hf``, bf16 for ``hf-bf16``)."""
+    """transformers' Llama in `dtype` (fp32 for ``hf``, bf16 for ``hf-bf16``) on the dense Hugging Face folder
+    written once from the default GGUF (`vllm_peer.hf_folder`, the weights vLLM loads). Loaded from the GGUF
+    itself, transformers 5.24 keeps the weights packed and computes in fp32 whatever dtype is asked (it says
+    so), which would make ``hf-bf16`` no bf16 run."""
     from transformers import AutoModelForCausalLM
 
-    from engine.weights import default_gguf_path
+    from benchmarks.vllm_peer import hf_folder
 
-    gguf = Path(default_gguf_path())
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_folder(log=print)), dtype=dtype)
     return model.eval()
 
 
