@@ -36,6 +36,17 @@ class ModelConfig:
         max_position_embeddings: trained context length in tokens.
         tie_word_embeddings: LM head shares the embedding matrix.
         attention_bias: q/k/v projections have a bias (Qwen2).
+        family: the family record's name (`engine.models.family.FAMILIES`): which layer the
+            decoder builds (norm placement, activation, q/k norm, MoE, tensor names).
+        layer_windows: per layer, the sliding-window length in tokens (a query at position p
+            attends keys at positions p - w < j <= p); 0 means full attention. Empty: every
+            layer attends to the whole sequence.
+        rope_local_theta: RoPE base of the sliding-window layers (Gemma 3), None: rope_theta.
+        attn_scale: the softmax scale of q k^T; None: head_dim ** -0.5.
+        num_experts, num_experts_per_tok, moe_intermediate_size: a mixture-of-experts MLP
+            (0: dense): E experts, top-k routing, each expert's intermediate size.
+        norm_topk_prob: renormalise the top-k routing weights to sum to 1.
+        dense_layers: indices of the layers whose MLP is dense in a mixture-of-experts model.
     """
 
     hidden_size: int
@@ -52,12 +63,36 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     name: str = "llama"
+    family: str = "llama"
+    layer_windows: tuple = ()
+    rope_local_theta: Optional[float] = None
+    attn_scale: Optional[float] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple = ()
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+
+    def window(self, layer: int) -> int:
+        """Sliding-window length of `layer` in tokens, 0 for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def max_window(self) -> int:
+        """The longest sliding window of any layer (0: no sliding-window layer)."""
+        return max(self.layer_windows, default=0)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def num_params(self) -> int:

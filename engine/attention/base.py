@@ -38,6 +38,9 @@ class AttentionMetadata:
     block_size: int
     # Filled by a backend's `prepare` and reused by every layer of the step.
     cache: Optional[dict] = None
+    # The sliding-window layers' own metadata (their block tables and slot mapping, from the
+    # KV cache manager's sliding-window group), or None when they share this one.
+    window_meta: Optional["AttentionMetadata"] = None
 
 
 class AttentionBackend(ABC):
@@ -66,6 +69,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         out: Optional[torch.Tensor] = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """Write k, v into the cache at `meta.slot_mapping`, then attend.
 
@@ -73,6 +77,9 @@ class AttentionBackend(ABC):
             q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (may be strided
                 views into one fused qkv buffer).
             out: optional [T, num_heads, head_dim] destination (the result is written there).
+            window: sliding-window length in tokens: a query at position p attends only keys at
+                positions p - window < j <= p (Beltagy et al. 2020, arXiv 2004.05150; Mistral,
+                Gemma 3); 0: every key up to p.
         Returns:
             [T, num_heads, head_dim] (`out` when given), causal attention of each token over
             its sequence's cached prefix and the new tokens up to itself.
