@@ -261,12 +261,11 @@ def quantized_copy(model, scheme: str, group_size: int = 32, gguf_path: Optional
     Args:
         scheme: "int8" | "int4" (quantized from the float weights) | "gguf" (blocks read from `gguf_path`).
     """
-    from .models.llama import DecoderLayer, LlamaModel
+    from .models.llama import LlamaModel
 
     q = LlamaModel(model.cfg, model.dtype, model.device, model.shard)  # a tensor-parallel rank quantizes its slices
     q.embed, q.final_norm, q.lm_head = model.embed, model.final_norm, model.lm_head
-    q.layers = nn.ModuleList([DecoderLayer(l.attn_norm.data, l.qkv, l.o, l.mlp_norm.data, l.gate_up, l.down)
-                              for l in model.layers])
+    q.layers = nn.ModuleList([layer.shell() for layer in model.layers])
     if scheme == "gguf":
         if gguf_path is None:
             raise ValueError("scheme 'gguf' needs gguf_path")

@@ -51,7 +51,8 @@ def calibration_absmax(llm: Any, tokens_per_prompt: int = 200, seed: int = 1) ->
             removed before returning.
         tokens_per_prompt: new tokens sampled per calibration prompt (temperature 0.8, seeded).
     Returns:
-        {(layer index, "qkv" | "o" | "gate_up" | "down"): [in_features] float32}.
+        {(layer index, "qkv" | "o" | "gate_up" | "down" | "experts.{e}.gate_up" | "experts.{e}.down"):
+        [in_features] float32}; an expert no calibration token reached has no entry.
     """
     from .config import SamplingParams
 
@@ -69,9 +70,10 @@ def calibration_absmax(llm: Any, tokens_per_prompt: int = 200, seed: int = 1) ->
             stats[key] = torch.maximum(stats[key], a) if key in stats else a
         return hook
 
-    for i, layer in enumerate(llm.model.layers):
-        for kind in LAYER_KINDS:
-            hooks.append(getattr(layer, kind).register_forward_pre_hook(observe((i, kind))))
+    for name, lin in llm.model.linear_layers():
+        if name != "lm_head":  # "layers.{i}.{kind}", kind also "experts.{e}.gate_up" / ".down"
+            _, i, kind = name.split(".", 2)
+            hooks.append(lin.register_forward_pre_hook(observe((int(i), kind))))
     try:
         llm.score(texts)
     finally:
@@ -92,43 +94,78 @@ def smoothed_copy(model: nn.Module, stats: dict[tuple[int, str], torch.Tensor], 
     the smoothed norms and `make_linear(weight, bias)` of the smoothed weights (`model` itself is
     untouched). With float layers it computes what `model` computes (the folding is exact).
 
+    A mixture of experts: its experts and router share one input, so one factor per channel
+    (from the largest weight of any expert) is folded into the MLP norm, every expert's gate/up
+    columns and the router's columns (the router stays in float); each expert's down input is
+    smoothed into its own up rows (an expert without calibration statistics keeps factor 1).
+
     Args:
         model: an fp32 LlamaModel.
         stats: `calibration_absmax` of that model.
         make_linear: (weight [out, in] float32, bias [out] or None) -> a linear layer.
         alpha: migration strength (0.5, the paper's default).
     """
-    from .models.llama import DecoderLayer, LlamaModel
+    from .models.llama import DecoderLayer, Expert, LlamaModel, MoEMLP
 
     cfg = model.cfg
-    hq, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g = hq // hkv
     q = LlamaModel(cfg, model.dtype, model.device)
     q.embed, q.final_norm, q.lm_head, q.ops = model.embed, model.final_norm, model.lm_head, model.ops
+    wb = lambda lin: (lin.weight.detach().float().clone(),  # noqa: E731
+                      None if lin.bias is None else lin.bias.detach().float().clone())
+
+    def glu(gate_up: torch.Tensor, up_bias, down: torch.Tensor, key) -> None:
+        """Fold the down projection's factor into the up rows (in place)."""
+        if key not in stats:
+            return
+        s = _factors(stats[key], down, alpha)
+        inter = down.shape[1]
+        gate_up[inter:] /= s[:, None]
+        if up_bias is not None:  # the up bias is scaled with its rows
+            up_bias[inter:] /= s
+        down *= s
+
     layers = []
     for i, layer in enumerate(model.layers):
-        w = {k: getattr(layer, k).weight.detach().float().clone() for k in LAYER_KINDS}
-        bias = {k: None if getattr(layer, k).bias is None else getattr(layer, k).bias.detach().float().clone()
-                for k in LAYER_KINDS}
+        (wqkv, bqkv), (wo, bo) = wb(layer.qkv), wb(layer.o)
         attn_norm, mlp_norm = layer.attn_norm.detach().clone(), layer.mlp_norm.detach().clone()
-        s = _factors(stats[(i, "qkv")], w["qkv"], alpha)
+        s = _factors(stats[(i, "qkv")], wqkv, alpha)
         attn_norm /= s
-        w["qkv"] *= s
-        s = _factors(stats[(i, "gate_up")], w["gate_up"], alpha)
-        mlp_norm /= s
-        w["gate_up"] *= s
-        s = _factors(stats[(i, "down")], w["down"], alpha)
-        w["gate_up"][inter:] /= s[:, None]
-        if bias["gate_up"] is not None:  # the up bias is scaled with its rows
-            bias["gate_up"][inter:] /= s
-        w["down"] *= s
-        s_kv = _factors(stats[(i, "o")], w["o"], alpha).view(hkv, g, d).amax(1)  # one per KV channel
-        w["qkv"][(hq + hkv) * d:] /= s_kv.reshape(-1)[:, None]
-        if bias["qkv"] is not None:
-            bias["qkv"][(hq + hkv) * d:] /= s_kv.reshape(-1)
-        w["o"] *= s_kv.repeat_interleave(g, 0).reshape(-1)
-        lin = {k: make_linear(w[k], bias[k]) for k in LAYER_KINDS}
-        layers.append(DecoderLayer(attn_norm, lin["qkv"], lin["o"], mlp_norm, lin["gate_up"], lin["down"]))
+        wqkv *= s
+        s_kv = _factors(stats[(i, "o")], wo, alpha).view(hkv, g, d).amax(1)  # one per KV channel
+        wqkv[(hq + hkv) * d:] /= s_kv.reshape(-1)[:, None]
+        if bqkv is not None:
+            bqkv[(hq + hkv) * d:] /= s_kv.reshape(-1)
+        wo *= s_kv.repeat_interleave(g, 0).reshape(-1)
+        kw = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, attn_post_norm=layer.attn_post_norm,
+                  mlp_post_norm=layer.mlp_post_norm)
+        if layer.moe is None:
+            (wgu, bgu), (wd, bd) = wb(layer.gate_up), wb(layer.down)
+            s = _factors(stats[(i, "gate_up")], wgu, alpha)
+            mlp_norm /= s
+            wgu *= s
+            glu(wgu, bgu, wd, (i, "down"))
+            kw.update(gate_up=make_linear(wgu, bgu), down=make_linear(wd, bd))
+        else:
+            moe = layer.moe
+            ws = [(wb(ex.gate_up), wb(ex.down)) for ex in moe.experts]
+            seen = [stats[(i, f"experts.{e}.gate_up")] for e in range(len(ws)) if (i, f"experts.{e}.gate_up") in stats]
+            router = moe.router.detach().float().clone()
+            if seen:
+                xmax = torch.stack(seen).amax(0)
+                wmax = torch.stack([w.abs().amax(0) for (w, _), _ in ws]).amax(0)
+                s = xmax.clamp_min(1e-5) ** alpha / wmax.clamp_min(1e-5) ** (1 - alpha)
+                mlp_norm /= s
+                router *= s
+                for (wgu, _), _ in ws:
+                    wgu *= s
+            experts = []
+            for e, ((wgu, bgu), (wd, bd)) in enumerate(ws):
+                glu(wgu, bgu, wd, (i, f"experts.{e}.down"))
+                experts.append(Expert(make_linear(wgu, bgu), make_linear(wd, bd)))
+            kw["moe"] = MoEMLP(router.to(moe.router.dtype), experts, moe.top_k, moe.norm_topk_prob, moe.act)
+        layers.append(DecoderLayer(attn_norm, make_linear(wqkv, bqkv), make_linear(wo, bo), mlp_norm, **kw))
     q.layers = nn.ModuleList(layers)
     return q
 

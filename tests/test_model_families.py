@@ -145,3 +145,83 @@ def test_unsupported_family_is_named_in_one_line(tmp_path, tok):
         LLM(path)
     msg = str(e.value)
     assert "'gpt2'" in msg and "qwen3" in msg and "gemma3_text" in msg and "\n" not in msg
+
+
+NEAR_TIE = 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_tensor_parallel_two_ranks_equal_one(tmp_path, tok, kind):
+    """TP = 2 (heads, MLP columns and each expert's columns split; the router whole) gives one
+    device's greedy ids; a difference is accepted only at a near tie of one device's logits."""
+    path = save(build(kind, tok), tok, tmp_path / kind)
+    ids = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    one = engine(path)
+    ref = [o.outputs[0].token_ids for o in one.generate([{"prompt_token_ids": i} for i in ids], params,
+                                                         use_tqdm=False)]
+    with engine(path, tensor_parallel_size=2) as two:
+        got = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": i} for i in ids], params,
+                                                             use_tqdm=False)]
+    for i, r, g in zip(ids, ref, got):
+        if r != g:
+            j = next(n for n, (a, b) in enumerate(zip(r, g)) if a != b)
+            top = torch.topk(one.compute_logits(i + r[:j]), 2).values
+            assert (top[0] - top[1]).item() < NEAR_TIE, (i, r, g)
+    assert sum(r == g for r, g in zip(ref, got)) >= 9
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma3"])
+def test_smoothquant_folding_is_exact_for_the_family(tmp_path, tok, kind):
+    """W8A8's smoothing on a family's layer (q/k norms, norms around the MLP, GeGLU; experts
+    and router sharing one input factor): with float layers the smoothed model scores the same
+    log-probabilities as the original."""
+    from engine.models.llama import Linear
+    from engine.smoothquant import calibration_absmax, smoothed_copy
+
+    llm = engine(save(build(kind, tok), tok, tmp_path / kind))
+    stats = calibration_absmax(llm, tokens_per_prompt=16)
+    if kind == "qwen3_moe":
+        assert (0, "experts.0.gate_up") in stats or (0, "experts.1.gate_up") in stats
+        assert not any(k[1] in ("gate_up", "down") for k in stats)  # every MLP is a mixture here
+    smooth = smoothed_copy(llm.model, stats, lambda w, b: Linear(w, b))
+    ids = tok.encode(PROMPTS[-1] + " " + PROMPTS[3])
+    want = llm.score(ids)[0]
+    orig = llm.model
+    llm.model = llm.runner.model = smooth
+    try:
+        got = llm.score(ids)[0]
+    finally:
+        llm.model = llm.runner.model = orig
+    assert (got - want).abs().max().item() < 1e-3
+    assert not torch.equal(smooth.layers[1].mlp_norm, orig.layers[1].mlp_norm)  # something was moved
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+def test_quantized_experts(tmp_path, tok, scheme):
+    """int8 and W8A8 quantize every expert (the router stays in float). int8 weight-only: the
+    engine scores what a float model holding the dequantized weights scores; W8A8 (activations
+    rounded too) stays near fp32."""
+    from engine.models.llama import Linear
+
+    path = save(build("qwen3_moe", tok), tok, tmp_path / "moe")
+    ref = engine(path)
+    q = engine(path, quantization=scheme)
+    names = [n for n, _ in q.model.linear_layers()]
+    assert sum(".experts." in n for n in names) == 3 * 8 * 2
+    for n, lin in q.model.linear_layers():
+        if n != "lm_head":
+            assert type(lin).__name__ in ("QuantLinear", "CpuQuantLinear", "W8A8Linear"), (n, type(lin))
+    assert q.model.layers[0].moe.router.dtype == torch.float32
+    ids = tok.encode(PROMPTS[-1])
+    got = q.score(ids)[0]
+    if scheme == "int8":
+        deq = ref.model
+        for n, lin in q.model.linear_layers():
+            if n != "lm_head":
+                deq.set_linear(n, Linear(lin.dequantize().float(), lin.bias))
+        want = ref.score(ids)[0]
+        assert (got - want).abs().max().item() < 1e-3
+    else:
+        diff = (got - ref.score(ids)[0]).abs()
+        assert 0 < diff.mean().item() < 0.1, diff

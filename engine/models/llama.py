@@ -149,6 +149,17 @@ class DecoderLayer(nn.Module):
         self.q_norm, self.k_norm = p(q_norm), p(k_norm)
         self.attn_post_norm, self.mlp_post_norm = p(attn_post_norm), p(mlp_post_norm)
 
+    def shell(self) -> "DecoderLayer":
+        """A new layer sharing every tensor and linear layer of this one, whose linear layers
+        (experts' too) can be swapped without touching this one."""
+        d = lambda t: None if t is None else t.data  # noqa: E731
+        moe = self.moe
+        if moe is not None:
+            moe = MoEMLP(moe.router.data, [Expert(e.gate_up, e.down) for e in moe.experts], moe.top_k,
+                         moe.norm_topk_prob, moe.act)
+        return DecoderLayer(d(self.attn_norm), self.qkv, self.o, d(self.mlp_norm), self.gate_up, self.down, moe,
+                            d(self.q_norm), d(self.k_norm), d(self.attn_post_norm), d(self.mlp_post_norm))
+
 
 class Expert(nn.Module):
     """One expert's gated MLP: fused gate/up [2I, H] and down [H, I]."""
