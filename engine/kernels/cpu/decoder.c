@@ -40,7 +40,8 @@ void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64
 int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int kv,
                        const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
                        const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *out, int64_t ldo,
-                       int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale);
+                       int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale,
+                       int64_t window);
 void tm_gemm_f32(const float *x, int64_t ldx, const float *w_packed, const float *bias, float *y, int64_t ldy,
                  int64_t m, int64_t n, int64_t k, int accumulate);
 int tm_gemm_q(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y,
@@ -163,7 +164,7 @@ int tm_decoder_forward(const int64_t *desc, int64_t num_layers, const int64_t *d
         TIMED(T_KV_WRITE,
               tm_kv_write(qkv + q_size, ldqkv, qkv + q_size + kv_size, ldqkv, t, hkv, d, slots, kc, vc, s, kv));
         TIMED(T_ATTENTION, rc = tm_paged_attention(qkv, ldqkv, kc, vc, kv, block_tables, max_blocks, row_seq,
-                                                   kv_len, tiles, num_tiles, a, q_size, hq, hkv, d, s, bs, scale));
+                                                   kv_len, tiles, num_tiles, a, q_size, hq, hkv, d, s, bs, scale, 0));
         if (rc) return (int)i + 1;
         TIMED(T_LINEAR, rc = linear(lin + TM_DEC_LIN_WORDS, a, q_size, h, hidden, t, 1, codes, scales));
         if (rc) return (int)i + 1;
