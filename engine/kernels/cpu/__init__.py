@@ -99,7 +99,7 @@ _SIGNATURES = {
     "tm_decoder_num_timers": (_I, []),
     "tm_decoder_timings": (None, [_P]),
     "tm_decoder_forward": (_I, [_P, _I64, _P, _F, _F, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64]
-                           + [_P] * 7),
+                           + [_P] * 7 + [_P, _P, _P, _I64]),
 }
 _bound: set[int] = set()
 
