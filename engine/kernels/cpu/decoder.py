@@ -176,7 +176,8 @@ class CpuDecoder:
                     or window_tables.dim() != 2 or window_tables.shape[0] != tables.shape[0]):
                 raise ValueError(f"window_tables must be contiguous int32 [{tables.shape[0]}, W], got "
                                  f"{window_tables.dtype} {tuple(window_tables.shape)}")
-            w_slots, w_tables, w_width = window_slot_mapping.data_ptr(), window_tables.data_ptr(), window_tables.shape[1]
+            w_slots, w_tables = window_slot_mapping.data_ptr(), window_tables.data_ptr()
+            w_width = window_tables.shape[1]
         t = h.shape[0]
         codes = scales = None
         if self.w8a8:
