@@ -1,6 +1,7 @@
 """The attention backend interface: one step's metadata and the paged-KV attention call."""
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
@@ -41,6 +42,21 @@ class AttentionMetadata:
     # The sliding-window layers' own metadata (their block tables and slot mapping, from the
     # KV cache manager's sliding-window group), or None when they share this one.
     window_meta: Optional["AttentionMetadata"] = None
+
+
+def check_window(window) -> int:
+    """`window` as an int, validated: a sliding window of >= 0 tokens (0: full attention).
+
+    Raises:
+        ValueError: a negative or non-integer window.
+    """
+    try:
+        w = operator.index(window)  # int, numpy integers
+    except TypeError:
+        w = -1
+    if isinstance(window, bool) or w < 0:
+        raise ValueError(f"window must be an int >= 0 (tokens; 0: full attention), got {window!r}")
+    return w
 
 
 class AttentionBackend(ABC):

@@ -64,14 +64,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            scale: float, out: Optional[torch.Tensor] = None,
                            num_threads: Optional[int] = None, lib: Optional[ctypes.CDLL] = None,
-                           order: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           order: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
     """Decode attention over a paged KV cache, reading each sequence's blocks in place.
 
     For an int8 cache each row holds D codes and its fp32 scale (value = code * scale), read
     without expanding the cache; an fp16 cache's values are widened to fp32 as they are read.
 
     out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, where K_b/V_b are the first seq_lens[b]
-    slots reached through block_tables[b], for KV head h // (Hq // Hkv) (GQA).
+    slots reached through block_tables[b], for KV head h // (Hq // Hkv) (GQA); with a sliding
+    `window` > 0 only the last `window` of them, the blocks before those never read.
 
     Args:
         q: [B, Hq, D] float32 (one query token per sequence); made contiguous if it is not.
@@ -86,11 +87,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lib: a specific build (tests: `generic_build()`); default the one `available()` loads.
         order: optional [B] int64, the sequences in the order to hand them to the threads,
             longest first (`decode_task_order`, the default).
+        window: sliding window in tokens (0: the whole sequence).
     Returns:
         out, [B, Hq, D] float32.
     Raises:
         RuntimeError: if the kernel is unavailable or refuses the shape (check `supports` first).
-        ValueError: on a dtype, device or layout it cannot read.
+        ValueError: on a dtype, device or layout it cannot read, or a negative window.
     """
     lib = lib or _cpu.library()
     if lib is None:
@@ -116,7 +118,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if order is None:
         order = decode_task_order(sl, 1) if b > 1 else torch.zeros(b, dtype=torch.int64)
     tiles = torch.stack((order, torch.ones_like(order)), dim=1).contiguous()
-    _cpu.paged_attention(q, k_cache, v_cache, bt, None, sl, tiles, block_size, scale, out, lib=lib)
+    _cpu.paged_attention(q, k_cache, v_cache, bt, None, sl, tiles, block_size, scale, out, lib=lib, window=window)
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ..kernels import cpu as _cpu
 from . import cpu_kernel
-from .base import AttentionMetadata
+from .base import AttentionMetadata, check_window
 from .torch_ref import TorchAttentionBackend, _kv_write_fast, _sdpa
 
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -96,14 +96,18 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
         k_cache.index_copy_(1, meta.slot_mapping, self.encode(k))
         v_cache.index_copy_(1, meta.slot_mapping, self.encode(v))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, window=0):
+        window = check_window(window)
         self._write_kv(k, v, k_cache, v_cache, meta)
         if out is None:
             out = torch.empty_like(q)
         if self.kv_cache_dtype == "int8" and self._kernel_serves(q, k_cache, meta):
             tables, row_seq, kv_len, tiles = self._kernel_plan(meta, q, k_cache)
             return _cpu.paged_attention(q, k_cache, v_cache, tables, row_seq, kv_len, tiles, meta.block_size,
-                                        scale, out)
+                                        scale, out, window=window)
+        if window:  # (reads every row's keys back through the cache, as below)
+            self._window_attention(q, k_cache, v_cache, meta, scale, out, window)
+            return out
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu as _cpu
 from . import cpu_kernel
-from .base import AttentionBackend, AttentionMetadata
+from .base import AttentionBackend, AttentionMetadata, check_window
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
@@ -56,6 +56,11 @@ class TorchAttentionBackend(AttentionBackend):
     the fresh k/v are used directly with a causal mask; otherwise the prefix is
     gathered from the cache and the mask is offset by the prefix length.
 
+    Sliding-window layers (`forward(..., window=w)`): the C kernel skips the blocks wholly before
+    each tile's window; the PyTorch path gathers, per decoding sequence and per prefill chunk, only
+    the blocks from the one holding its first query's earliest visible key (p - w + 1) on, and
+    masks the keys outside each query's window; both read every sequence's keys through the cache.
+
     Args:
         cpu_kernel: use the C decode kernel where it serves the tensors (None: yes unless
             TOKENMILL_CPU_KERNELS=0; False: always the PyTorch path, as the tests' oracle).
@@ -98,6 +103,8 @@ class TorchAttentionBackend(AttentionBackend):
             pre.append((start, qlen, blocks, slen, mask))
         cache["prefill"] = pre
         meta.cache = cache
+        if meta.window_meta is not None and meta.window_meta is not meta:
+            self.prepare(meta.window_meta)  # the sliding-window layers' own block tables
 
     def _prepare_decode_buckets(self, meta: AttentionMetadata, cache: dict) -> None:
         """The PyTorch decode path's plan: the shared leading blocks and the length buckets."""
@@ -207,6 +214,65 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out[idx] = od
 
+    def _window_plan(self, meta: AttentionMetadata, window: int):
+        """The PyTorch path's plan for a `window` (made on the first layer of that window, reused by
+        the others). Decodes: per sequence the blocks from the one holding its first visible key
+        (len - window) to its last, padded to the batch's widest with its last block, as
+        (block ids [Bd * nw], keys per sequence nw * block_size, bias [Bd, nw * block_size] with -inf
+        outside the window); prefill chunks: (start, qlen, blocks, first gathered position, seq len,
+        mask [qlen, keys] True where a query attends)."""
+        key = ("window", window)
+        plan = meta.cache.get(key)
+        if plan is not None:
+            return plan
+        bd, bs = meta.num_decode_tokens, meta.block_size
+        dev = meta.slot_mapping.device
+        dec = None
+        if bd > 0:
+            lens = meta.decode_seq_lens.to(dev).long()
+            lo = (lens - window).clamp_min(0)  # first visible key
+            first, last = lo // bs, (lens - 1) // bs
+            nw = int((last - first).max()) + 1
+            j = first[:, None] + torch.arange(nw, device=dev)  # [Bd, nw] block positions
+            blocks = meta.decode_block_tables.to(dev).long().gather(1, torch.minimum(j, last[:, None]))
+            pos = (j[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(bd, nw * bs)
+            bias = torch.zeros(bd, nw * bs, device=dev, dtype=torch.float32)
+            bias.masked_fill_((pos >= lens[:, None]) | (pos < lo[:, None]), float("-inf"))
+            dec = (blocks.reshape(-1), nw * bs, bias)
+        pre = []
+        for start, qlen, slen, bt in zip(meta.prefill_query_starts, meta.prefill_query_lens, meta.prefill_seq_lens,
+                                         meta.prefill_block_tables):
+            prefix = slen - qlen
+            f = max(0, prefix - window + 1) // bs  # the block of the first query's earliest key
+            blocks = self._block_rows_index(bt[f: (slen + bs - 1) // bs].to(dev).long())
+            pos = torch.arange(f * bs, slen, device=dev)
+            qp = prefix + torch.arange(qlen, device=dev)
+            mask = (pos[None, :] <= qp[:, None]) & (pos[None, :] > qp[:, None] - window)
+            pre.append((start, qlen, blocks, f * bs, slen, mask))
+        plan = meta.cache[key] = (dec, pre)
+        return plan
+
+    def _window_attention(self, q, k_cache, v_cache, meta, scale, out, window: int) -> None:
+        """Sliding-window attention of every row (the PyTorch path), written into `out`: the decodes
+        in one masked matmul pair over their windows' blocks, each prefill chunk through SDPA over
+        its window's blocks."""
+        dec, pre = self._window_plan(meta, window)
+        hkv, d = k_cache.shape[0], q.shape[2]
+        bd, hq, bs = meta.num_decode_tokens, q.shape[1], meta.block_size
+        if bd > 0:
+            blocks, length, bias = dec
+            qh = q[:bd].view(bd, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, Bd, G, D]
+            kd = self._read(self._gather_blocks(k_cache, blocks, bs), q.dtype).view(hkv, bd, length, d)
+            vd = self._read(self._gather_blocks(v_cache, blocks, bs), q.dtype).view(hkv, bd, length, d)
+            scores = torch.matmul(qh, kd.transpose(-1, -2)).float() + bias[None, :, None, :]
+            probs = torch.softmax(scores * scale, dim=-1).to(q.dtype)
+            out[:bd] = torch.matmul(probs, vd).transpose(0, 1).reshape(bd, hq, d)
+        for start, qlen, blocks, p0, slen, mask in pre:
+            qs = q[start: start + qlen].transpose(0, 1)  # [Hq, qlen, D]
+            ks = self._read(self._gather_blocks(k_cache, blocks, bs)[:, : slen - p0], q.dtype)
+            vs = self._read(self._gather_blocks(v_cache, blocks, bs)[:, : slen - p0], q.dtype)
+            out[start: start + qlen] = _sdpa(qs, ks, vs, mask, scale).transpose(0, 1)
+
     def _write_kv(self, k, v, k_cache, v_cache, meta) -> None:
         """New K/V rows into the cache: one C call on the CPU (fp32 rows, fp32 or fp16 cache), else
         two index_copy_ (the same fp16 bits: both round to nearest even)."""
@@ -269,7 +335,8 @@ class TorchAttentionBackend(AttentionBackend):
                                                 and cpu_kernel.supports(q, k_cache, meta.block_size))
         return ok
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, window=0):
+        window = check_window(window)
         self._write_kv(k, v, k_cache, v_cache, meta)
         if out is None:
             out = torch.empty_like(q)
@@ -277,7 +344,10 @@ class TorchAttentionBackend(AttentionBackend):
             # decodes and prefill chunks alike: one C call reads every row's KV in place
             tables, row_seq, kv_len, tiles = self._kernel_plan(meta, q, k_cache)
             return _cpu.paged_attention(q, k_cache, v_cache, tables, row_seq, kv_len, tiles, meta.block_size,
-                                        scale, out)
+                                        scale, out, window=window)
+        if window:
+            self._window_attention(q, k_cache, v_cache, meta, scale, out, window)
+            return out
         c = meta.cache
         bd = meta.num_decode_tokens
         if bd > 0:

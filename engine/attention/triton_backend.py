@@ -17,6 +17,11 @@ Three kernels:
   read from the paged cache after the write (FlashAttention-2 style online
   softmax, Dao 2023, arXiv 2307.08691).
 
+Sliding-window layers (`window` > 0: a query at position p attends keys p - window < j <= p):
+the decode kernel splits only the window's keys, and each prefill tile starts at its first
+query's earliest visible key; neither reads a block wholly before that, so those blocks'
+table entries may point at any valid block.
+
 Cache layout (`cache_shape`): [num_blocks * block_size, num_kv_heads, head_dim]
 per layer (token-major: the K of one token for all heads is contiguous, so
 the cache write is one contiguous store per token and a decode tile is a row
@@ -30,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import AttentionBackend, AttentionMetadata
+from .base import AttentionBackend, AttentionMetadata, check_window
 
 _LOG2E = 1.4426950408889634
 
@@ -59,7 +64,7 @@ def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
     stride_ot, stride_oh,
-    qk_scale, num_splits,
+    qk_scale, num_splits, window,
     G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
 ):
@@ -67,8 +72,9 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = sp * per_split
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # first visible key
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + sp * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -137,7 +143,7 @@ def _combine_kernel(
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qstart_ptr, qlen_ptr, seqlen_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
-    qk_scale,
+    qk_scale, window,
     G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -161,7 +167,9 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, prefix + (mt + 1) * BLOCK_M)
-        for n0 in range(0, kv_end, BLOCK_N):
+        # the tile's first query's earliest visible key (0 without a window)
+        kv_start = tl.where(window > 0, tl.maximum(prefix + mt * BLOCK_M - window + 1, 0), 0)
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             nmask = pos < kv_end
             blk = tl.load(bt_ptr + seq * stride_bt + pos // PAGE, mask=nmask, other=0).to(tl.int64)
@@ -170,10 +178,15 @@ def _prefill_kernel(
             k = tl.load(kc_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(vc_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kvmask, other=0.0)
             s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-            s = tl.where(nmask[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+            seen = nmask[None, :] & (pos[None, :] <= qpos[:, None])
+            seen = seen & ((window == 0) | (pos[None, :] > qpos[:, None] - window))
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            # a row whose window starts after these keys has seen none yet: m stays -inf, and the
+            # exponents take 0 in its place (exp2(-inf) = 0, not nan); unchanged where m is finite
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
@@ -204,7 +217,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, page_size: int, num_splits: int = 1,
-                     out: Optional[torch.Tensor] = None, block_n: int = 64) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, block_n: int = 64, window: int = 0) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV.
 
     Args:
@@ -214,6 +227,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         page_size: tokens per block.
         num_splits: KV ranges per sequence reduced in parallel (split-K), >= 1.
         out: optional [B, Hq, D] destination (a view of a larger output is fine).
+        window: sliding window in tokens: only the last `window` keys of each sequence are read
+            and attended (0: all of them).
     Returns:
         [B, Hq, D] in q's dtype.
     """
@@ -230,13 +245,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     args = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E)
     if num_splits <= 1:
-        _decode_kernel[(b, hkv, 1)](q, k_cache, v_cache, block_tables, seq_lens, out, out, out, *args, 1,
+        _decode_kernel[(b, hkv, 1)](q, k_cache, v_cache, block_tables, seq_lens, out, out, out, *args, 1, window,
                                     DIRECT=True, num_warps=4, **common)
         return out
     part = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(b, hkv, num_splits)](q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, *args,
-                                         num_splits, DIRECT=False, num_warps=4, **common)
+                                         num_splits, window, DIRECT=False, num_warps=4, **common)
     _combine_kernel[(b, hq)](part, lse, out, out.stride(0), out.stride(1), num_splits,
                              HEAD_D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=bd)
     return out
@@ -245,7 +260,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                       seq_lens: torch.Tensor, max_q_len: int, scale: float, page_size: int,
-                      block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                      block_m: int = 64, block_n: int = 64, window: int = 0) -> torch.Tensor:
     """Causal attention of a varlen batch of chunks over their paged KV (prefix + the chunk itself).
 
     Args:
@@ -255,6 +270,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_tables: [P, max_blocks] int; q_starts, q_lens, seq_lens: [P] int
             (seq_lens = cached prefix + chunk length).
         max_q_len: the longest chunk (sizes the grid).
+        window: sliding window in tokens: a query at position p attends keys p - window < j <= p,
+            and a tile reads no block before its first query's window (0: keys j <= p).
     """
     p = q_starts.shape[0]
     hq, d = q.shape[1], q.shape[2]
@@ -265,7 +282,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), scale * _LOG2E,
+        out.stride(0), out.stride(1), block_tables.stride(0), scale * _LOG2E, window,
         G=hq // hkv, HEAD_D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if block_m <= 64 else 8, num_stages=2,
     )
@@ -326,8 +343,11 @@ class TritonAttentionBackend(AttentionBackend):
             c["prefill_info"] = info.to(dev, non_blocking=True)
             c["max_q_len"] = max(meta.prefill_query_lens)
         meta.cache = c
+        if meta.window_meta is not None and meta.window_meta is not meta:
+            self.prepare(meta.window_meta)  # the sliding-window layers' own block tables
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, window=0):
+        window = check_window(window)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
             out = torch.empty_like(q)
@@ -337,9 +357,9 @@ class TritonAttentionBackend(AttentionBackend):
             max_len = meta.decode_block_tables.shape[1] * meta.block_size
             splits = self.num_splits or num_decode_splits(bd, k_cache.shape[1], max_len, self._sms(q.device))
             decode_attention(q[:bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                             meta.block_size, splits, out=out[:bd], block_n=self.decode_block_n)
+                             meta.block_size, splits, out=out[:bd], block_n=self.decode_block_n, window=window)
         if "prefill_info" in c:
             info = c["prefill_info"]
             prefill_attention(q, k_cache, v_cache, out, c["prefill_bt"], info[0], info[1], info[2],
-                              c["max_q_len"], scale, meta.block_size, self.block_m, self.block_n)
+                              c["max_q_len"], scale, meta.block_size, self.block_m, self.block_n, window)
         return out

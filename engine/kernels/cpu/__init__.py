@@ -92,13 +92,14 @@ _SIGNATURES = {
     "tm_kv_write": (None, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I]),
     "tm_argmax_rows": (None, [_P, _I64, _I64, _I64, _P]),
     "tm_attention_tile_rows": (_I, [_I64]),
-    "tm_paged_attention": (_I, [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I64] * 5 + [_F]),
+    "tm_paged_attention": (_I, [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I64] * 5
+                           + [_F, _I64]),
     "tm_decoder_layer_words": (_I, []),
     "tm_decoder_set_timing": (None, [_I]),
     "tm_decoder_num_timers": (_I, []),
     "tm_decoder_timings": (None, [_P]),
     "tm_decoder_forward": (_I, [_P, _I64, _P, _F, _F, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64]
-                           + [_P] * 7),
+                           + [_P] * 7 + [_P, _P, _P, _I64]),
 }
 _bound: set[int] = set()
 
@@ -755,7 +756,8 @@ def attention_tile_rows(group: int, lib: Optional[ctypes.CDLL] = None) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: Optional[torch.Tensor], kv_len: torch.Tensor, tiles: torch.Tensor, block_size: int,
-                    scale: float, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+                    scale: float, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None,
+                    window: int = 0) -> torch.Tensor:
     """Causal attention of query rows over the paged KV cache, blocks read in place (`attention.c`).
 
     Args:
@@ -768,11 +770,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tiles: [num_tiles, 2] int64 (first row, rows): consecutive rows of one sequence, at most
             `attention_tile_rows(Hq // Hkv)` rows each; every row in exactly one tile.
         out: [T, Hq, D] float32 (rows may be strided), written.
+        window: sliding window in tokens: row r attends only keys kv_len[r] - window <= j < kv_len[r]
+            (position p sees p - window < j <= p), and the blocks wholly before a tile's window are
+            not read (their table entries may point at any valid block); 0: every key below kv_len[r].
     Returns:
         out.
     Raises:
+        ValueError: a negative window, or a cache the kernel cannot read.
         RuntimeError: a shape the kernel does not serve (check `engine.attention.cpu_kernel.supports`).
     """
+    if window < 0:
+        raise ValueError(f"window must be >= 0 tokens (0: full attention), got {window}")
     lib = _lib(lib)
     t, hq, d = q.shape
     hkv, s, _ = k_cache.shape
@@ -784,7 +792,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rc = lib.tm_paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), fmt, block_tables.data_ptr(),
         block_tables.shape[1], None if row_seq is None else row_seq.data_ptr(), kv_len.data_ptr(),
-        tiles.data_ptr(), tiles.shape[0], out.data_ptr(), out.stride(0), hq, hkv, d, s, block_size, float(scale))
+        tiles.data_ptr(), tiles.shape[0], out.data_ptr(), out.stride(0), hq, hkv, d, s, block_size, float(scale),
+        int(window))
     if rc:
         raise RuntimeError(f"the CPU attention kernel refused Hq={hq}, Hkv={hkv}, D={d}, block_size={block_size}")
     return out

@@ -5,7 +5,11 @@
  * Every query row r (one token) attends over the first kv_len[r] key/value slots of its
  * sequence, found block by block through that sequence's block table; with
  * kv_len[r] = position + 1 this is causal attention over a cached prefix plus the new
- * tokens up to r itself. Work comes in tiles: a tile is up to a few consecutive rows of
+ * tokens up to r itself. With a sliding window w > 0 row r sees only the last w of them, keys
+ * kv_len[r] - w <= j < kv_len[r] (a query at position p attends p - w < j <= p: Beltagy et al.
+ * 2020, arXiv 2004.05150; Mistral, Gemma 3), and the blocks wholly before a tile's window are
+ * not read at all, so their block-table entries may point anywhere valid (a freed block's
+ * placeholder). Work comes in tiles: a tile is up to a few consecutive rows of
  * one sequence, and a task is (tile, KV head), so the K/V of a block are read once for
  * all the tile's rows and for the G query heads of a GQA group (Ainslie et al. 2023,
  * arXiv 2305.13245). The softmax is computed online, one sub-block of VL keys at a time,
@@ -20,7 +24,8 @@
  *                fp16, widened to fp32 as they are loaded (the arithmetic is fp32 throughout)
  *   block_tables [num_seqs, max_blocks] int32
  *   row_seq      [T] int32, the block-table row of each query row (NULL: row r -> r)
- *   kv_len       [T] int64, keys visible to each row (>= 1)
+ *   kv_len       [T] int64, keys visible to each row (>= 1): its position + 1
+ *   window       the sliding window in tokens, 0 for none
  *   tiles        [num_tiles, 2] int64 (first row, rows), rows of one sequence in order
  *   out          rows [T] of stride ldo floats, laid out as q
  *
@@ -60,7 +65,13 @@ typedef struct {
     int64_t ldo;
     int64_t hq, hkv, d, s, block_size;
     float scale;
+    int64_t window; /* sliding window in tokens, 0: none */
 } tm_attn;
+
+/* The first key a row that sees `len` keys attends: len - window under a window, else 0. */
+static inline int64_t win_lo(const tm_attn *j, int64_t len) {
+    return j->window > 0 && len > j->window ? len - j->window : 0;
+}
 
 static inline float row_scale(const char *row, int64_t d) {
     float sc;
@@ -84,7 +95,7 @@ static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
             const float *q = j->q + r * j->ldq + (h * g_n + g) * d;
             float m = -INFINITY, l = 0.0f;
             memset(acc, 0, sizeof(float) * d);
-            for (int64_t t = 0; t < len; ++t) {
+            for (int64_t t = win_lo(j, len); t < len; ++t) {
                 const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;
                 const char *kr = kh + slot * rb, *vr = vh + slot * rb;
                 float sc = 0.0f;
@@ -499,9 +510,10 @@ static inline void prefetch_next_tile(const tm_attn *j, int64_t t, int64_t chunk
     }
     const int64_t r0 = j->tiles[2 * t], nr = j->tiles[2 * t + 1];
     const int64_t seq = j->row_seq ? j->row_seq[r0] : r0, len = j->kv_len[r0 + nr - 1];
+    const int64_t first = win_lo(j, j->kv_len[r0]) / j->block_size * j->block_size;
     const int64_t rb = tm_kv_row_bytes(j->kv, j->d);
     pf_set(c, (const char *)j->k_cache, (const char *)j->v_cache, j->block_tables + seq * j->max_blocks,
-           j->block_size, rb, 0, len < chunk ? len : chunk);
+           j->block_size, rb, first, len - first < chunk ? len - first : chunk);
 }
 
 /* One (tile, KV head) task; D is 0 for a runtime head_dim (j->d), or a compile-time 64 / 128.
@@ -527,8 +539,10 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
     const int use_kf = kv == TM_KV_F16 && D && qg > 1;
     float kf[TM_CHUNK * (D ? D : 1)] __attribute__((aligned(64)));
     float m[TM_MAX_QG], l[TM_MAX_QG];
-    int64_t lim[TM_MAX_QG];
-    int64_t maxlen = 0;
+    int64_t lim[TM_MAX_QG], lo[TM_MAX_QG];
+    /* per chunk, the keys [vlo, vhi) of it that a query attends (chunk-relative; empty: none) */
+    int64_t vlo[TM_MAX_QG], vhi[TM_MAX_QG];
+    int64_t maxlen = 0, minlo = INT64_MAX;
     const vf scale8 = V_SET1(j->scale);
 #if defined(TM_AVX512)
     /* int8 rows of a compile-time head_dim in integer arithmetic (whole VL-key groups per block) */
@@ -547,7 +561,9 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
         m[x] = -INFINITY;
         l[x] = 0.0f;
         lim[x] = j->kv_len[r];
+        lo[x] = win_lo(j, lim[x]);
         maxlen = lim[x] > maxlen ? lim[x] : maxlen;
+        minlo = lo[x] < minlo ? lo[x] : minlo;
 #if defined(TM_AVX512)
         if (use_i) { /* the scaled query as int16 codes: qs = sq * q16 */
             vf mx = V_ZERO();
@@ -562,8 +578,14 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
 #endif
     }
     const int64_t chunk = bs >= TM_CHUNK ? bs : TM_CHUNK - TM_CHUNK % bs; /* whole blocks */
-    for (int64_t pos0 = 0; pos0 < maxlen; pos0 += chunk) {
+    /* the block of the earliest key any row attends: the blocks before it are not read */
+    const int64_t first = minlo / bs * bs;
+    for (int64_t pos0 = first; pos0 < maxlen; pos0 += chunk) {
         const int64_t n = maxlen - pos0 < chunk ? maxlen - pos0 : chunk; /* keys some row may see */
+        for (int64_t x = 0; x < qg; ++x) {
+            vhi[x] = lim[x] - pos0 < n ? lim[x] - pos0 : n;
+            vlo[x] = lo[x] > pos0 ? lo[x] - pos0 : 0;
+        }
         /* the next chunk's blocks lie elsewhere: fetch them whole while this one is computed
          * (after a head's last chunk, the next head's first) */
         pf_cursor pfc;
@@ -571,7 +593,8 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
             const int64_t nn = maxlen - pos0 - chunk < chunk ? maxlen - pos0 - chunk : chunk;
             pf_set(&pfc, kh, vh, table, bs, rb, pos0 + chunk, nn);
         } else if (h + 1 < j->hkv) {
-            pf_set(&pfc, kh + j->s * rb, vh + j->s * rb, table, bs, rb, 0, maxlen < chunk ? maxlen : chunk);
+            pf_set(&pfc, kh + j->s * rb, vh + j->s * rb, table, bs, rb, first,
+                   maxlen - first < chunk ? maxlen - first : chunk);
         } else {
             prefetch_next_tile(j, tile + TM_PF_TILE, chunk, &pfc);
         }
@@ -603,9 +626,9 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
         const int64_t rbk = use_kf ? (int64_t)D * 4 : rb; /* the score loop's K row stride */
         /* scores: sb[x][0..n) */
         for (int64_t x = 0; x < qg; ++x) {
-            if (lim[x] <= pos0) continue; /* this row sees none of these keys */
-            const int64_t vis = lim[x] - pos0 < n ? lim[x] - pos0 : n;
-            for (int64_t u0 = 0, cnt = 0; u0 < vis; u0 += cnt) {
+            if (vlo[x] >= vhi[x]) continue; /* this row sees none of these keys */
+            const int64_t vis = vhi[x];
+            for (int64_t u0 = vlo[x], cnt = 0; u0 < vis; u0 += cnt) {
                 pf_advance(&pfc, pf_quota);
                 /* up to VL keys of one block (a block size that VL does not divide splits a group) */
                 const int64_t p0 = pos0 + u0, off = p0 % bs;
@@ -656,19 +679,19 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
         }
         /* one online-softmax update per query over the chunk; sb becomes p (times V's row scale) */
         for (int64_t x = 0; x < qg; ++x) {
-            if (lim[x] <= pos0) continue;
-            const int64_t vis = lim[x] - pos0 < n ? lim[x] - pos0 : n;
+            if (vlo[x] >= vhi[x]) continue;
+            const int64_t vis = vhi[x], s0 = vlo[x];
             vf mx = V_SET1(-INFINITY);
             /* lanes past vis may hold an earlier chunk's scores (a group split at a block end
              * stores VL lanes but fills only its keys): mask them */
-            for (int64_t u0 = 0; u0 < vis; u0 += VL)
+            for (int64_t u0 = s0; u0 < vis; u0 += VL)
                 mx = _mm_max_helper(mx, keep_first(V_LOAD(sb[x] + u0), vis - u0, -INFINITY));
             const float mb = V_HMAX(mx);
             const float m_new = mb > m[x] ? mb : m[x];
             const float corr = tm_expf(m[x] - m_new);
             const vf mn = V_SET1(m_new);
             vf sum = V_ZERO();
-            for (int64_t u0 = 0; u0 < vis; u0 += VL) {
+            for (int64_t u0 = s0; u0 < vis; u0 += VL) {
                 const int64_t cnt = vis - u0 < VL ? vis - u0 : VL;
                 vf p = keep_first(vexp(V_SUB(V_LOAD(sb[x] + u0), mn)), cnt, 0.0f);
                 sum = V_ADD(sum, p);
@@ -676,6 +699,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
                 V_STORE(sb[x] + u0, p);
             }
             for (int64_t u = vis; u < n; ++u) sb[x][u] = 0.0f; /* keys past this row's position */
+            for (int64_t u = 0; u < s0; ++u) sb[x][u] = 0.0f;  /* and before its window */
             l[x] = l[x] * corr + V_HSUM(sum);
             m[x] = m_new;
             if (corr != 1.0f) {
@@ -686,7 +710,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
 #if defined(TM_AVX512)
         if (use_i) { /* acc += p V in int16 pairs, a block segment at a time, queries in groups */
             for (int64_t x = 0; x < qg; ++x) {
-                if (lim[x] > pos0) {
+                if (vlo[x] < vhi[x]) {
                     sw[x] = quantize_w16(sb[x], n, w16[x]);
                 } else {
                     sw[x] = 0.0f;
@@ -727,9 +751,8 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
          * ms; decode steps (tiles of 3 queries, grouped as before) unchanged. */
         const int64_t gmax = D ? (24 / (D / VL) < 6 ? 24 / (D / VL) : 6) : 0;
         const int64_t ngrp = gmax > 0 ? (qg + gmax - 1) / gmax : 0, gsz = ngrp > 0 ? (qg + ngrp - 1) / ngrp : 0;
-        if (gsz > 0)
-            for (int64_t x = 0; x < qg; ++x)
-                if (lim[x] <= pos0) memset(sb[x], 0, sizeof(float) * (size_t)n);
+        for (int64_t x = 0; x < qg; ++x) /* (pv_loop skips a row past its position, not one before its window) */
+            if (vlo[x] >= vhi[x]) memset(sb[x], 0, sizeof(float) * (size_t)n);
         for (int64_t u0 = 0; u0 < n;) {
             const int64_t p0 = pos0 + u0, off = p0 % bs;
             const int64_t seg = (bs - off < n - u0) ? bs - off : n - u0;
@@ -778,10 +801,11 @@ static void prefetch_tile(const tm_attn *j, int64_t tile) {
     const int64_t seq = j->row_seq ? j->row_seq[r0] : r0;
     const int32_t *table = j->block_tables + seq * j->max_blocks;
     const int64_t len = j->kv_len[r0 + nr - 1], bs = j->block_size;
+    const int64_t first = win_lo(j, j->kv_len[r0]) / bs * bs;
     const int64_t rb = tm_kv_row_bytes(j->kv, j->d);
     for (int64_t h = 0; h < j->hkv; ++h) {
         const char *kh = (const char *)j->k_cache + h * j->s * rb, *vh = (const char *)j->v_cache + h * j->s * rb;
-        for (int64_t p = 0; p < TM_CHUNK && p < len; p += bs) {
+        for (int64_t p = first; p < first + TM_CHUNK && p < len; p += bs) {
             const int64_t at = (int64_t)table[p / bs] * bs * rb, bytes = (len - p < bs ? len - p : bs) * rb;
             for (int64_t off = 0; off < bytes && off < 2 * 64; off += 64) { /* the streamer does the rest */
                 __builtin_prefetch(kh + at + off, 0, 3);
@@ -829,11 +853,13 @@ static void attn_chunk(void *vctx, int64_t tile) {
 int tm_attention_tile_rows(int64_t g) { return g >= TM_MAX_QG ? 1 : (int)(TM_MAX_QG / (g > 0 ? g : 1)); }
 
 /* Returns 0, or -1 for a shape this build does not serve (G > 16, D > 256, block size > 64,
- * or a tile of more rows than tm_attention_tile_rows allows). */
+ * a tile of more rows than tm_attention_tile_rows allows, or a negative window). */
 int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int kv,
                        const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
                        const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *out, int64_t ldo,
-                       int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale) {
+                       int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale,
+                       int64_t window) {
+    if (window < 0) return -1;
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > TM_MAX_G || d > TM_MAX_D || block_size > TM_MAX_BS) return -1;
     if (kv != TM_KV_F32 && kv != TM_KV_I8 && kv != TM_KV_F16) return -1;
     const int64_t rows_max = tm_attention_tile_rows(hq / hkv);
@@ -842,7 +868,7 @@ int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const v
     tm_attn j = {.q = q, .ldq = ldq, .k_cache = k_cache, .v_cache = v_cache, .kv = kv,
                  .block_tables = block_tables, .max_blocks = max_blocks, .row_seq = row_seq, .kv_len = kv_len,
                  .tiles = tiles, .num_tiles = num_tiles, .out = out, .ldo = ldo, .hq = hq, .hkv = hkv, .d = d, .s = s,
-                 .block_size = block_size, .scale = scale};
+                 .block_size = block_size, .scale = scale, .window = window};
     tm_parallel_for(num_tiles, attn_chunk, &j);
     return 0;
 }

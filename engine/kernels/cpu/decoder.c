@@ -40,7 +40,8 @@ void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64
 int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int kv,
                        const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
                        const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *out, int64_t ldo,
-                       int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale);
+                       int64_t hq, int64_t hkv, int64_t d, int64_t s, int64_t block_size, float scale,
+                       int64_t window);
 void tm_gemm_f32(const float *x, int64_t ldx, const float *w_packed, const float *bias, float *y, int64_t ldy,
                  int64_t m, int64_t n, int64_t k, int accumulate);
 int tm_gemm_q(int kind, int has_min, const float *x, int64_t ldx, const void *w_packed, const float *bias, float *y,
@@ -138,6 +139,10 @@ static int linear_silu(const int64_t *l, const float *x, int64_t ldx, float *act
  * positions [t] int64; cos/sin [max_pos, head_dim / 2] fp32; slots [t] int64 (KV write targets);
  * block_tables [rows, max_blocks] int32, row_seq [t] int32 or NULL, kv_len [t] int64, tiles
  * [num_tiles, 2] int64 (the attention plan, as tm_paged_attention takes it).
+ * windows [num_layers] int64 or NULL: each layer's sliding window in tokens (0: full attention; NULL:
+ * every layer full). The sliding-window layers write and read their KV through w_slots [t] int64 and
+ * w_block_tables [rows, w_max_blocks] int32 (the KV cache's sliding-window group: the same rows,
+ * positions and tiles, other blocks) where those are given, else through slots and block_tables.
  * Scratch: x [t, hidden], qkv [t, (hq + 2 hkv) d], a [t, hq d], gu [t, 2 inter], act [t, inter];
  * codes / scales: W8A8 activation scratch for the widest layer input (may be NULL without W8A8).
  * Returns 0, or the 1-based index of the layer a kernel refused.
@@ -146,7 +151,8 @@ int tm_decoder_forward(const int64_t *desc, int64_t num_layers, const int64_t *d
                        float *h, int64_t t, const int64_t *positions, const float *cos_t, const float *sin_t,
                        const int64_t *slots, const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
                        const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *x, float *qkv,
-                       float *a, float *gu, float *act, unsigned char *codes, float *scales) {
+                       float *a, float *gu, float *act, unsigned char *codes, float *scales, const int64_t *windows,
+                       const int64_t *w_slots, const int32_t *w_block_tables, int64_t w_max_blocks) {
     const int64_t hidden = dims[0], hq = dims[1], hkv = dims[2], d = dims[3], inter = dims[4], s = dims[5];
     const int64_t bs = dims[6];
     const int kv = (int)dims[7];
@@ -155,15 +161,20 @@ int tm_decoder_forward(const int64_t *desc, int64_t num_layers, const int64_t *d
         const int64_t *L = desc + i * TM_DEC_LAYER_WORDS;
         const int64_t *lin = L + 4;
         void *kc = (void *)(intptr_t)L[2], *vc = (void *)(intptr_t)L[3];
+        const int64_t window = windows ? windows[i] : 0;
+        const int own = window > 0 && w_block_tables; /* the sliding-window group's blocks */
+        const int64_t *sl = own ? w_slots : slots;
+        const int32_t *bt = own ? w_block_tables : block_tables;
+        const int64_t mb = own ? w_max_blocks : max_blocks;
         int rc = 0;
         TIMED(T_NORM, tm_rms_norm(h, hidden, (const float *)(intptr_t)L[0], x, hidden, t, hidden, eps));
         TIMED(T_LINEAR, rc = linear(lin, x, hidden, qkv, ldqkv, t, 0, codes, scales));
         if (rc) return (int)i + 1;
         TIMED(T_ROPE, tm_rope(qkv, ldqkv, t, hq + hkv, d, positions, cos_t, sin_t));
         TIMED(T_KV_WRITE,
-              tm_kv_write(qkv + q_size, ldqkv, qkv + q_size + kv_size, ldqkv, t, hkv, d, slots, kc, vc, s, kv));
-        TIMED(T_ATTENTION, rc = tm_paged_attention(qkv, ldqkv, kc, vc, kv, block_tables, max_blocks, row_seq,
-                                                   kv_len, tiles, num_tiles, a, q_size, hq, hkv, d, s, bs, scale));
+              tm_kv_write(qkv + q_size, ldqkv, qkv + q_size + kv_size, ldqkv, t, hkv, d, sl, kc, vc, s, kv));
+        TIMED(T_ATTENTION, rc = tm_paged_attention(qkv, ldqkv, kc, vc, kv, bt, mb, row_seq, kv_len, tiles,
+                                                   num_tiles, a, q_size, hq, hkv, d, s, bs, scale, window));
         if (rc) return (int)i + 1;
         TIMED(T_LINEAR, rc = linear(lin + TM_DEC_LIN_WORDS, a, q_size, h, hidden, t, 1, codes, scales));
         if (rc) return (int)i + 1;

@@ -12,7 +12,10 @@ It serves a step only when everything the loop would do is one of those kernels:
 linear layer a `CpuLinear`, `CpuBf16Linear`, `CpuQuantLinear` or `W8A8Linear` without hooks, `CpuOps` for
 the small ops, fp32, fp16 or int8 KV caches and the torch attention backend (or its int8-cache
 subclass) with its C kernel serving the step. Anything else (a hook observing a layer for
-calibration, another backend, a layer of another class) runs the Python loop.
+calibration, another backend, a layer of another class) runs the Python loop. Sliding-window
+layers (`ModelConfig.window(i)` > 0) attend their window only, as the backend's `forward(...,
+window=)` does, through the step's own block tables or the sliding-window group's
+(`AttentionMetadata.window_meta`).
 """
 from __future__ import annotations
 
@@ -59,6 +62,8 @@ class CpuDecoder:
     Attributes:
         desc: [num_layers * words] int64, the layer descriptions (pointers into the model's
             tensors, which this object keeps referenced through `modules` and `kv_caches`).
+        windows: [num_layers] int64, each layer's sliding window in tokens (`model.cfg.window(i)`,
+            0: full attention), or None when no layer has one.
         modules: the layer modules described, in order (a swap makes the description stale).
     Raises:
         ValueError: if some layer or cache cannot be described (check `CpuDecoder.describe`).
@@ -77,6 +82,8 @@ class CpuDecoder:
         self._hook_dicts = [d for lin in self.modules for d in (lin._forward_pre_hooks, lin._forward_hooks)]
         self.kv_caches = kv_caches
         self.num_layers = len(model.layers)
+        wins = [int(cfg.window(i)) for i in range(self.num_layers)]
+        self.windows = torch.tensor(wins, dtype=torch.int64) if any(wins) else None
         kc = kv_caches[0][0]
         self.dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                   cfg.intermediate_size, kc.shape[1], 0, kv_row_format(kc, cfg.head_dim)],
@@ -134,7 +141,8 @@ class CpuDecoder:
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             slot_mapping: torch.Tensor, plan: tuple, block_size: int, scale: float,
-            bufs: tuple[torch.Tensor, ...]) -> None:
+            bufs: tuple[torch.Tensor, ...], window_slot_mapping: Optional[torch.Tensor] = None,
+            window_tables: Optional[torch.Tensor] = None) -> None:
         """Every decoder layer over the step's T tokens, h updated in place.
 
         Args:
@@ -144,10 +152,32 @@ class CpuDecoder:
             plan: the attention backend's kernel plan (block tables [rows, W] int32, row_seq [T]
                 int32 or None, kv_len [T] int64, tiles [n, 2] int64).
             bufs: the forward's scratch (x, qkv, a, gu, act), contiguous float32.
+            window_slot_mapping, window_tables: the sliding-window layers' own KV slots [T] int64 and
+                block tables [rows, W'] int32 contiguous (from `AttentionMetadata.window_meta`, in the
+                plan's row order: the same rows, positions and tiles), both or neither; None: those
+                layers use `slot_mapping` and the plan's tables.
         Raises:
+            ValueError: only one of window_slot_mapping and window_tables, or either in the wrong
+                dtype, shape or layout.
             RuntimeError: a kernel refused a layer's shape (the layer is named).
         """
         tables, row_seq, kv_len, tiles = plan
+        if (window_slot_mapping is None) != (window_tables is None):
+            raise ValueError("window_slot_mapping and window_tables go together (both or neither)")
+        w_slots = w_tables = None
+        w_width = 0
+        if window_tables is not None:
+            if (window_slot_mapping.dtype != torch.int64 or not window_slot_mapping.is_contiguous()
+                    or window_slot_mapping.shape != slot_mapping.shape):
+                raise ValueError(f"window_slot_mapping must be contiguous int64 shaped like slot_mapping "
+                                 f"{tuple(slot_mapping.shape)}, got {window_slot_mapping.dtype} "
+                                 f"{tuple(window_slot_mapping.shape)}")
+            if (window_tables.dtype != torch.int32 or not window_tables.is_contiguous()
+                    or window_tables.dim() != 2 or window_tables.shape[0] != tables.shape[0]):
+                raise ValueError(f"window_tables must be contiguous int32 [{tables.shape[0]}, W], got "
+                                 f"{window_tables.dtype} {tuple(window_tables.shape)}")
+            w_slots, w_tables = window_slot_mapping.data_ptr(), window_tables.data_ptr()
+            w_width = window_tables.shape[1]
         t = h.shape[0]
         codes = scales = None
         if self.w8a8:
@@ -161,7 +191,8 @@ class CpuDecoder:
                       h.data_ptr(), t, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
                       tables.data_ptr(), tables.shape[1], None if row_seq is None else row_seq.data_ptr(),
                       kv_len.data_ptr(), tiles.data_ptr(), tiles.shape[0], x.data_ptr(), qkv.data_ptr(),
-                      a.data_ptr(), gu.data_ptr(), act.data_ptr(), codes, scales)
+                      a.data_ptr(), gu.data_ptr(), act.data_ptr(), codes, scales,
+                      None if self.windows is None else self.windows.data_ptr(), w_slots, w_tables, w_width)
         if rc:
             raise RuntimeError(f"the C decoder: a kernel refused the shapes of layer {rc - 1}")
 
