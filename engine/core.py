@@ -311,8 +311,9 @@ class EngineCore:
             return
         seq = sch.pop_waiting()
         req = seq.request
-        req.error = (f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds "
-                     f"{sch.kv.max_tokens(sch.max_num_batched_tokens, sch.pool.num_blocks * sch.kv.layout.rows * sch.block_size)}")
+        whole = sch.pool.num_blocks * sch.kv.layout.main_block_tokens  # (the pool's blocks all in one table)
+        holds = sch.kv.max_tokens(sch.max_num_batched_tokens, max(whole, seq.num_tokens))
+        req.error = f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds {holds}"
         for s in req.seqs:
             if s in sch.waiting:
                 sch.remove_waiting(s)

@@ -7,6 +7,11 @@ then every query reads back the keys its layer attends to (p - w < j <= p, or j 
 step's block tables and checks each one is the right token. A wrong table, a block freed too early,
 a stale prefix-cache block or two groups aliasing the same bytes fails the read. The next token is
 a function of the tokens read, so the outputs equal `_reference`'s whenever every read is right.
+
+The whole-engine test runs a dummy model with sliding-window layers through `LLM` and compares its
+greedy tokens with an engine whose cache keeps every block in one table: over `_WindowReference`
+(plain PyTorch paged attention honouring `window=`) always, and over the engine's PyTorch backend
+once that backend honours `window=` (skipped until then).
 """
 from __future__ import annotations
 
@@ -399,33 +404,107 @@ def test_backend_prepare_runs_on_both_groups(monkeypatch):
 
 # ------------------------------------------------------------------ the whole engine
 
+class _WindowReference(TorchAttentionBackend):
+    """Paged attention in plain PyTorch, one query row at a time, honouring `window` (keys at
+    positions p - window < j <= p): the engine test's oracle, independent of the kernels."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, window=0):
+        slots = meta.slot_mapping
+        k_cache[:, slots] = k.transpose(0, 1).to(k_cache.dtype)
+        v_cache[:, slots] = v.transpose(0, 1).to(v_cache.dtype)
+        rows = [(meta.decode_block_tables[i], int(meta.decode_seq_lens[i]) - 1)
+                for i in range(meta.num_decode_tokens)]
+        for t, n, sl in zip(meta.prefill_block_tables, meta.prefill_query_lens, meta.prefill_seq_lens):
+            rows += [(t, sl - n + j) for j in range(n)]
+        res = torch.empty_like(q)
+        bs, g = meta.block_size, q.shape[1] // k_cache.shape[0]
+        for r, (table, p) in enumerate(rows):
+            js = torch.arange(max(0, p - window + 1) if window else 0, p + 1)
+            sl = table.to(torch.int64)[js // bs] * bs + js % bs
+            kk = k_cache[:, sl].float().repeat_interleave(g, 0)  # [Hq, n, D]
+            vv = v_cache[:, sl].float().repeat_interleave(g, 0)
+            att = torch.softmax((kk @ q[r].float().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
+            res[r] = (att.unsqueeze(1) @ vv).squeeze(1).to(q.dtype)
+        if out is not None:
+            out.copy_(res)
+            return out
+        return res
+
+
+def _torch_backend_honours_windows() -> bool:
+    """Whether the engine's PyTorch backend masks to `window` (another change brings it)."""
+    be = TorchAttentionBackend()
+    if "window" not in inspect.signature(be.forward).parameters:
+        return False
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, 2, 4, generator=g) for _ in range(3))
+    outs = []
+    for w in (0, 3):
+        kc, vc = torch.zeros(2, 16, 4), torch.zeros(2, 16, 4)
+        meta = AttentionMetadata(slot_mapping=torch.arange(8), num_decode_tokens=0, decode_seq_lens=torch.zeros(0),
+                                 decode_block_tables=torch.zeros(0, 1, dtype=torch.int64), prefill_query_starts=[0],
+                                 prefill_query_lens=[8], prefill_seq_lens=[8],
+                                 prefill_block_tables=[torch.arange(4)], block_size=4)
+        be.prepare(meta)
+        outs.append(be.forward(q, k, v, kc, vc, meta, 0.5, window=w))
+    return not torch.allclose(outs[0], outs[1])
+
+
 _MODEL_USES_WINDOWS = "window_meta" in inspect.getsource(__import__("engine.models.llama", fromlist=["x"]))
 
 
 @pytest.mark.skipif(not _MODEL_USES_WINDOWS,
                     reason="the model does not pick meta.window_meta for its sliding-window layers yet")
+@pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("windows", [(24, 24, 24, 0), (24, 24, 24, 24)])
-def test_engine_with_window_groups_equals_engine_keeping_every_block(monkeypatch, windows):
+def test_engine_with_window_groups_equals_engine_keeping_every_block(monkeypatch, windows, backend):
     """The whole engine on a dummy model with sliding-window layers: greedy tokens with the window
-    groups (blocks given back, prefix hits, preemption) equal an engine whose cache keeps every block
+    groups (blocks given back, a prefix hit, preemption) equal an engine whose cache keeps every block
     of every layer in one table (the model still masks each layer to its window)."""
     import engine.llm as llm_mod
-    from engine.llm import LLM
+    from engine.config import EngineConfig
+    from engine.llm import LLM, min_kv_cache_memory_bytes
 
-    monkeypatch.setitem(PRESETS, "llama-tiny-swa", dataclasses.replace(
-        PRESETS["llama-tiny-4kv"], layer_windows=windows, name="llama-tiny-swa"))
+    if backend == "reference":
+        monkeypatch.setattr(llm_mod, "get_backend", lambda name: _WindowReference(cpu_kernel=False))
+    elif not _torch_backend_honours_windows():
+        pytest.skip("the PyTorch attention backend does not honour window= yet")
+    name = "llama-tiny-swa-" + "-".join(map(str, windows))  # (loaded models are cached by name)
+    cfg = dataclasses.replace(PRESETS["llama-tiny-4kv"], layer_windows=windows, name=name)
+    monkeypatch.setitem(PRESETS, name, cfg)
     prompts = [_prompt(40 + 9 * i, 30 + i) for i in range(4)]
     prompts += [prompts[0][:36] + _prompt(12, 40)]  # a prefix hit
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    kw = dict(kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32, dtype="float32", kv_cache_dtype="fp32")
-    grouped = LLM("dummy:llama-tiny-swa", block_size=8, **kw)
+    kw = dict(block_size=8, max_num_batched_tokens=32, dtype="float32", kv_cache_dtype="fp32", cpu_kernels=False)
+
+    def run(blocks: int):
+        block = min_kv_cache_memory_bytes(EngineConfig(model=f"dummy:{name}", **kw), cfg)
+        llm = LLM(f"dummy:{name}", kv_cache_memory_bytes=blocks * block, **kw)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return llm, outs
+
+    grouped, got = run(400)
     assert grouped.scheduler.kv.layout.window == 24
-    got = [o.outputs[0].token_ids for o in grouped.generate(prompts, params, use_tqdm=False)]
-    tight = LLM("dummy:llama-tiny-swa", block_size=8, **{**kw, "kv_cache_memory_bytes": 12 * 8 * 4 * 2 * 256 * 4})
-    preempted = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert grouped.scheduler.kv.layout.hybrid == (0 in windows)
+    hits = [o.num_cached_tokens for o in grouped.generate(prompts[-1:], params, use_tqdm=False)]
+    assert hits[0] > 0
+    tight, preempted = run(20)
     assert tight.stats.num_preemptions > 0
     n = len(windows)
-    monkeypatch.setattr(llm_mod, "kv_layout", lambda cfg, bs: KVLayout(bs, n, tuple(range(n)), (), 0, 1, n))
-    plain = LLM("dummy:llama-tiny-swa", block_size=8, **kw)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(llm_mod, "kv_layout", lambda c, bs: KVLayout(bs, n, tuple(range(n)), (), 0, 1, n))
+    plain, want = run(400)
+    assert not plain.scheduler.kv.layout.window
     assert got == want and preempted == want
+
+
+def test_draft_model_speculation_is_refused_for_a_sliding_window_model(monkeypatch):
+    from engine.llm import LLM
+
+    cfg = dataclasses.replace(PRESETS["llama-tiny-4kv"], layer_windows=(8, 8, 8, 0), name="llama-tiny-swa-refuse")
+    monkeypatch.setitem(PRESETS, cfg.name, cfg)
+    with pytest.raises(ValueError, match="'draft_model' is not supported for a model with sliding-window layers"):
+        LLM(f"dummy:{cfg.name}", kv_cache_memory_bytes=1 << 20, dtype="float32",
+            speculative_config={"method": "draft_model", "draft_model": "self:1", "num_speculative_tokens": 2})
