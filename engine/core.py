@@ -112,27 +112,31 @@ class EngineCore:
         even one table.
 
         The scratch K/V are garbage; the blocks go back to the pool unregistered."""
-        bs = self.runner.block_size
-        pool = self.scheduler.pool
+        kv = self.scheduler.kv
+        pool = kv.pool
+        hybrid = kv.layout.hybrid
         tables = []
         try:
             if num_seqs is not None and 0 < num_seqs < num_tokens:
                 q = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
-                per_seq = [-(-(context + qi) // bs) for qi in q]
+                per_seq = [kv.scratch_blocks(context + qi) for qi in q]
                 if sum(per_seq) > pool.num_free_blocks // 2:
                     return 0.0
-                tables = [pool.allocate(n) for n in per_seq]
-                chunks = [ChunkSpec([1 + (j % 997) for j in range(context + qi)], context, qi, t, "all")
+                tables = [kv.allocate_scratch(context + qi) for qi in q]
+                chunks = [ChunkSpec([1 + (j % 997) for j in range(context + qi)], context, qi, t[0], "all",
+                                    window_table=t[1] if hybrid else None)
                           for qi, t in zip(q, tables)]
                 inputs = self.runner.prepare([], chunks)  # multi-token chunks, as verifications run
             else:
-                per_row = context // bs + 1
+                per_row = kv.scratch_blocks(context + 1)
                 rows = num_tokens if num_tokens * per_row <= pool.num_free_blocks // 2 else 1
                 if per_row > pool.num_free_blocks:
                     return 0.0
-                tables = [pool.allocate(per_row) for _ in range(rows)]
+                tables = [kv.allocate_scratch(context + 1) for _ in range(rows)]
                 ids = [1 + (i % 997) for i in range(context + 1)]
-                specs = [ChunkSpec(ids, context, 1, tables[i % rows], "last") for i in range(num_tokens)]
+                specs = [ChunkSpec(ids, context, 1, tables[i % rows][0], "last",
+                                   window_table=tables[i % rows][1] if hybrid else None)
+                         for i in range(num_tokens)]
                 inputs = self.runner.prepare(specs, [])
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -140,7 +144,7 @@ class EngineCore:
             return time.perf_counter() - t0
         finally:
             for t in tables:
-                pool.free(t)
+                kv.free_scratch(t)
 
     @torch.inference_mode()
     def step(self) -> StepResult:
@@ -307,8 +311,9 @@ class EngineCore:
             return
         seq = sch.pop_waiting()
         req = seq.request
-        req.error = (f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds "
-                     f"{sch.pool.num_blocks * sch.block_size}")
+        whole = sch.pool.num_blocks * sch.kv.layout.main_block_tokens  # (the pool's blocks all in one table)
+        holds = sch.kv.max_tokens(sch.max_num_batched_tokens, max(whole, seq.num_tokens))
+        req.error = f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds {holds}"
         for s in req.seqs:
             if s in sch.waiting:
                 sch.remove_waiting(s)

@@ -32,7 +32,7 @@ from .config import (
     EngineConfig, SamplingParams, SpeculativeConfig, prompt_length_error, prompt_text_error, prompt_type_error,
 )
 from .core import EngineCore
-from .kv_cache import BlockPool, KVCache, block_key
+from .kv_cache import BlockPool, KVCache, KVCacheManager, block_key, kv_layout
 from .metrics import EngineStats
 from .model_runner import ChunkSpec, ModelRunner
 from .models.llama import LlamaModel
@@ -333,6 +333,8 @@ def kv_block_bytes(backend, kv_dtype: torch.dtype, num_layers: int, num_kv_heads
     cache holds `kv_cache_memory_bytes // kv_block_bytes(...)` blocks.
 
     Args:
+        num_layers: layers of one block: the model's, or for a model with sliding-window layers its
+            pool block's pages (`engine.kv_cache.KVLayout.pages_per_block`).
         num_kv_heads: the rank's KV heads (the model's divided by tensor_parallel_size).
     """
     return 2 * num_layers * kv_dtype.itemsize * math.prod(backend.cache_shape(1, block_size, num_kv_heads, head_dim))
@@ -347,8 +349,8 @@ def min_kv_cache_memory_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     quant = None if cfg.quantization in (None, "none") else cfg.quantization
     act = compute_dtype(dtype, dev.type, cfg.cpu_kernels, quant)
     backend, kv_dtype = make_attention_backend(backend_name, cfg.kv_cache_dtype, cfg.cpu_kernels, act)
-    return kv_block_bytes(backend, kv_dtype, model_cfg.num_layers, model_cfg.num_kv_heads // cfg.tensor_parallel_size,
-                          model_cfg.head_dim, cfg.block_size)
+    return kv_block_bytes(backend, kv_dtype, kv_layout(model_cfg, cfg.block_size).pages_per_block,
+                          model_cfg.num_kv_heads // cfg.tensor_parallel_size, model_cfg.head_dim, cfg.block_size)
 
 
 def max_model_len_error(cfg: EngineConfig, model_cfg: ModelConfig) -> Optional[str]:
@@ -381,7 +383,9 @@ def context_length(cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: Option
     """The context length in tokens (`LLM.max_model_len`) of an engine with `cfg` over a model of shape
     `model_cfg`: `cfg.max_model_len`, at most the model's trained context (`max_position_embeddings`), at
     most what its KV cache holds (`num_blocks` x block_size: a sequence never needs more blocks than the
-    pool has), and without chunked prefill at most the token budget (`max_num_batched_tokens`).
+    pool has; with sliding-window layers the longest sequence whose blocks of both groups fit,
+    `engine.kv_cache.KVLayout.max_tokens`), and without chunked prefill at most the token budget
+    (`max_num_batched_tokens`).
 
     Args:
         num_blocks: the KV cache's blocks. None: those an explicit `cfg.kv_cache_memory_bytes` buys
@@ -395,7 +399,7 @@ def context_length(cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: Option
     if num_blocks is None and cfg.kv_cache_memory_bytes is not None:
         num_blocks = cfg.kv_cache_memory_bytes // min_kv_cache_memory_bytes(cfg, model_cfg)
     if num_blocks is not None:
-        length = min(length, num_blocks * cfg.block_size)
+        length = kv_layout(model_cfg, cfg.block_size).max_tokens(num_blocks, cfg.max_num_batched_tokens, length)
     if not cfg.enable_chunked_prefill:
         length = min(length, cfg.max_num_batched_tokens)
     return length
@@ -719,7 +723,8 @@ class LLM:
         self.backend, kv_dtype = make_attention_backend(self.attention_backend, cfg.kv_cache_dtype, cfg.cpu_kernels,
                                                         self.model.dtype)
         kv_heads = self.model.local.num_kv_heads
-        per_block = kv_block_bytes(self.backend, kv_dtype, mcfg.num_layers, kv_heads, mcfg.head_dim, bs)
+        layout = kv_layout(mcfg, bs)  # the layer groups: sliding-window layers give blocks back behind the window
+        per_block = kv_block_bytes(self.backend, kv_dtype, layout.pages_per_block, kv_heads, mcfg.head_dim, bs)
         infos = self.workers.wait_ready() if self.workers is not None else []
         budget = cfg.kv_cache_memory_bytes
         if budget is None:
@@ -739,14 +744,17 @@ class LLM:
             given = "" if cfg.kv_cache_memory_bytes is not None else " (the default share of free memory)"
             raise ValueError(
                 f"kv_cache_memory_bytes={budget}{given} is smaller than one KV block ({per_block} bytes: "
-                f"block_size={bs} tokens x {mcfg.num_layers} layers x K and V)"
+                f"block_size={bs} tokens x {layout.pages_per_block} layers x K and V)"
             )
         self.max_model_len = context_length(cfg, mcfg, num_blocks)  # (a job plans with the same function)
         shape = self.backend.cache_shape(num_blocks, bs, kv_heads, mcfg.head_dim)
-        self.kv_cache = KVCache(mcfg, num_blocks, bs, kv_dtype, self.device, shape)
-        self.kv_bytes_per_token = per_block // bs  # K and V, all layers, scales included (one rank's share)
-        self.kv_capacity_tokens = num_blocks * bs
+        self.kv_cache = KVCache(mcfg, num_blocks, bs, kv_dtype, self.device, shape, layout)
+        # K and V, all layers, scales included (one rank's share); with sliding-window layers, of the
+        # full-attention layers (per main-group token of a pool block)
+        self.kv_bytes_per_token = per_block // layout.main_block_tokens
+        self.kv_capacity_tokens = num_blocks * layout.main_block_tokens
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.block_pool, layout)
         self.model._rope_tables(self.max_model_len + 1)  # the forward never resizes them on a device
         tp_group = None
         if self.workers is not None:
@@ -758,6 +766,9 @@ class LLM:
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.eos_token_ids,
                                cpu_kernels=_cpu_kernels_serve(cfg.cpu_kernels, str(self.device), self.dtype, quant))
         self.spec = None
+        if spec_cfg is not None and spec_cfg.method == "draft_model" and layout.window:
+            raise ValueError("speculative method 'draft_model' is not supported for a model with sliding-window "
+                             "layers (its block tables give blocks back behind the window); use 'ngram' or 'suffix'")
         if spec_cfg is not None:
             def draft_factory():
                 from .spec_decode import DraftModelProposer
@@ -771,10 +782,10 @@ class LLM:
                 return core_ref[0].profile_step(n, ctx, seqs)
 
             self.spec = SpecDecoder(spec_cfg, self.max_model_len, draft_factory, profile=profile)
-        self.scheduler = Scheduler(self.block_pool, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.kv_manager, bs, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, self.spec)
-        if (self.device.type == "cuda" and not cfg.enforce_eager and shard.world_size == 1
-                and getattr(self.backend, "supports_cuda_graphs", False)):
+        if (self.device.type == "cuda" and not cfg.enforce_eager and shard.world_size == 1 and not layout.hybrid
+                and getattr(self.backend, "supports_cuda_graphs", False)):  # (graphs capture one table per row)
             from .cuda_graph import DecodeCudaGraphs  # decode steps replayed from graphs per batch bucket
 
             self.runner.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_cache.layers, self.backend,
@@ -890,15 +901,15 @@ class LLM:
             raise RuntimeError("compute_logits needs an idle engine")
         if not prompt_token_ids or len(prompt_token_ids) > self.max_model_len:
             raise ValueError(f"prompt must have 1..{self.max_model_len} tokens")
-        nblocks = -(-len(prompt_token_ids) // self.config.block_size)
+        nblocks = self.kv_manager.scratch_blocks(len(prompt_token_ids))
         if nblocks > self.num_free_blocks:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens does not fit the free KV blocks")
-        blocks = self.block_pool.allocate(nblocks)  # scratch, never registered in the prefix cache
+        tables = self.kv_manager.allocate_scratch(len(prompt_token_ids))  # never registered in the prefix cache
         try:
             with torch.inference_mode():
-                return self.runner.compute_logits(list(prompt_token_ids), blocks).float().cpu()
+                return self.runner.compute_logits(list(prompt_token_ids), *tables).float().cpu()
         finally:
-            self.block_pool.free(blocks)
+            self.kv_manager.free_scratch(tables)
 
     def score(self, token_ids: Union[list[int], list[list[int]]], chunk_size: Optional[int] = None) -> list[torch.Tensor]:
         """Log-probability of every token given its prefix (for perplexity), prompts only.
@@ -932,7 +943,7 @@ class LLM:
             seqs = [_token_id_list(token_ids, "token_ids", vocab)]
         if any(len(s) > self.max_model_len for s in seqs):
             raise ValueError(f"each sequence must have 1..{self.max_model_len} tokens")
-        need = [-(-len(s) // self.config.block_size) for s in seqs]
+        need = [self.kv_manager.scratch_blocks(len(s)) for s in seqs]
         if sum(need) > self.num_free_blocks:
             raise ValueError(f"sequences need {sum(need)} KV blocks, {self.num_free_blocks} are free")
         return [lp for lp, _, _ in self._prefill_logprobs(seqs, chunk_size or self.config.max_num_batched_tokens)]
@@ -944,8 +955,7 @@ class LLM:
         log p(token t | tokens < t) [len - 1] float32, and with top_k > 0 the k largest logprobs
         [len - 1, k] float32 and their token ids [len - 1, k] int64 (else None, None); all on the CPU.
         The caller checks that the sequences fit the free blocks and max_model_len."""
-        bs = self.config.block_size
-        tables = [self.block_pool.allocate(-(-len(s) // bs)) for s in seqs]
+        tables = [self.kv_manager.allocate_scratch(len(s)) for s in seqs]
         out: list[list[tuple]] = [[] for _ in seqs]
         done = [0] * len(seqs)
         try:
@@ -958,7 +968,7 @@ class LLM:
                             continue
                         n = min(len(s) - done[i], left)
                         left -= n
-                        specs.append(ChunkSpec(s, done[i], n, tables[i], "all"))
+                        specs.append(ChunkSpec(s, done[i], n, tables[i][0], "all", window_table=tables[i][1]))
                         chunks.append((i, done[i], n))
                     # every chunk as a prefill chunk (a 1-token chunk too), logits at every position
                     logits = self.runner.run(self.runner.prepare([], specs))
@@ -977,7 +987,7 @@ class LLM:
                         done[i] += n
         finally:
             for t in tables:
-                self.block_pool.free(t)
+                self.kv_manager.free_scratch(t)
         res = []
         for o in out:
             if not o:
@@ -993,15 +1003,15 @@ class LLM:
         by a scoring pass over their prompts before generation, in groups that fit the free KV blocks; a
         prompt that alone does not fit them becomes an error output naming the blocks it needs."""
         todo = [r for r in reqs if r.error is None and r.params.prompt_logprobs is not None]
-        bs = self.config.block_size
+        blocks = self.kv_manager.scratch_blocks
         while todo:
             free, group = self.num_free_blocks, []
-            while todo and -(-len(todo[0].prompt_token_ids) // bs) <= free:
-                free -= -(-len(todo[0].prompt_token_ids) // bs)
+            while todo and blocks(len(todo[0].prompt_token_ids)) <= free:
+                free -= blocks(len(todo[0].prompt_token_ids))
                 group.append(todo.pop(0))
             if not group:
                 r = todo.pop(0)
-                r.error = (f"prompt_logprobs: the prompt needs {-(-len(r.prompt_token_ids) // bs)} KV blocks, "
+                r.error = (f"prompt_logprobs: the prompt needs {blocks(len(r.prompt_token_ids))} KV blocks, "
                            f"{self.num_free_blocks} are free")
                 continue
             k = max(r.params.prompt_logprobs for r in group)
@@ -1073,6 +1083,7 @@ class LLM:
         if self.scheduler.has_unfinished():
             raise RuntimeError("score_choices needs an idle engine")
         bs, pool = self.config.block_size, self.block_pool
+        hybrid = self.kv_manager.layout.hybrid
         results: list[Union[dict[str, float], str, None]] = [None] * len(items)
         jobs = []  # (index, prompt, choice token lists, n_shared, block keys, tail blocks per choice)
         vocab = self.tokenizer.vocab_size
@@ -1106,14 +1117,20 @@ class LLM:
                 parent = hash(key)
                 keys.append(key)
             tails = [-(-(len(P) + len(t)) // bs) - n_shared for t in toks]
-            if n_shared + sum(tails) + 2 > pool.num_blocks:
-                results[i] = (f"score_choices: needs {n_shared + sum(tails) + 2} KV blocks, the pool holds "
-                              f"{pool.num_blocks}")
+            # a hybrid model scores each choice over its own scratch tables (`_score_job_plain`)
+            need = (max(self.kv_manager.scratch_blocks(len(P) + len(t)) for t in toks) if hybrid
+                    else n_shared + sum(tails) + 2)
+            if need > pool.num_blocks:
+                results[i] = f"score_choices: needs {need} KV blocks, the pool holds {pool.num_blocks}"
                 continue
             jobs.append((i, P, list(choices), toks, n_shared, keys, tails))
         budget = self.config.max_num_batched_tokens
         with torch.inference_mode():
             start = 0
+            if hybrid:
+                for job in jobs:
+                    self._score_job_plain(job, results, budget)
+                start = len(jobs)
             while start < len(jobs):
                 # a group whose blocks fit at once (its prefixes are held until its tails ran)
                 end, need = start, 0
@@ -1128,6 +1145,25 @@ class LLM:
                 start = end
                 self._score_group(group, results, bs, budget)
         return results  # type: ignore[return-value]
+
+    def _score_job_plain(self, job: tuple, results: list, budget: int) -> None:
+        """One scoring job (see `score_choices_batch`) without shared prefix blocks, for a model that
+        mixes full and sliding-window layers: each prompt + choice is prefilled over its own scratch
+        tables (`_prefill_logprobs`), as many choices at once as the free blocks hold; a choice's
+        score sums the log-probabilities of its tokens."""
+        i, P, choices, toks = job[:4]
+        seqs = [list(P) + list(t) for t in toks]
+        scores: dict[str, float] = {}
+        k = 0
+        while k < len(seqs):
+            free, end = self.num_free_blocks, k
+            while end < len(seqs) and (end == k or self.kv_manager.scratch_blocks(len(seqs[end])) <= free):
+                free -= self.kv_manager.scratch_blocks(len(seqs[end]))
+                end += 1
+            for (lp, _, _), c, t in zip(self._prefill_logprobs(seqs[k:end], budget), choices[k:end], toks[k:end]):
+                scores[c] = float(lp[len(P) - 1: len(P) - 1 + len(t)].double().sum())
+            k = end
+        results[i] = scores
 
     _ROW_MULTIPLE = 12  # the CPU GEMM's register tile is 12, 6 or 4 rows: multiples of 12 fill every tile
 
@@ -1145,10 +1181,10 @@ class LLM:
         """
         m = self._ROW_MULTIPLE
         pad = -sum(c.num_tokens for c in specs) % m
-        scratch = self.block_pool.allocate(1) if pad else []
+        scratch = self.kv_manager.allocate_scratch(pad) if pad else None
         try:
             if pad:
-                specs = specs + [ChunkSpec([0] * pad, 0, pad, scratch, None)]
+                specs = specs + [ChunkSpec([0] * pad, 0, pad, scratch[0], None, window_table=scratch[1])]
             inputs = self.runner.prepare([], specs)
             n = int(inputs.logits_indices.shape[0])
             extra = -n % m
@@ -1159,7 +1195,7 @@ class LLM:
             return None if logits is None else logits[:n]
         finally:
             if scratch:
-                self.block_pool.free(scratch)
+                self.kv_manager.free_scratch(scratch)
 
     def _score_group(self, group: list, results: list, bs: int, budget: int) -> None:
         """Prefix blocks, then choice tails, of a group of scoring jobs (see `score_choices_batch`)."""

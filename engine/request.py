@@ -32,7 +32,10 @@ class Sequence:
         index: completion index within the request (0..n-1).
         token_ids: prompt followed by generated tokens.
         num_computed_tokens: tokens whose K/V are in the cache.
-        block_table: physical KV block ids, in order.
+        block_table: KV pool block ids of the main layer group, in order (`engine.kv_cache.KVLayout`);
+            `NULL_BLOCK` (-1) for a block given back behind the window when every layer slides.
+        window_table: pool block ids of the sliding-window group of a model that mixes full and
+            sliding-window layers (else empty), `NULL_BLOCK` for blocks given back behind the window.
         generator: the sampling RNG of this completion (seeded per request).
         grammar: the `engine.structured.GrammarMatcher` of a constrained completion (advanced
             on every appended token), else None.
@@ -45,6 +48,7 @@ class Sequence:
     generator: Optional[torch.Generator] = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    window_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None

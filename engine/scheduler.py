@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .kv_cache import BlockPool, block_key
+from .kv_cache import BlockPool, KVCacheManager
 from .request import Sequence, SequenceStatus
 
 
@@ -68,9 +68,12 @@ class SchedulerOutput:
 class Scheduler:
     """Two queues (waiting, running), a token budget, admission by free blocks.
 
+    Blocks come from a `KVCacheManager` (one block table per layer group of each sequence;
+    sliding-window groups give blocks back behind the window as the sequence advances).
+
     Args:
-        block_pool: the KV block pool.
-        block_size: tokens per block.
+        kv: the KV cache manager, or a bare `BlockPool` (a model without sliding-window layers).
+        block_size: tokens per block (block_size tokens is the prefix cache's block).
         max_num_seqs: most running sequences.
         max_num_batched_tokens: token budget per step.
         enable_chunked_prefill: if False a prompt must fit the budget in one step.
@@ -78,9 +81,12 @@ class Scheduler:
             budget left after decodes and prefill chunks goes to drafts for decoding sequences.
     """
 
-    def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int,
+    def __init__(self, kv, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True, spec=None) -> None:
-        self.pool = block_pool
+        if isinstance(kv, BlockPool):
+            kv = KVCacheManager.full_attention(kv, block_size)
+        self.kv: KVCacheManager = kv
+        self.pool = kv.pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,30 +140,21 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Mark a running sequence finished and free its blocks."""
         seq.status = SequenceStatus.FINISHED
-        self.pool.free(seq.block_table)
+        self.kv.free(seq)
         self._drop_pending(seq)
-        seq.block_table = []
         self.running.remove(seq)
 
     # ------------------------------------------------------------ blocks
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_tokens
-        need = (total + self.block_size - 1) // self.block_size
-        return max(0, need - len(seq.block_table))
+        return self.kv.num_blocks_needed(seq, num_tokens)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        n = self._blocks_needed(seq, num_tokens)
-        if n > self.pool.num_free_blocks:
-            return False
-        if n:
-            seq.block_table.extend(self.pool.allocate(n))
-        return True
+        return self.kv.allocate_slots(seq, num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.free(seq.block_table)
+        self.kv.free(seq)
         self._drop_pending(seq)
-        seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING
@@ -244,11 +241,7 @@ class Scheduler:
     def rollback(self, seq: Sequence) -> None:
         """After a verification: free the blocks past the sequence's computed tokens (they held
         only drafts, never registered in the prefix cache)."""
-        keep = (seq.num_computed_tokens + self.block_size - 1) // self.block_size
-        if len(seq.block_table) > keep:
-            extra = seq.block_table[keep:]
-            del seq.block_table[keep:]
-            self.pool.free(extra)
+        self.kv.rollback(seq)
 
     # ------------------------------------------------------------ prefix cache
     def _add_pending(self, seq: Sequence) -> None:
@@ -271,60 +264,31 @@ class Scheduler:
         seq.pending_range = (max(lo, stop), hi)
 
     def _match_prefix(self, seq: Sequence) -> int:
-        """Point a fresh sequence's block table at cached blocks of its longest cached
-        prefix; returns the number of blocks taken. If every token is cached, the
-        last one is still recomputed, to produce the logits for the next sample."""
-        if seq.num_computed_tokens > 0 or not self.pool.enable_prefix_caching:
-            return 0
-        bs = self.block_size
-        toks = seq.token_ids
-        self._update_hashes(seq, len(toks))
-        hits = 0
-        for key_hash, key in seq.block_keys:
-            b = self.pool.lookup(key)
-            if b is None:
-                break
-            self.pool.acquire(b)
-            seq.block_table.append(b)
-            hits += 1
-        cached = min(hits * bs, len(toks) - 1)
-        seq.num_computed_tokens = cached
-        return hits
+        """Point a fresh sequence's block tables at the cached blocks of its longest usable cached
+        prefix (`KVCacheManager.get_computed_blocks`); returns the prefix in blocks."""
+        return self.kv.get_computed_blocks(seq)
 
     def _release_prefix(self, seq: Sequence, hits: int) -> None:
         """Undo `_match_prefix` for a sequence that could not be admitted after all."""
-        if hits:
-            self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
 
     def _update_hashes(self, seq: Sequence, upto: int) -> None:
         """Extend `seq.block_keys` with the keys of its full blocks within the first `upto` tokens."""
-        bs = self.block_size
-        keys = seq.block_keys
-        while (len(keys) + 1) * bs <= upto:
-            i = len(keys)
-            parent = keys[-1][0] if keys else None
-            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs])
-            keys.append((hash(key), key))
+        self.kv.update_hashes(seq, upto)
 
     def register_computed(self, seq: Sequence) -> None:
         """After a forward pass: index the sequence's newly full, computed blocks in the prefix cache."""
-        if not self.pool.enable_prefix_caching:
-            return
-        n_full = seq.num_computed_tokens // self.block_size
-        self._update_hashes(seq, n_full * self.block_size)
-        if n_full <= seq.num_registered_blocks:
-            return
-        for i in range(seq.num_registered_blocks, n_full):
-            self.pool.register(seq.block_table[i], seq.block_keys[i][1])
-        self._drop_pending(seq, n_full)
-        seq.num_registered_blocks = max(seq.num_registered_blocks, n_full)
+        before = seq.num_registered_blocks
+        self.kv.register_computed(seq)
+        if seq.num_registered_blocks > before:
+            self._drop_pending(seq, seq.num_registered_blocks)
 
     def kv_utilization(self) -> float:
         """Used token slots / allocated slots of the blocks held by running sequences (1.0 = no waste)."""
-        alloc = sum(len(s.block_table) for s in self.running) * self.block_size
+        per = self.kv.groups[0].block_tokens  # the main group's tables
+        alloc = sum(len(s.block_table) for s in self.running) * per
         if alloc == 0:
             return 1.0
-        used = sum(min(s.num_computed_tokens, len(s.block_table) * self.block_size) for s in self.running)
+        used = sum(min(s.num_computed_tokens, len(s.block_table) * per) for s in self.running)
         return used / alloc
