@@ -82,7 +82,8 @@ def real_file(path: str) -> None:
     for kind, (fb, ql, cq, types) in tot.items():
         print(f"{kind:8} {types:22} {fb / 1e6:8.2f} {ql / 1e6:15.2f} {cq / 1e6:18.2f} {ql / fb:6.2f}")
         sums = [sums[0] + fb, sums[1] + ql, sums[2] + cq]
-    print(f"{'total':8} {'':22} {sums[0] / 1e6:8.2f} {sums[1] / 1e6:15.2f} {sums[2] / 1e6:18.2f} {sums[1] / sums[0]:6.2f}")
+    fb, ql, cq = sums
+    print(f"{'total':8} {'':22} {fb / 1e6:8.2f} {ql / 1e6:15.2f} {cq / 1e6:18.2f} {ql / fb:6.2f}")
 
 
 def main() -> None:

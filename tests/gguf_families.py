@@ -149,7 +149,7 @@ def _default_vocab() -> tuple[list[str], list[int], list[str], Optional[int], Op
 
 def _byte_alphabet() -> set[str]:
     """GPT-2's printable spelling of the 256 bytes (the byte-level BPE alphabet)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
     chars, n = [], 0
     for b in range(256):
         if b in keep:
@@ -196,7 +196,8 @@ def add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
 # ---------------------------------------------------------------- weights
 
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
 _W = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -265,9 +266,13 @@ def _gguf_tensors(fam: Family, cfg: Any, sd: dict[str, torch.Tensor]) -> list[tu
         for w in ("gate", "up", "down"):
             stack = np.stack([per[w][e] for e in sorted(per[w])])
             emit(f"blk.{i}.ffn_{w}_exps.weight", stack)
-    order = {n: k for k, n in enumerate(["token_embd"])}
-    return sorted(out, key=lambda p: (p[0].startswith("blk."), int(p[0].split(".")[1]) if p[0].startswith("blk.")
-                                      else order.get(p[0].split(".")[0], 99), p[0]))
+
+    def rank(name: str) -> tuple[int, int, str]:  # token_embd, the blocks in order, then the rest
+        if name.startswith("blk."):
+            return (1, int(name.split(".")[1]), name)
+        return (0 if name.startswith("token_embd.") else 2, 0, name)
+
+    return sorted(out, key=lambda p: rank(p[0]))
 
 
 # ---------------------------------------------------------------- metadata

@@ -210,8 +210,10 @@ def test_gemma3_norms_are_stored_as_one_plus_w(saved, tmp_path):
     model, folder = saved("gemma3")
     _, tensors = _read(write_gguf(folder, tmp_path / "g.gguf"))
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
-    for gname, ours in [("blk.2.attn_norm", "input_layernorm"), ("blk.2.post_attention_norm", "post_attention_layernorm"),
-                        ("blk.2.ffn_norm", "pre_feedforward_layernorm"), ("blk.2.post_ffw_norm", "post_feedforward_layernorm"),
+    for gname, ours in [("blk.2.attn_norm", "input_layernorm"),
+                        ("blk.2.post_attention_norm", "post_attention_layernorm"),
+                        ("blk.2.ffn_norm", "pre_feedforward_layernorm"),
+                        ("blk.2.post_ffw_norm", "post_feedforward_layernorm"),
                         ("blk.2.attn_q_norm", "self_attn.q_norm"), ("blk.2.attn_k_norm", "self_attn.k_norm")]:
         assert np.array_equal(np.asarray(tensors[gname + ".weight"].data), sd[f"model.layers.2.{ours}.weight"] + 1)
     assert np.array_equal(np.asarray(tensors["output_norm.weight"].data), sd["model.norm.weight"] + 1)
@@ -222,7 +224,8 @@ def test_phi3_keeps_its_fused_tensors(saved, tmp_path):
     model, folder = saved("phi3")
     _, tensors = _read(write_gguf(folder, tmp_path / "p.gguf"))
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
-    assert np.array_equal(np.asarray(tensors["blk.0.attn_qkv.weight"].data), sd["model.layers.0.self_attn.qkv_proj.weight"])
+    qkv = sd["model.layers.0.self_attn.qkv_proj.weight"]
+    assert np.array_equal(np.asarray(tensors["blk.0.attn_qkv.weight"].data), qkv)
     assert np.array_equal(np.asarray(tensors["blk.0.ffn_up.weight"].data), sd["model.layers.0.mlp.gate_up_proj.weight"])
     assert not any(n.endswith(("attn_q.weight", "ffn_gate.weight")) for n in tensors)
 
