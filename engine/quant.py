@@ -50,6 +50,8 @@ GGUF_MAPPING = {
     "Q8_0": "exact: int8 codes, scale per 32 (fp16 d -> fp32)",
     "Q4_0": "exact: int4 group 32, bytes copied; scale d, min -8d ((q-8)d == qd - 8d exactly)",
     "Q4_1": "exact: int4 group 32, bytes copied; scale d, min m",
+    "Q5_0": "converted: 5-bit codes widened to signed int8 (q-16), group 32; scale d",
+    "Q5_1": "converted: 5-bit codes widened to int8, group 32; scale d, min m",
     "Q4_K": "converted: int4 group 32 (nibbles re-packed); 6-bit sub-scales folded: s = d*sc, m = -dmin*mn",
     "Q5_K": "converted: 5-bit codes widened to int8, group 32; s = d*sc, m = -dmin*mn",
     "Q6_K": "converted: 6-bit codes widened to signed int8 (q-32), group 16; s = d*sc",
@@ -384,6 +386,17 @@ def gguf_blocks_to_parts(data: np.ndarray, type_name: str, out: int, n_in: int) 
         d = _f16(b[..., :2]).reshape(out, -1)
         m = -8.0 * d if type_name == "Q4_0" else _f16(b[..., 2:4]).reshape(out, -1)
         return QuantParts(np.ascontiguousarray(b[..., hdr:]).reshape(out, n_in // 2), d, m.astype(np.float32), 4, 32)
+    if type_name in ("Q5_0", "Q5_1"):  # d (, m) fp16, qh: bit j = high bit of element j, qs: Q4_0's nibbles
+        hdr = 2 if type_name == "Q5_0" else 4
+        b = data.reshape(out, n_in // 32, hdr + 20)
+        d = _f16(b[..., :2]).reshape(out, -1)
+        qh = np.ascontiguousarray(b[..., hdr : hdr + 4]).view("<u4")  # [out, blocks, 1]
+        qs = b[..., hdr + 4 :]
+        q = np.concatenate((qs & 15, qs >> 4), axis=-1).astype(np.int8)
+        q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int8)
+        if type_name == "Q5_0":
+            return QuantParts(q.reshape(out, n_in) - np.int8(16), d, None, 8, 32)
+        return QuantParts(q.reshape(out, n_in), d, _f16(b[..., 2:4]).reshape(out, -1), 8, 32)
     if type_name in ("Q4_K", "Q5_K"):
         from gguf.quants import Q4_K
 
