@@ -220,11 +220,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, bias=None, dtype=torch.
 
 
 def _swap(model, name: str, new: nn.Module) -> None:
-    if name == "lm_head":
-        model.lm_head = new
-    else:
-        _, i, attr = name.split(".")
-        setattr(model.layers[int(i)], attr, new)
+    model.set_linear(name, new)
 
 
 # whether `quantize_model` quantizes the LM head, per scheme (see the module docstring)
@@ -445,48 +441,90 @@ def parts_to_layer(p: QuantParts, bias=None, dtype=torch.float32, device="cpu") 
                        p.bits, p.group_size, bias, dtype).to(device)
 
 
+def _slice_parts_rows(p: QuantParts, r0: int, r1: int) -> QuantParts:
+    return p.permute_rows(lambda a: np.ascontiguousarray(a[r0:r1]))
+
+
 def read_gguf_parts(path: str, shard=None) -> tuple[dict[str, QuantParts], dict[str, str]]:
-    """QuantParts of every mapped quantized GGUF tensor, under our (Hugging Face) names,
-    with Llama q/k rows un-permuted like `weights.load_gguf`; plus each tensor's GGUF type.
-    With `shard` (an `engine.parallel.sharding.TPShard`) each part is that rank's slice, cut
-    from the stored blocks (`weights.gguf_raw_slice`); a tensor whose column slice does not
+    """QuantParts of every mapped quantized GGUF matrix, under our names, with q/k rows
+    un-permuted where the family's converter permuted them (like `weights.load_gguf`), fused
+    tensors (Phi-3) split by rows and stacked experts split per expert; plus each matrix's GGUF
+    type. With `shard` (an `engine.parallel.sharding.TPShard`) each part is that rank's slice,
+    cut from the stored blocks (`weights.gguf_raw_slice`); a part whose column slice does not
     fall on its quantization blocks is left out (its layer stays in float)."""
+    from .models.family import family_of
     from .parallel.sharding import SINGLE, slice_spec
-    from .weights import _gguf_config, gguf_our_name, gguf_raw_slice, open_gguf, unpermute_rope_rows
+    from .weights import _gguf_config, _gguf_tensor_parts, gguf_raw_slice, open_gguf, unpermute_rope_rows
 
     shard = shard or SINGLE
     index = open_gguf(path)
     cfg = _gguf_config(path)
-    arch = index.field("general.architecture")
+    fam = family_of(cfg.family)
     n_heads, n_kv = cfg.num_heads // shard.world_size, cfg.num_kv_heads // shard.world_size
     parts: dict[str, QuantParts] = {}
     types: dict[str, str] = {}
     for t in index.tensors:
-        ours = gguf_our_name(t.name)
-        if ours is None or not ours.endswith("weight") or len(t.shape) != 2:
+        if len(t.shape) not in (2, 3):
             continue
-        types[ours] = t.tensor_type.name
-        spec = slice_spec(ours, cfg, shard)
-        raw, sliced = gguf_raw_slice(t, spec)
-        if not sliced or raw.dtype != np.uint8:
-            continue
-        n_in, out = (int(x) for x in t.shape.tolist())
-        if spec is not None:
-            out, n_in = (spec.stop - spec.start, n_in) if spec.dim == 0 else (out, spec.stop - spec.start)
-        p = gguf_blocks_to_parts(raw, t.tensor_type.name, out, n_in)
-        if p is None:
-            continue
-        if spec is not None and spec.pad_to is not None:
-            p = p.pad_rows(spec.pad_to)
-        if arch in ("llama", "mistral") and (ours.endswith("q_proj.weight") or ours.endswith("k_proj.weight")):
-            nh = n_heads if "q_proj" in ours else n_kv
-            p = p.permute_rows(lambda a, nh=nh: np.ascontiguousarray(unpermute_rope_rows(a, nh)))
-        parts[ours] = p
+        shape = [int(x) for x in t.shape.tolist()]  # [in, out] or [in, out, E]
+        n_in, out = shape[0], shape[1]
+        for ours, rows, expert in _gguf_tensor_parts(t, cfg):
+            if not ours.endswith("weight"):
+                continue
+            types[ours] = t.tensor_type.name
+            spec = slice_spec(ours, cfg, shard)
+            data = np.asarray(t.data)
+            if data.dtype != np.uint8:
+                continue
+            if rows is None and expert is None:
+                raw, sliced = gguf_raw_slice(t, spec)
+                if not sliced:
+                    continue
+                o, i = out, n_in
+                if spec is not None:
+                    o, i = (spec.stop - spec.start, n_in) if spec.dim == 0 else (out, spec.stop - spec.start)
+                p = gguf_blocks_to_parts(raw, t.tensor_type.name, o, i)
+                if p is None:
+                    continue
+                if spec is not None and spec.pad_to is not None:
+                    p = p.pad_rows(spec.pad_to)
+            else:  # a fused tensor's rows or one expert's matrix: convert it, then cut the rank's slice
+                data = data.reshape(-1, data.shape[-1])
+                r0, r1 = rows if rows is not None else (expert * out, (expert + 1) * out)
+                p = gguf_blocks_to_parts(np.ascontiguousarray(data[r0:r1]), t.tensor_type.name, r1 - r0, n_in)
+                if p is None:
+                    continue
+                if spec is not None and spec.dim == 0:
+                    p = _slice_parts_rows(p, spec.start, spec.stop)
+                elif spec is not None:  # columns: only on whole groups
+                    g = p.group_size
+                    if spec.start % g or spec.stop % g:
+                        continue
+                    c0, c1 = (spec.start, spec.stop) if p.bits == 8 else (spec.start // 2, spec.stop // 2)
+                    p = QuantParts(np.ascontiguousarray(p.codes[:, c0:c1]),
+                                   np.ascontiguousarray(p.scale[:, spec.start // g:spec.stop // g]),
+                                   None if p.min is None else np.ascontiguousarray(p.min[:, spec.start // g:spec.stop // g]),
+                                   p.bits, g)
+            if fam.gguf_permuted_qk and (ours.endswith("q_proj.weight") or ours.endswith("k_proj.weight")):
+                nh = n_heads if "q_proj" in ours else n_kv
+                p = p.permute_rows(lambda a, nh=nh: np.ascontiguousarray(unpermute_rope_rows(a, nh)))
+            parts[ours] = p
     return parts, types
 
 
 _FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+def _gguf_sources(name: str) -> list[str]:
+    """Our tensor names a linear layer (as `linear_layers` names it) is fused from."""
+    if name == "lm_head":
+        return ["lm_head.weight"]
+    parts = name.split(".")
+    if parts[2] == "experts":  # layers.{i}.experts.{e}.{gate_up|down}
+        pre = f"layers.{parts[1]}.mlp.experts.{parts[3]}."
+        return [pre + s + ".weight" for s in (("gate_proj", "up_proj") if parts[4] == "gate_up" else ("down_proj",))]
+    return [f"layers.{parts[1]}.{s}.weight" for s in _FUSED[parts[2]]]
 
 
 def load_gguf_linears(model, path: str) -> dict[str, str]:
@@ -498,11 +536,9 @@ def load_gguf_linears(model, path: str) -> dict[str, str]:
     parts, types = read_gguf_parts(path, model.shard)
     report = {}
     for name, lin in model.linear_layers():
-        if name == "lm_head":
-            src = ["lm_head.weight"] if "lm_head.weight" in parts else ["embed_tokens.weight"]
-        else:
-            _, i, attr = name.split(".")
-            src = [f"layers.{i}.{s}.weight" for s in _FUSED[attr]]
+        src = _gguf_sources(name)
+        if name == "lm_head" and "lm_head.weight" not in parts:
+            src = ["embed_tokens.weight"]
         if not all(s in parts for s in src):
             report[name] = "fp32"
             continue

@@ -207,20 +207,6 @@ _GGUF_NAMES = {
     "output_norm.weight": "norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -271,51 +257,106 @@ def model_num_layers(source: ModelSource) -> Optional[int]:
     return None
 
 
-def _gguf_config(path: str) -> ModelConfig:
-    """A Llama-architecture GGUF's ModelConfig, from its metadata and tensor list only.
+def _gguf_family(index, path: str):
+    """The family record of a GGUF file (`engine.models.family`).
 
     Raises:
-        ValueError: for an architecture other than llama/qwen2/mistral.
+        ValueError: one line naming an unsupported architecture and listing the supported ones.
+    """
+    from .models.family import family_for_gguf
+
+    arch = index.field("general.architecture")
+    experts = any(t.name.endswith("_exps.weight") for t in index.tensors[:64])
+    return arch, family_for_gguf(arch, experts, f"{path}: ")
+
+
+# llama.cpp's fixed choices for Gemma 3 (not in the file's metadata): every 6th layer attends
+# to the whole sequence, the others to a window, with RoPE base 10000 on the window layers.
+_GEMMA3_FULL_EVERY = 6
+_GEMMA3_LOCAL_THETA = 10000.0
+
+
+def _gguf_config(path: str) -> ModelConfig:
+    """A GGUF's ModelConfig, from its metadata and tensor list only.
+
+    Raises:
+        ValueError: for an unsupported architecture or RoPE scaling type.
     """
     index = open_gguf(path)
-    arch = index.field("general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2, mistral)")
+    arch, fam = _gguf_family(index, path)
     g = lambda k, d=None: index.field(f"{arch}.{k}", d)  # noqa: E731
     n_heads = int(g("attention.head_count"))
     n_kv = int(g("attention.head_count_kv", n_heads))
     hidden = int(g("embedding_length"))
+    n_layers = int(g("block_count"))
     tensors = {t.name: t for t in index.tensors}
     vocab = g("vocab_size")
     if vocab is None:
         vocab = int(tensors["token_embd.weight"].shape[-1])
     head_dim = int(g("attention.key_length", hidden // n_heads))
+    sw = int(g("attention.sliding_window", 0) or 0)
+    windows: tuple = ()
+    local_theta = None
+    if sw and fam.name == "gemma3":
+        windows = tuple(0 if (i + 1) % _GEMMA3_FULL_EVERY == 0 else sw for i in range(n_layers))
+        local_theta = _GEMMA3_LOCAL_THETA
+    elif sw:
+        windows = (sw,) * n_layers
+    scaling = None
+    kind = g("rope.scaling.type")
+    if kind not in (None, "none"):
+        factor = float(g("rope.scaling.factor", 1.0))
+        if kind == "linear" and factor != 1.0:
+            scaling = {"rope_type": "linear", "factor": factor}
+        elif kind != "linear":
+            raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (linear)")
+    n_exp = int(g("expert_count", 0) or 0) if fam.moe else 0
+    scale = g("attention.scale")
+    if scale is None and fam.name == "gemma3":
+        scale = head_dim ** -0.5
     return ModelConfig(
         hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")),
+        intermediate_size=int(g("feed_forward_length", 0) or g("expert_feed_forward_length", 0)),
+        num_layers=n_layers,
         num_heads=n_heads,
         num_kv_heads=n_kv,
         vocab_size=int(vocab),
         head_dim=head_dim,
         rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(g("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         name=str(index.field("general.name", Path(path).stem)),
+        family=fam.name,
+        layer_windows=windows,
+        rope_local_theta=local_theta,
+        attn_scale=None if scale is None else float(scale),
+        num_experts=n_exp,
+        num_experts_per_tok=int(g("expert_used_count", 0) or 0) if n_exp else 0,
+        moe_intermediate_size=int(g("expert_feed_forward_length", 0) or 0) if n_exp else 0,
+        norm_topk_prob=bool(g("expert_weights_norm", True)),
     )
 
 
-def gguf_our_name(gguf_name: str) -> Optional[str]:
-    """Our (Hugging Face) name of a GGUF tensor, or None for tensors we do not read (rope_freqs)."""
+def gguf_our_names(gguf_name: str, cfg: ModelConfig) -> list[tuple[str, Optional[tuple[int, int]]]]:
+    """Our name(s) of a GGUF tensor: [(name, row range or None)]: several for a fused tensor
+    split by rows (Phi-3's attn_qkv, ffn_up) and for stacked experts ("*" in the name stands for
+    the expert index: the rows are then per expert); [] for tensors we do not read (rope_freqs)."""
+    from .models.family import family_of
+
     if gguf_name in _GGUF_NAMES:
-        return _GGUF_NAMES[gguf_name]
-    if gguf_name.startswith("blk."):
-        _, idx, rest = gguf_name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-    return None
+        return [(_GGUF_NAMES[gguf_name], None)]
+    if not gguf_name.startswith("blk."):
+        return []
+    fam = family_of(cfg.family)
+    _, idx, rest = gguf_name.split(".", 2)
+    p = f"layers.{idx}."
+    if rest in fam.gguf_fused:
+        return [(p + n, r) for n, r in zip(fam.gguf_fused[rest], fused_rows(rest, cfg))]
+    ours = fam.gguf_layer_names().get(rest)
+    return [] if ours is None else [(p + ours, None)]
 
 
 def gguf_raw_slice(t, spec) -> tuple[np.ndarray, bool]:
@@ -344,86 +385,207 @@ def gguf_raw_slice(t, spec) -> tuple[np.ndarray, bool]:
     return np.ascontiguousarray(data[:, spec.start // block * size: spec.stop // block * size]), True
 
 
-def load_gguf(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama-architecture GGUF: its config and dequantized fp32 weights.
+def _gguf_tensor_parts(t, cfg: ModelConfig) -> list[tuple[str, Optional[tuple[int, int]], Optional[int]]]:
+    """(our name, row range, expert index) of each matrix GGUF tensor `t` holds: one for a plain
+    tensor, one per part of a fused tensor, one per expert of a stacked expert tensor."""
+    out = []
+    for name, rows in gguf_our_names(t.name, cfg):
+        if "*" in name:
+            out.extend((name.replace("*", str(e)), None, e) for e in range(int(t.shape.tolist()[-1])))
+        else:
+            out.append((name, rows, None))
+    return out
 
-    Quantized tensors are expanded with the `gguf` package's own
-    `gguf.quants.dequantize`; q/k rows are un-permuted (see `unpermute_rope_rows`).
-    With `shard` (an `engine.parallel.sharding.TPShard`) only that rank's slice of each
-    tensor is read and dequantized (`gguf_raw_slice`); the un-permutation is per head, so
+
+def load_gguf(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a GGUF file of any supported family: its config and dequantized fp32 weights.
+
+    Quantized tensors are expanded with the `gguf` package's own `gguf.quants.dequantize`;
+    q/k rows are un-permuted where the family's converter permuted them (see
+    `unpermute_rope_rows`); fused tensors (Phi-3) are split by rows and stacked experts per
+    expert. With `shard` (an `engine.parallel.sharding.TPShard`) only that rank's slice of each
+    plain tensor is read and dequantized (`gguf_raw_slice`); the un-permutation is per head, so
     a slice of whole heads is un-permuted with its own head count.
 
     Raises:
-        ValueError: for an architecture other than llama/qwen2/mistral.
+        ValueError: for an unsupported architecture.
     """
     import gguf
 
+    from .models.family import family_of
     from .parallel.sharding import SINGLE, keeps_tensor, slice_spec
 
     shard = shard or SINGLE
     cfg = _gguf_config(path)
+    fam = family_of(cfg.family)
     index = open_gguf(path)
-    arch = index.field("general.architecture")
     n_heads, n_kv = cfg.num_heads // shard.world_size, cfg.num_kv_heads // shard.world_size
     state: dict[str, torch.Tensor] = {}
     for t in index.tensors:
-        ours = gguf_our_name(t.name)
-        if ours is None or not keeps_tensor(ours, shard):
+        parts = [p for p in _gguf_tensor_parts(t, cfg) if keeps_tensor(p[0], shard)]
+        if not parts:
             continue
-        spec = slice_spec(ours, cfg, shard)
-        raw, sliced = gguf_raw_slice(t, spec)
-        arr = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)
-        if len(t.shape) == 2:
-            arr = arr.reshape(raw.shape[0], -1)
-        if spec is not None and not sliced:
-            arr = arr[:, spec.start:spec.stop]
-        if arch == "llama" or arch == "mistral":
-            if ours.endswith("q_proj.weight") or ours.endswith("q_proj.bias"):
-                arr = unpermute_rope_rows(arr, n_heads)
-            elif ours.endswith("k_proj.weight") or ours.endswith("k_proj.bias"):
-                arr = unpermute_rope_rows(arr, n_kv)
-        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
-        if spec is not None and spec.pad_to is not None and w.shape[0] < spec.pad_to:
-            w = torch.cat((w, w.new_zeros(spec.pad_to - w.shape[0], *w.shape[1:])))
-        state[ours] = w
+        whole = len(parts) > 1 or parts[0][1] is not None or parts[0][2] is not None
+        if whole:  # fused or stacked: dequantize all of it, then cut the parts
+            full = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+            full = full.reshape(*[int(x) for x in reversed(t.shape.tolist())])
+        for ours, rows, expert in parts:
+            spec = slice_spec(ours, cfg, shard)
+            if whole:
+                arr = full[expert] if expert is not None else full[rows[0]:rows[1]]
+                if spec is not None:
+                    arr = spec.apply(torch.from_numpy(np.ascontiguousarray(arr))).numpy()
+                    spec = None
+            else:
+                raw, sliced = gguf_raw_slice(t, spec)
+                arr = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)
+                if len(t.shape) == 2:
+                    arr = arr.reshape(raw.shape[0], -1)
+                if spec is not None and not sliced:
+                    arr = arr[:, spec.start:spec.stop]
+            if fam.gguf_permuted_qk:
+                if ours.endswith("q_proj.weight") or ours.endswith("q_proj.bias"):
+                    arr = unpermute_rope_rows(arr, n_heads)
+                elif ours.endswith("k_proj.weight") or ours.endswith("k_proj.bias"):
+                    arr = unpermute_rope_rows(arr, n_kv)
+            w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+            if spec is not None and spec.pad_to is not None and w.shape[0] < spec.pad_to:
+                w = torch.cat((w, w.new_zeros(spec.pad_to - w.shape[0], *w.shape[1:])))
+            if fam.norm_offset and not fam.gguf_norm_stored_offset and ours.endswith("norm.weight"):
+                w = w + fam.norm_offset
+            state[ours] = w
     return cfg, state
 
 
 # ---------------------------------------------------------------- safetensors
 
-def _hf_config(path: str) -> ModelConfig:
-    """A Hugging Face folder's ModelConfig (config.json only).
+def _rope_params(c: dict, layer_type: Optional[str] = None) -> dict:
+    """The RoPE parameters of config.json `c`: transformers 5's `rope_parameters` (per layer
+    type for Gemma 3), or the older `rope_theta` + `rope_scaling` keys."""
+    rope = c.get("rope_parameters") or {}
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        rope = rope[layer_type]
+    rope = dict(rope) if rope else dict(c.get("rope_scaling") or {})
+    if "rope_theta" in c:
+        rope.setdefault("rope_theta", c["rope_theta"])
+    return rope
+
+
+_ROPE_KINDS = ("default", "llama3", "linear", "longrope")
+
+
+def _rope_scaling(rope: dict, where: str) -> Optional[dict]:
+    """The scaling dict `LlamaModel` applies (rope_type llama3, linear or longrope), None for plain RoPE.
 
     Raises:
-        ValueError: for an unsupported model_type.
+        ValueError: for a RoPE type the decoder does not implement (naming it and the supported ones).
     """
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "su":
+        kind = "longrope"
+    if kind not in _ROPE_KINDS:
+        raise ValueError(f"{where}: rope_type {kind!r} is not supported; supported: {', '.join(_ROPE_KINDS)}")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
+                         f"(RoPE over the whole head only)")
+    if kind == "default":
+        return None
+    return {**{k: v for k, v in rope.items() if k != "rope_theta"}, "rope_type": kind}
+
+
+def _layer_windows(c: dict, n_layers: int) -> tuple:
+    """Per-layer sliding windows from config.json: `layer_types` ("sliding_attention" layers
+    take `sliding_window`), else `sliding_window` on every layer (Mistral, Phi-3), else ()."""
+    sw = c.get("sliding_window")
+    types = c.get("layer_types")
+    if types:
+        wins = tuple(int(sw) if t == "sliding_attention" and sw else 0 for t in types[:n_layers])
+        return wins if any(wins) else ()
+    if sw and c.get("use_sliding_window", True):
+        return (int(sw),) * n_layers
+    return ()
+
+
+def _hf_config(path: str) -> ModelConfig:
+    """A Hugging Face folder's ModelConfig (config.json only), for any supported family.
+
+    Raises:
+        ValueError: for an unsupported model_type or RoPE type (one line listing the supported ones).
+    """
+    from .models.family import family_for_hf
+
     folder = Path(path)
     c = json.loads((folder / "config.json").read_text())
+    if "text_config" in c and c.get("model_type") == "gemma3":  # a multimodal folder's text tower
+        c = {**c["text_config"], "model_type": "gemma3_text"}
     mtype = c.get("model_type", "llama")
-    if mtype not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"{path}: model_type {mtype!r} is not supported (llama, mistral, qwen2)")
-    rope = c.get("rope_parameters") or {}
-    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3",):
-        scaling = None
+    fam = family_for_hf(mtype, f"{path}: ")
+    n_layers = c["num_hidden_layers"]
+    windows = _layer_windows(c, n_layers)
+    full = _rope_params(c, "full_attention")
+    local = _rope_params(c, "sliding_attention") if isinstance((c.get("rope_parameters") or {}).get(
+        "sliding_attention"), dict) else None
+    local_theta = c.get("rope_local_base_freq")
+    if local is not None:
+        local_theta = local.get("rope_theta", local_theta)
     n_heads = c["num_attention_heads"]
+    qpas = c.get("query_pre_attn_scalar")
+    dense = tuple(c.get("mlp_only_layers") or ())
+    step = int(c.get("decoder_sparse_step", 1) or 1)
+    n_exp = int(c.get("num_experts", c.get("num_local_experts", 0)) or 0) if fam.moe else 0
+    if n_exp and step > 1:
+        dense = tuple(sorted(set(dense) | {i for i in range(n_layers) if (i + 1) % step}))
     return ModelConfig(
         hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_layers=c["num_hidden_layers"],
+        intermediate_size=c.get("intermediate_size") or c.get("moe_intermediate_size"),
+        num_layers=n_layers,
         num_heads=n_heads,
-        num_kv_heads=c.get("num_key_value_heads", n_heads),
+        num_kv_heads=c.get("num_key_value_heads") or n_heads,
         vocab_size=c["vocab_size"],
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-        rope_theta=float(rope_theta),
-        rope_scaling=scaling,
+        rope_theta=float(full.get("rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(full, path),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", mtype == "qwen2")),
+        attention_bias=bool(c.get("attention_bias", fam.attention_bias)),
         name=folder.name,
+        family=fam.name,
+        layer_windows=windows,
+        rope_local_theta=None if local_theta is None else float(local_theta),
+        attn_scale=None if qpas is None else float(qpas) ** -0.5,
+        num_experts=n_exp,
+        num_experts_per_tok=int(c.get("num_experts_per_tok", 0)) if n_exp else 0,
+        moe_intermediate_size=int(c.get("moe_intermediate_size") or c.get("intermediate_size")) if n_exp else 0,
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        dense_layers=dense if n_exp else (),
     )
+
+
+def hf_to_ours(key: str, cfg: ModelConfig) -> list[tuple[str, Optional[tuple[int, int]]]]:
+    """Our name(s) for a Hugging Face tensor name (without "model."): [(name, row range or
+    None)], several for a fused tensor split by rows (Phi-3's qkv_proj and gate_up_proj);
+    [] for a tensor we do not read."""
+    from .models.family import family_of, rename
+
+    fam = family_of(cfg.family)
+    if not key.startswith("layers."):
+        return [(key, None)]
+    _, idx, suffix = key.split(".", 2)
+    p = f"layers.{idx}."
+    if suffix in fam.hf_fused:
+        return [(p + n, r) for n, r in zip(fam.hf_fused[suffix], fused_rows(suffix, cfg))]
+    mapped = rename(suffix, fam.hf_rename)
+    return [(p + (mapped or suffix), None)]
+
+
+def fused_rows(suffix: str, cfg: ModelConfig) -> list[tuple[int, int]]:
+    """Row ranges of the parts of a fused tensor: q, k, v of a fused qkv, gate, up of a fused gate_up."""
+    if "qkv" in suffix:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    i = cfg.intermediate_size
+    return [(0, i), (i, 2 * i)]
 
 
 def load_hf_folder(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -444,22 +606,32 @@ def load_hf_folder(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
+    from .models.family import family_of
+
+    offset = family_of(cfg.family).norm_offset
     state: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
                 k = key[len("model."):] if key.startswith("model.") else key
-                if not keeps_tensor(k, shard):
-                    continue
-                spec = slice_spec(k, cfg, shard)
-                if spec is None:
-                    v = fh.get_tensor(key)
-                else:
+                for name, rows in hf_to_ours(k, cfg):
+                    if not keeps_tensor(name, shard):
+                        continue
+                    spec = slice_spec(name, cfg, shard)
                     sl = fh.get_slice(key)
-                    v = sl[spec.start:spec.stop] if spec.dim == 0 else sl[:, spec.start:spec.stop]
-                    if spec.pad_to is not None and v.shape[0] < spec.pad_to:
-                        v = torch.cat((v, v.new_zeros(spec.pad_to - v.shape[0], *v.shape[1:])))
-                state[k] = v.float()
+                    if rows is not None:  # one part of a fused tensor
+                        v = sl[rows[0]:rows[1]]
+                        v = v if spec is None else spec.apply(v)
+                    elif spec is None:
+                        v = fh.get_tensor(key)
+                    else:
+                        v = sl[spec.start:spec.stop] if spec.dim == 0 else sl[:, spec.start:spec.stop]
+                        if spec.pad_to is not None and v.shape[0] < spec.pad_to:
+                            v = torch.cat((v, v.new_zeros(spec.pad_to - v.shape[0], *v.shape[1:])))
+                    v = v.float()
+                    if offset and name.endswith("norm.weight"):
+                        v = v + offset  # the family's RMSNorm scales by (offset + w)
+                    state[name] = v
     return cfg, state
 
 

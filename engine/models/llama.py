@@ -34,24 +34,51 @@ from ..parallel.sharding import SINGLE, TPShard, local_shape, shard_fused, shard
 from ..weights import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] float64, with Llama 3.1 "llama3" scaling if set."""
+def rope_inv_freq(cfg: ModelConfig, theta: Optional[float] = None, scaled: bool = True) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] float64 of RoPE base `theta` (default cfg.rope_theta),
+    with the configured frequency scaling when `scaled`: Llama 3.1's "llama3", "linear"
+    (positions divided by the factor: Chen et al. 2023, arXiv 2306.15595), or "longrope"'s
+    short factors (Phi-3; `rope_long_inv_freq` gives the long ones)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = cfg.rope_scaling
-    if s:
-        factor = float(s.get("factor", 8.0))
-        lo = float(s.get("low_freq_factor", 1.0))
-        hi = float(s.get("high_freq_factor", 4.0))
-        old = float(s.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        low_wl, high_wl = old / lo, old / hi
-        smooth = (old / wavelen - lo) / (hi - lo)
-        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
-        scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-        inv = scaled
-    return inv
+    base = cfg.rope_theta if theta is None else theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling if scaled else None
+    if not s:
+        return inv
+    kind = s.get("rope_type", "llama3")
+    if kind == "linear":
+        return inv / float(s["factor"])
+    if kind == "longrope":
+        return inv / torch.tensor(s["short_factor"], dtype=torch.float64)
+    factor = float(s.get("factor", 8.0))
+    lo = float(s.get("low_freq_factor", 1.0))
+    hi = float(s.get("high_freq_factor", 4.0))
+    old = float(s.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = old / lo, old / hi
+    smooth = (old / wavelen - lo) / (hi - lo)
+    scaled_inv = torch.where(wavelen > low_wl, inv / factor, inv)
+    mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+    return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled_inv)
+
+
+def longrope_tables(cfg: ModelConfig, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, head_dim/2] float64 of Phi-3's "longrope" scaling (Ding et al. 2024, arXiv
+    2402.13753): short factors at positions below `original_max_position_embeddings`, long ones
+    from there on, both times the attention factor sqrt(1 + ln(s) / ln(original)), s = max
+    positions / original (as transformers computes it)."""
+    s, d = cfg.rope_scaling, cfg.head_dim
+    orig = int(s.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    base = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    factor = s.get("factor") or cfg.max_position_embeddings / orig
+    attn = s.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    t = torch.arange(n, dtype=torch.float64)
+    short = torch.outer(t, base / torch.tensor(s["short_factor"], dtype=torch.float64))
+    long = torch.outer(t, base / torch.tensor(s["long_factor"], dtype=torch.float64))
+    f = torch.where((t < orig).unsqueeze(1), short, long)
+    return f.cos() * attn, f.sin() * attn
 
 
 class Linear(nn.Module):
@@ -105,14 +132,92 @@ def _glu_fused(gate_up: nn.Module) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block's weights: attention (fused q/k/v, output) and SwiGLU MLP (fused gate/up, down)."""
+    """One block's weights: attention (fused q/k/v, output) and a gated MLP (fused gate/up, down)
+    or a mixture of experts (`moe`), with the norms its family names (`engine.models.family`):
+    pre-norms always; per-head q/k norms (`q_norm`, `k_norm` [head_dim]) and the norms of the
+    attention and MLP outputs (`attn_post_norm`, `mlp_post_norm` [H]) where the family has them."""
 
     def __init__(self, attn_norm: torch.Tensor, qkv: Linear, o: Linear, mlp_norm: torch.Tensor,
-                 gate_up: Linear, down: Linear) -> None:
+                 gate_up: Optional[Linear] = None, down: Optional[Linear] = None, moe: Optional["MoEMLP"] = None,
+                 q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
+                 attn_post_norm: Optional[torch.Tensor] = None, mlp_post_norm: Optional[torch.Tensor] = None) -> None:
         super().__init__()
-        self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
-        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
-        self.mlp_norm = nn.Parameter(mlp_norm, requires_grad=False)
+        p = lambda t: None if t is None else nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.attn_norm = p(attn_norm)
+        self.qkv, self.o, self.gate_up, self.down, self.moe = qkv, o, gate_up, down, moe
+        self.mlp_norm = p(mlp_norm)
+        self.q_norm, self.k_norm = p(q_norm), p(k_norm)
+        self.attn_post_norm, self.mlp_post_norm = p(attn_post_norm), p(mlp_post_norm)
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP: fused gate/up [2I, H] and down [H, I]."""
+
+    def __init__(self, gate_up: Linear, down: Linear) -> None:
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+
+
+class MoEMLP(nn.Module):
+    """A mixture-of-experts MLP with top-k routing (Shazeer et al. 2017, arXiv 1701.06538; the
+    Mixtral and Qwen3-MoE layout): softmax over the E router logits in fp32, the k largest
+    probabilities, renormalised to sum 1 when `norm_topk_prob`; each token's output is the
+    weighted sum of its k experts' gated MLPs.
+
+    The step's tokens are grouped by expert (one stable sort of the T x k choices), so each
+    expert runs one GEMM over all of its tokens; the expert layers are ordinary linear layers,
+    so the CPU kernels and every quantization scheme apply per expert.
+
+    Args:
+        router: [E, H] router weight (kept in float, never quantized).
+        experts: E `Expert`s (on a tensor-parallel rank: their intermediate slices).
+        top_k: experts per token. norm_topk_prob: renormalise the top-k weights.
+        act: the gated activation, `ops.silu_mul`-like: (gu [n, 2I], out) -> [n, I].
+    Shapes: forward(x [T, H]) -> [T, H] in x's dtype, with the `Linear` contract (`out=`,
+    `residual=`: residual += result).
+    """
+
+    def __init__(self, router: torch.Tensor, experts: list[Expert], top_k: int, norm_topk_prob: bool, act) -> None:
+        super().__init__()
+        self.router = nn.Parameter(router, requires_grad=False)
+        self.experts = nn.ModuleList(experts)
+        self.top_k, self.norm_topk_prob, self.act = top_k, norm_topk_prob, act
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k] int64) of each token's top-k experts."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(x.dtype), idx
+
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        w, idx = self.route(x)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the T*k choices grouped by expert, token order kept
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token = order // self.top_k
+        xs = x.index_select(0, token)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            ex = self.experts[e]
+            gu = ex.gate_up(xs[start:start + n])
+            ex.down(self.act(gu), out=ys[start:start + n])
+            start += n
+        ys.mul_(w.reshape(-1, 1).index_select(0, order))
+        y = torch.zeros_like(x).index_add_(0, token, ys)
+        if residual is not None:
+            return residual.add_(y)
+        return y if out is None else out.copy_(y)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the router and every expert."""
+        n = self.router.numel() * self.router.element_size()
+        return n + sum(ex.gate_up.weight_bytes() + ex.down.weight_bytes() for ex in self.experts)
 
 
 class LlamaModel(nn.Module):
@@ -133,13 +238,17 @@ class LlamaModel(nn.Module):
         self.device = device
         self.shard = shard
         self.local = local_shape(cfg, shard)
-        self.scale = cfg.head_dim ** -0.5
+        from .family import family_of
+
+        self.family = family_of(cfg.family)
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.q_size = self.local.num_heads * cfg.head_dim
         self.kv_size = self.local.num_kv_heads * cfg.head_dim
-        inv = rope_inv_freq(cfg)
-        self._inv_freq = inv
+        self._inv_freq = rope_inv_freq(cfg)
+        # the sliding-window layers' own RoPE base (Gemma 3), unscaled
+        self._local_inv_freq = None if cfg.rope_local_theta is None else rope_inv_freq(cfg, cfg.rope_local_theta, False)
         self._rope_len = 0
-        self.cos = self.sin = None
+        self.cos = self.sin = self.cos_local = self.sin_local = None
         # weights, filled by load_state_dict / init_dummy
         self.embed: Optional[torch.Tensor] = None
         self.lm_head: Optional[Linear] = None
@@ -152,42 +261,20 @@ class LlamaModel(nn.Module):
 
     # ------------------------------------------------------------ weights
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Fuse, cast and move a fp32 state dict (Hugging Face names without "model."): the
+        """Fuse, cast and move a fp32 state dict (our names, `engine.models.family`): the
         whole model's tensors, or on a tensor-parallel rank its slices (the loaders of
         `engine.weights` read them so).
 
         Raises:
             KeyError: naming the first missing tensor.
         """
-        cfg = self.cfg
-
         def take(name: str) -> torch.Tensor:
             if name not in state:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
-            return state[name]
+            return state[name].to(device=self.device, dtype=self.dtype).contiguous()
 
-        def put(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=self.device, dtype=self.dtype).contiguous()
-
-        self.embed = put(take("embed_tokens.weight"))
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
-        self.lm_head = Linear(self.embed if tied else put(state["lm_head.weight"]))
-        self.final_norm = put(take("norm.weight"))
-        layers = []
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            qkv_bias = None
-            if cfg.attention_bias:
-                qkv_bias = put(torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0))
-            layers.append(DecoderLayer(
-                attn_norm=put(take(p + "input_layernorm.weight")),
-                qkv=Linear(put(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0)), qkv_bias),
-                o=Linear(put(take(p + "self_attn.o_proj.weight"))),
-                mlp_norm=put(take(p + "post_attention_layernorm.weight")),
-                gate_up=Linear(put(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0))),
-                down=Linear(put(take(p + "mlp.down_proj.weight"))),
-            ))
-        self.layers = nn.ModuleList(layers)
+        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in state
+        self._build(take, None if tied else take("lm_head.weight"))
 
     def init_dummy(self, seed: int = 0) -> None:
         """Random weights of the configured shape, made directly on the device (for benchmarks).
@@ -197,42 +284,102 @@ class LlamaModel(nn.Module):
         hold exactly the weights one device would: greedy outputs can be compared across N."""
         cfg, sh = self.cfg, self.shard
         gen = torch.Generator(device=self.device).manual_seed(seed)
+        h, d = cfg.hidden_size, cfg.head_dim
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        i = cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
 
-        def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
-            return (torch.randn(*shape, generator=gen, device=self.device, dtype=self.dtype) * std)
+        def shape(name: str) -> tuple[int, ...]:
+            if name.endswith("norm.weight"):
+                return (d,) if ("q_norm" in name or "k_norm" in name) else (h,)
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                return (cfg.vocab_size, h)
+            if name.endswith("mlp.gate.weight"):
+                return (cfg.num_experts, h)
+            rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": i, "up_proj": i,
+                    "down_proj": h}
+            for k, r in rows.items():
+                if f"{k}." in name:
+                    if ".experts." not in name and k in ("gate_proj", "up_proj"):
+                        r = cfg.intermediate_size
+                    cols = q if k == "o_proj" else (i if k == "down_proj" else h)
+                    if k == "down_proj" and ".experts." not in name:
+                        cols = cfg.intermediate_size
+                    return (r,) if name.endswith("bias") else (r, cols)
+            raise KeyError(name)
 
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv_parts = [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv), ("self_attn.v_proj.weight", kv)]
-        qkv_bias_parts = [(n.replace("weight", "bias"), r) for n, r in qkv_parts]
-        ones = lambda: torch.ones(h, device=self.device, dtype=self.dtype)  # noqa: E731
-        self.embed = shard_tensor("embed_tokens.weight", rnd(cfg.vocab_size, h), cfg, sh)
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else
-                              shard_tensor("lm_head.weight", rnd(cfg.vocab_size, h), cfg, sh))
-        self.final_norm = ones()
+        def take(name: str) -> torch.Tensor:
+            if name.endswith("norm.weight"):
+                return torch.ones(shape(name), device=self.device, dtype=self.dtype)
+            t = torch.randn(*shape(name), generator=gen, device=self.device, dtype=self.dtype) * 0.02
+            return shard_tensor(name, t, cfg, sh)
+
+        self._build(take, None if cfg.tie_word_embeddings else "draw")
+
+    def _build(self, take, lm_head) -> None:
+        """Make the layers from `take(name) -> tensor` (our names, the rank's slice), in one fixed
+        order of names; `lm_head` None: tied to the embedding; "draw": take it after the
+        embedding; a tensor: that one."""
+        cfg, fam = self.cfg, self.family
+        self.embed = take("embed_tokens.weight")
+        if isinstance(lm_head, str):
+            lm_head = take("lm_head.weight")
+        self.lm_head = Linear(self.embed if lm_head is None else lm_head)
+        self.final_norm = take("norm.weight")
+        act = self.ops.silu_mul if fam.activation == "silu" else self.ops.gelu_tanh_mul
         layers = []
-        for _ in range(cfg.num_layers):
-            qkv = shard_fused(qkv_parts, rnd(q + 2 * kv, h), cfg, sh)
-            qkv_b = shard_fused(qkv_bias_parts, rnd(q + 2 * kv), cfg, sh) if cfg.attention_bias else None
-            layers.append(DecoderLayer(
-                attn_norm=ones(),
-                qkv=Linear(qkv, qkv_b),
-                o=Linear(shard_tensor("self_attn.o_proj.weight", rnd(h, q), cfg, sh)),
-                mlp_norm=ones(),
-                gate_up=Linear(shard_fused([("mlp.gate_proj.weight", i), ("mlp.up_proj.weight", i)],
-                                           rnd(2 * i, h), cfg, sh)),
-                down=Linear(shard_tensor("mlp.down_proj.weight", rnd(h, i), cfg, sh)),
-            ))
+        for li in range(cfg.num_layers):
+            p = f"layers.{li}."
+            qkv_bias = None
+            if cfg.attention_bias:
+                qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0)
+            kw = {}
+            if fam.qk_norm:
+                kw.update(q_norm=take(p + "self_attn.q_norm.weight"), k_norm=take(p + "self_attn.k_norm.weight"))
+            if fam.sandwich_norms:
+                kw.update(attn_post_norm=take(p + "attn_post_norm.weight"), mlp_post_norm=take(p + "mlp_post_norm.weight"))
+            attn_norm = take(p + "input_layernorm.weight")
+            qkv = Linear(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0), qkv_bias)
+            o = Linear(take(p + "self_attn.o_proj.weight"))
+            mlp_norm = take(p + "post_attention_layernorm.weight")
+            if cfg.is_moe_layer(li):
+                router = take(p + "mlp.gate.weight")
+                experts = []
+                for e in range(cfg.num_experts):
+                    ep = p + f"mlp.experts.{e}."
+                    experts.append(Expert(Linear(torch.cat([take(ep + "gate_proj.weight"), take(ep + "up_proj.weight")], 0)),
+                                          Linear(take(ep + "down_proj.weight"))))
+                kw["moe"] = MoEMLP(router, experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, act)
+            else:
+                kw["gate_up"] = Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0))
+                kw["down"] = Linear(take(p + "mlp.down_proj.weight"))
+            layers.append(DecoderLayer(attn_norm, qkv, o, mlp_norm, **kw))
         self.layers = nn.ModuleList(layers)
 
     def linear_layers(self) -> list[tuple[str, Linear]]:
-        """(name, layer) of every swappable linear layer, LM head last."""
+        """(name, layer) of every swappable linear layer, LM head last: per layer "qkv", "o" and
+        "gate_up", "down", or per expert e "experts.{e}.gate_up", "experts.{e}.down" (a router
+        stays in float)."""
         out = []
         for i, layer in enumerate(self.layers):
-            for name in ("qkv", "o", "gate_up", "down"):
-                out.append((f"layers.{i}.{name}", getattr(layer, name)))
+            out += [(f"layers.{i}.qkv", layer.qkv), (f"layers.{i}.o", layer.o)]
+            if layer.moe is None:
+                out += [(f"layers.{i}.gate_up", layer.gate_up), (f"layers.{i}.down", layer.down)]
+            else:
+                for e, ex in enumerate(layer.moe.experts):
+                    out += [(f"layers.{i}.experts.{e}.gate_up", ex.gate_up), (f"layers.{i}.experts.{e}.down", ex.down)]
         out.append(("lm_head", self.lm_head))
         return out
+
+    def set_linear(self, name: str, layer: nn.Module) -> None:
+        """Replace the linear layer `name` (as `linear_layers` names it) by `layer`."""
+        if name == "lm_head":
+            self.lm_head = layer
+            return
+        parts = name.split(".")
+        owner = self.layers[int(parts[1])]
+        if parts[2] == "experts":
+            owner = owner.moe.experts[int(parts[3])]
+        setattr(owner, parts[-1], layer)
 
     def weight_bytes(self) -> int:
         """Bytes of all weights as stored (the tied embedding counted once)."""
@@ -243,20 +390,41 @@ class LlamaModel(nn.Module):
                 continue
             n += lin.weight_bytes()
         for layer in self.layers:
-            n += (layer.attn_norm.numel() + layer.mlp_norm.numel()) * el
+            for t in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.attn_post_norm,
+                      layer.mlp_post_norm):
+                n += 0 if t is None else t.numel() * el
+            if layer.moe is not None:
+                n += layer.moe.router.numel() * layer.moe.router.element_size()
         return n
 
     # ------------------------------------------------------------ pieces
     def _rope_tables(self, max_pos: int) -> None:
-        """Make the cos/sin tables [n, head_dim / 2] float32 cover positions < max_pos (grown, never shrunk)."""
+        """Make the cos/sin tables [n, head_dim / 2] float32 cover positions < max_pos (grown, never
+        shrunk); with a local RoPE base, the sliding-window layers' tables too."""
         if max_pos <= self._rope_len:
             return
         n = max(max_pos, 2 * self._rope_len, 4096)
         t = torch.arange(n, dtype=torch.float64)
-        freqs = torch.outer(t, self._inv_freq)
-        self.cos = freqs.cos().to(self.device, torch.float32).contiguous()
-        self.sin = freqs.sin().to(self.device, torch.float32).contiguous()
+        f32 = lambda x: x.to(self.device, torch.float32).contiguous()  # noqa: E731
+        s = self.cfg.rope_scaling
+        if s and s.get("rope_type") == "longrope":
+            cos, sin = longrope_tables(self.cfg, n)
+        else:
+            freqs = torch.outer(t, self._inv_freq)
+            cos, sin = freqs.cos(), freqs.sin()
+        self.cos, self.sin = f32(cos), f32(sin)
+        if self._local_inv_freq is not None:
+            freqs = torch.outer(t, self._local_inv_freq)
+            self.cos_local, self.sin_local = f32(freqs.cos()), f32(freqs.sin())
         self._rope_len = n
+
+    @property
+    def plain_layers(self) -> bool:
+        """Whether every layer is the Llama block (pre-norms, SwiGLU, dense MLP, full attention,
+        one RoPE table): the layout the C decoder driver runs."""
+        f, c = self.family, self.cfg
+        return not (f.qk_norm or f.sandwich_norms or f.activation != "silu" or f.embed_scale or c.num_experts
+                    or c.layer_windows or c.rope_local_theta is not None)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm through the PyTorch reference ops (kept for callers outside the forward)."""
@@ -272,8 +440,8 @@ class LlamaModel(nn.Module):
         step's layers (C small ops and linear layers, fp32, fp16 or int8 KV caches, the torch
         backend's C kernel serving the step), else None. The model's description is made on first use and
         remade after a layer swap."""
-        if (not self.use_c_decoder or getattr(self.ops, "name", "") != "cpu" or not kv_caches
-                or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()):
+        if (not self.use_c_decoder or not self.plain_layers or getattr(self.ops, "name", "") != "cpu"
+                or not kv_caches or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()):
             return None
         from ..attention.torch_quant_kv import TorchQuantKVAttentionBackend
         from ..attention.torch_ref import TorchAttentionBackend
@@ -346,12 +514,15 @@ class LlamaModel(nn.Module):
         hq, hkv, d = self.local.num_heads, self.local.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         h = self._embed(input_ids, tp)
+        if self.family.embed_scale:  # Gemma: embeddings times sqrt(hidden), in the model's dtype
+            h.mul_(torch.tensor(cfg.hidden_size ** 0.5, dtype=h.dtype))
         new = functools.partial(torch.empty, dtype=h.dtype, device=h.device)
         x = new(T, cfg.hidden_size)
         qkv = new(T, self.q_size + 2 * self.kv_size)
         a = new(T, hq * d)
-        gu = new(T, 2 * self.local.intermediate_size)
-        act = new(T, self.local.intermediate_size)
+        inter = self.local.intermediate_size if any(layer.moe is None for layer in self.layers) else 0
+        gu = new(T, 2 * inter)
+        act = new(T, inter)
         q = qkv[:, : self.q_size].view(T, hq, d)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, hkv, d)
         v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, d)
@@ -361,17 +532,46 @@ class LlamaModel(nn.Module):
             self._c_decoder.run(h, positions, self.cos, self.sin, meta.slot_mapping, plan, meta.block_size,
                                 self.scale, (x, qkv, a, gu, act))
             kv_caches = ()
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
+        fam = self.family
+        for li, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches)):
             layer.qkv(ops.rms_norm(h, layer.attn_norm, eps, out=x), out=qkv)
-            ops.rope_(q, k, positions, self.cos, self.sin)
-            backend.forward(q, k, v, kc, vc, meta, self.scale, out=a.view(T, hq, d))
-            self._row_parallel(layer.o, a, h, tp)
-            mlp_in = ops.rms_norm(h, layer.mlp_norm, eps, out=x)
-            if _glu_fused(layer.gate_up):  # SwiGLU in the gate/up GEMM's epilogue
-                layer.gate_up.silu_mul(mlp_in, out=act)
+            if layer.q_norm is not None:  # per-head RMSNorm of q and k (Qwen3, Gemma 3)
+                q.copy_(ops.rms_norm(q.reshape(-1, d), layer.q_norm, eps).view(T, hq, d))
+                k.copy_(ops.rms_norm(k.reshape(-1, d), layer.k_norm, eps).view(T, hkv, d))
+            window = cfg.window(li)
+            if window and self.cos_local is not None:
+                ops.rope_(q, k, positions, self.cos_local, self.sin_local)
             else:
-                ops.silu_mul(layer.gate_up(mlp_in, out=gu), out=act)
-            self._row_parallel(layer.down, act, h, tp)
+                ops.rope_(q, k, positions, self.cos, self.sin)
+            m = meta.window_meta if (window and meta.window_meta is not None) else meta
+            if window:
+                backend.forward(q, k, v, kc, vc, m, self.scale, out=a.view(T, hq, d), window=window)
+            else:
+                backend.forward(q, k, v, kc, vc, m, self.scale, out=a.view(T, hq, d))
+            if layer.attn_post_norm is not None:  # Gemma: norm the attention output, then add
+                self._row_parallel(layer.o, a, x, tp, out_only=True)
+                h.add_(ops.rms_norm(x, layer.attn_post_norm, eps))
+            else:
+                self._row_parallel(layer.o, a, h, tp)
+            mlp_in = ops.rms_norm(h, layer.mlp_norm, eps, out=x)
+            if layer.moe is not None:
+                mlp = layer.moe
+                src = mlp_in
+            else:
+                mlp = layer.down
+                if fam.activation == "silu" and _glu_fused(layer.gate_up):  # SwiGLU in the gate/up GEMM's epilogue
+                    layer.gate_up.silu_mul(mlp_in, out=act)
+                elif fam.activation == "silu":
+                    ops.silu_mul(layer.gate_up(mlp_in, out=gu), out=act)
+                else:
+                    ops.gelu_tanh_mul(layer.gate_up(mlp_in, out=gu), out=act)
+                src = act
+            if layer.mlp_post_norm is not None:
+                y = new(T, cfg.hidden_size)
+                self._row_parallel(mlp, src, y, tp, out_only=True)
+                h.add_(ops.rms_norm(y, layer.mlp_post_norm, eps))
+            else:
+                self._row_parallel(mlp, src, h, tp)
         hn = ops.rms_norm(ops.take_rows(h, logits_indices), self.final_norm, eps)
         if argmax is not None and tp is None and self.fused_argmax_ok:
             return self.lm_head.argmax(hn, argmax.limit, argmax.ban)
@@ -398,11 +598,12 @@ class LlamaModel(nn.Module):
         return tp.all_reduce_(h)
 
     @staticmethod
-    def _row_parallel(layer, x: torch.Tensor, h: torch.Tensor, tp) -> None:
-        """h += x W^T for a row-parallel layer. Unsharded: one GEMM with the residual add fused.
-        Sharded (x and W hold the rank's input columns): rank 0 computes h + x_0 W_0^T, every
-        other rank x_r W_r^T into h, and one all-reduce leaves h + sum_r x_r W_r^T everywhere."""
-        if tp is None or tp.rank == 0:
+    def _row_parallel(layer, x: torch.Tensor, h: torch.Tensor, tp, out_only: bool = False) -> None:
+        """h += x W^T for a row-parallel layer (`out_only`: h = x W^T). Unsharded: one GEMM with
+        the residual add fused. Sharded (x and W hold the rank's input columns): rank 0 computes
+        h + x_0 W_0^T, every other rank x_r W_r^T into h, and one all-reduce leaves
+        h + sum_r x_r W_r^T everywhere."""
+        if (tp is None or tp.rank == 0) and not out_only:
             layer(x, residual=h)
         else:
             layer(x, out=h)

@@ -13,6 +13,8 @@ Each op's contract (shapes for a step of T tokens):
     rms_norm(x [T, H], w [H], eps, out [T, H] or None) -> x / sqrt(mean(x^2) + eps) * w
     rope_(q [T, Hq, D], k [T, Hkv, D], positions [T], cos, sin [P, D/2]) rotates q and k in place
     silu_mul(gu [T, 2I], out [T, I] or None) -> silu(gu[:, :I]) * gu[:, I:]
+    gelu_tanh_mul(gu [T, 2I], out [T, I] or None) -> gelu_tanh(gu[:, :I]) * gu[:, I:] (GeGLU with
+        the tanh approximation of GELU, Hendrycks & Gimpel 2016, arXiv 1606.08415)
     take_rows(table [V, H], idx [S] int64) -> table[idx] [S, H] (the embedding lookup and the
         LM head's row gather); IndexError for an index outside [0, V)
 """
@@ -22,6 +24,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+
+def _gelu_tanh_mul(gu: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    i = gu.shape[1] // 2
+    y = F.gelu(gu[:, :i], approximate="tanh") * gu[:, i:]
+    return y if out is None else out.copy_(y)
 
 
 class TorchOps:
@@ -53,6 +61,8 @@ class TorchOps:
         if out is None:
             return F.silu(g) * u
         return torch.mul(F.silu(g), u, out=out)
+
+    gelu_tanh_mul = staticmethod(_gelu_tanh_mul)
 
     @staticmethod
     def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -108,6 +118,8 @@ class CpuOps:
             self._silu(gu.data_ptr(), gu.stride(0), y.data_ptr(), y.stride(0), m, n2 // 2)
             return y
         return self.k.silu_mul(gu, out, lib=self.lib)
+
+    gelu_tanh_mul = staticmethod(_gelu_tanh_mul)
 
     @staticmethod
     def take_rows(table, idx):

@@ -18,6 +18,7 @@ vocabulary V:
 | self_attn.o_proj.weight [H, Hq D]   | cols  | the columns of its query heads            |
 | mlp.gate_proj / up_proj [I, H]      | rows  | [r I/N, (r+1) I/N)                        |
 | mlp.down_proj [H, I]                | cols  | [r I/N, (r+1) I/N)                        |
+| mlp.experts.e.* (each expert)       | as the dense MLP, over its own I          |                                           |
 | embed_tokens / lm_head [V, H]       | rows  | [r Vp, (r+1) Vp), Vp = ceil(V / N), zero-padded |
 | norms                               | -     | everything (replicated)                   |
 
@@ -72,6 +73,9 @@ def check_tp_size(cfg: ModelConfig, n: int) -> None:
     if cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size={n} does not divide the model's intermediate size "
                          f"{cfg.intermediate_size}")
+    if cfg.moe_intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size={n} does not divide the model's expert intermediate size "
+                         f"{cfg.moe_intermediate_size}")
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ def slice_spec(name: str, cfg: ModelConfig, shard: TPShard) -> Optional[SliceSpe
         return SliceSpec(0, r * loc.num_kv_heads * d, (r + 1) * loc.num_kv_heads * d)
     if name.endswith("self_attn.o_proj.weight"):
         return SliceSpec(1, r * loc.num_heads * d, (r + 1) * loc.num_heads * d)
-    i = loc.intermediate_size
+    i = cfg.moe_intermediate_size // shard.world_size if ".experts." in name else loc.intermediate_size
     if name.endswith("mlp.gate_proj.weight") or name.endswith("mlp.up_proj.weight"):
         return SliceSpec(0, r * i, (r + 1) * i)
     if name.endswith("mlp.down_proj.weight"):

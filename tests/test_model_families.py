@@ -1,0 +1,147 @@
+"""Every model family against transformers: tiny random models built from a config (no
+download), saved with `save_pretrained`, loaded by the engine from the folder.
+
+Per family: the last-position logits of 10 prompts within fp32 rounding (prefill), the logits
+of every decode step within the same bound, and greedy token ids equal to transformers'
+`generate` on all 10 prompts, run as one batch with chunked prefill. Sliding-window families
+get a window shorter than most prompts. The MoE families use 8 experts with top-2 routing.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.tokenizer import Tokenizer
+
+LOGITS_ATOL = 1e-3  # fp32 noise is ~1e-5 at these magnitudes (see test_engine_parity.py)
+NEW_TOKENS = 10
+WINDOW = 8  # sliding window of the tiny sliding-window models, in tokens
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return",
+    "Bonjour, je m'appelle",
+    "Label the sentiment of this review: the food was cold and the waiter ignored us for an hour.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "Q: What is the capital of Italy?\nA:",
+    "Hi",
+    "Extract the city from: 'Our office moved from Berlin to Lisbon in March 2024, closer to the sea.'",
+    "import numpy as np\nimport torch\n\nclass Model(torch.nn.Module):\n    def __init__(self):",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker",
+]
+
+
+def _common(tok: Tokenizer) -> dict:
+    return dict(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                initializer_range=0.2, rms_norm_eps=1e-6)
+
+
+def build(kind: str, tok: Tokenizer):
+    """A tiny random transformers model of family `kind` (fp32, eval)."""
+    import transformers as T
+
+    c = _common(tok)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if kind == "qwen3":
+        model = T.Qwen3ForCausalLM(T.Qwen3Config(**c, head_dim=32, rope_parameters=rope, tie_word_embeddings=False))
+    elif kind == "gemma3":
+        cfg = T.Gemma3TextConfig(**{**c, "num_hidden_layers": 4}, head_dim=32, query_pre_attn_scalar=24,
+                                 sliding_window=WINDOW,
+                                 layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                              "sliding_attention"],
+                                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                  "full_attention": {"rope_type": "default",
+                                                                     "rope_theta": 1000000.0}})
+        model = T.Gemma3ForCausalLM(cfg)
+    elif kind == "phi3":
+        model = T.Phi3ForCausalLM(T.Phi3Config(**c, rope_parameters=rope, tie_word_embeddings=False,
+                                               pad_token_id=0))
+    elif kind == "phi3_longrope":
+        n = 16 // 2  # head_dim 16: 8 frequencies
+        rp = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(n)],
+              "long_factor": [2.0 + 0.5 * i for i in range(n)], "original_max_position_embeddings": 128}
+        model = T.Phi3ForCausalLM(T.Phi3Config(**c, rope_parameters=rp, original_max_position_embeddings=128,
+                                               tie_word_embeddings=False, pad_token_id=0))
+    elif kind == "mistral_sw":
+        model = T.MistralForCausalLM(T.MistralConfig(**c, head_dim=16, sliding_window=WINDOW, rope_parameters=rope,
+                                                     tie_word_embeddings=False))
+    elif kind == "qwen3_moe":
+        model = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**c, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                                       moe_intermediate_size=32, norm_topk_prob=True,
+                                                       rope_parameters=rope, tie_word_embeddings=False))
+    elif kind == "mixtral":
+        model = T.MixtralForCausalLM(T.MixtralConfig(**c, num_local_experts=8, num_experts_per_tok=2,
+                                                     rope_parameters=rope, tie_word_embeddings=False))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():  # random norms: a norm bug (offset, placement) must show in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0 if kind == "gemma3" else 1.0, 0.3)
+    return model.float().eval()
+
+
+FAMILIES = ["qwen3", "gemma3", "phi3", "phi3_longrope", "mistral_sw", "qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.default()
+
+
+def save(model, tok: Tokenizer, folder) -> str:
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.hf.save_pretrained(folder)
+    return str(folder)
+
+
+def engine(path: str, **kw) -> LLM:
+    return LLM(path, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=13, kv_cache_dtype="fp32",
+               dtype="float32", **kw)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy continuation of `ids` and the logits of each step."""
+    with torch.no_grad():
+        g = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return g.sequences[0, len(ids):].tolist(), [x[0].float() for x in g.logits]
+
+
+def check_family(llm: LLM, model, tok: Tokenizer) -> None:
+    ids = [tok.encode(p) for p in PROMPTS]
+    if llm.model_config.max_window:
+        assert sum(len(i) > llm.model_config.max_window for i in ids) >= 5
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    worst = 0.0
+    for i, o in zip(ids, outs):
+        ref_ids, ref_logits = hf_greedy(model, i, NEW_TOKENS)
+        assert o.outputs[0].token_ids == ref_ids
+        # prefill logits, then the logits of decode steps (the engine re-scores the continuation)
+        for step in (0, NEW_TOKENS // 2, NEW_TOKENS - 1):
+            ours = llm.compute_logits(i + ref_ids[:step])
+            worst = max(worst, (ours - ref_logits[step]).abs().max().item())
+    assert worst < LOGITS_ATOL, worst
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_family_matches_transformers(tmp_path, tok, kind):
+    model = build(kind, tok)
+    llm = engine(save(model, tok, tmp_path / kind))
+    expect = {"phi3_longrope": "phi3", "mistral_sw": "mistral"}.get(kind, kind)
+    assert llm.model_config.family == expect
+    check_family(llm, model, tok)
+
+
+def test_unsupported_family_is_named_in_one_line(tmp_path, tok):
+    import transformers as T
+
+    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=1, n_head=2))
+    path = save(model, tok, tmp_path / "gpt2")
+    with pytest.raises(ValueError) as e:
+        LLM(path)
+    msg = str(e.value)
+    assert "'gpt2'" in msg and "qwen3" in msg and "gemma3_text" in msg and "\n" not in msg
