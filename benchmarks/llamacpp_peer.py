@@ -66,6 +66,9 @@ from benchmarks import peer_venv
 from benchmarks.peer_venv import READY_MARKER, read_marker, venv_python  # noqa: F401 (this module's API)
 
 WEIGHTS = ("q4_1", "f16", "f32", "bf16", "q8_0", "q4_0")  # q4_1: the bundled file; the others: gguf_f16 copies
+# the benchmarked model's own GGUF file as it is (`--model gemma-3-270m`: its Q4_K_M file); not in
+# WEIGHTS, which is what `llamacpp` alone expands to (the default model's file and its copies)
+MODEL_WEIGHTS = "model"
 DEFAULT_PARALLEL = (1, 8, 32, 64)
 _CTX_ALIGN = 256  # llama.cpp rounds context sizes up to this
 REPO = Path(__file__).resolve().parent.parent  # the child runs from here (``-m benchmarks.llamacpp_peer``)
@@ -77,7 +80,7 @@ class LlamaCppConfig:
 
     Attributes:
         weights: "q4_1" (the bundled GGUF), or one of `benchmarks.gguf_f16`'s copies of it: "f16",
-            "f32", "bf16", "q8_0", "q4_0".
+            "f32", "bf16", "q8_0", "q4_0"; or "model": the benchmarked model's own GGUF file.
         parallel: sequences decoded together (1 = one request at a time).
         n_batch: most tokens per ``llama_decode`` call (decode tokens + prompt tokens).
         n_ubatch: most tokens llama.cpp computes in one graph (it splits a batch into these).
@@ -119,19 +122,19 @@ def all_configs(weights: Sequence[str] = WEIGHTS, parallel: Sequence[int] = DEFA
 
 
 def parse_config_name(name: str, **kwargs: Any) -> LlamaCppConfig:
-    """``llamacpp-<weights>-<serial|pN>`` (weights: one of `WEIGHTS`) -> its `LlamaCppConfig`.
+    """``llamacpp-<weights>-<serial|pN>`` (weights: one of `WEIGHTS`, or `MODEL_WEIGHTS`) -> its `LlamaCppConfig`.
 
     Raises:
         ValueError: a name of another shape.
     """
     parts = name.split("-")
-    if len(parts) == 3 and parts[0] == "llamacpp" and parts[1] in WEIGHTS:
+    if len(parts) == 3 and parts[0] == "llamacpp" and (parts[1] in WEIGHTS or parts[1] == MODEL_WEIGHTS):
         mode = parts[2]
         if mode == "serial":
             return LlamaCppConfig(parts[1], 1, **kwargs)
         if mode.startswith("p") and mode[1:].isdigit() and int(mode[1:]) >= 1:
             return LlamaCppConfig(parts[1], int(mode[1:]), **kwargs)
-    raise ValueError(f"unknown llama.cpp configuration {name!r}; expected llamacpp-<{'|'.join(WEIGHTS)}>-<serial|pN>")
+    raise ValueError(f"unknown llama.cpp configuration {name!r}; expected llamacpp-<{'|'.join(WEIGHTS + (MODEL_WEIGHTS,))}>-<serial|pN>")
 
 
 def available(omp_wait_policy: Optional[str] = None) -> Optional[str]:

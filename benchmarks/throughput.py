@@ -258,12 +258,23 @@ def prepare_llamacpp(venv: Optional[Path] = None, build: bool = True, log: Any =
     return llamacpp_peer.peer_python(venv, build=build, omp_wait_policy=LLAMACPP_OMP_WAIT_POLICY, log=log)
 
 
-def llamacpp_gguf(weights: str, log: Any = print) -> Path:
-    """The GGUF file of a llama.cpp weights name: the bundled Q4_1 file, or its cached F16, F32, BF16,
-    Q8_0 or Q4_0 copy (`benchmarks.gguf_f16`)."""
-    from benchmarks.gguf_f16 import f16_gguf_path
-    from engine.weights import default_gguf_path
+def llamacpp_gguf(weights: str, log: Any = print, model: str = DEFAULT_MODEL) -> Path:
+    """The GGUF file of a llama.cpp weights name: "model", the GGUF file tokenmill loads for `model`
+    as it is (`engine.weights.resolve_model`; a named model such as gemma-3-270m is assembled into
+    the cache first); else the bundled Q4_1 file, or its cached F16, F32, BF16, Q8_0 or Q4_0 copy
+    (`benchmarks.gguf_f16`).
 
+    Raises:
+        ValueError: `model` is not a GGUF file (a Hugging Face folder, dummy weights).
+    """
+    from benchmarks.gguf_f16 import f16_gguf_path
+    from engine.weights import default_gguf_path, resolve_model
+
+    if weights == llamacpp_peer.MODEL_WEIGHTS:
+        source = resolve_model(model)
+        if source.kind != "gguf":
+            raise ValueError(f"llama.cpp rows need a GGUF model, got {model!r} ({source.kind})")
+        return Path(source.path)
     src = Path(default_gguf_path())
     return src if weights == "q4_1" else f16_gguf_path(src, log=log, kind=weights.upper())
 
@@ -555,7 +566,7 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
                 f"{llamacpp_info['build']})")
             for w in dict.fromkeys(c.weights for c in configs.values()):
                 t0 = time.perf_counter()
-                path = llamacpp_gguf(w, log=log)
+                path = llamacpp_gguf(w, log=log, model=model)
                 peers[f"llamacpp-{w}"] = str(path)  # each row loads it in its own process
                 load_s[f"llamacpp-{w}"] = time.perf_counter() - t0
                 log(f"llama.cpp {w}: {path}")
@@ -618,8 +629,9 @@ def run_benchmark(workloads: list[Workload], engines: list[str], engine_kwargs: 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="all", help="|".join(WORKLOADS) + "|all, or a comma list")
-    p.add_argument("--engines", default="tokenmill,hf,llamacpp",
-                   help="comma list: tokenmill, tokenmill-<fp32|bf16|int8|int4|gguf|w8a8|kv-int8|...>, hf, hf-bf16, "
+    p.add_argument("--engines", default=None,
+                   help="(default: tokenmill,hf,llamacpp for the default model; tokenmill,llamacpp-model-p32 for "
+                        "another --model: llama.cpp batched on the same GGUF file) comma list: tokenmill, tokenmill-<fp32|bf16|int8|int4|gguf|w8a8|kv-int8|...>, hf, hf-bf16, "
                         "vllm, llamacpp (all its configurations), llamacpp-<" + "|".join(llamacpp_peer.WEIGHTS)
                         + ">-<serial|pN>")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default per workload)")
@@ -683,10 +695,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         extra = ["--num-prompts", str(args.num_prompts)] if args.num_prompts else []
         extra += ["--output-json", str(args.output_json)] if args.output_json else []
         return structured.main(["--structured", args.structured, "--seed", str(args.seed), *extra])
+    if args.engines is None:
+        args.engines = "tokenmill,hf,llamacpp" if args.model == DEFAULT_MODEL else "tokenmill,llamacpp-model-p32"
     try:
         names = parse_workloads(args.workload)
         engines = parse_engines(args.engines, [w.strip() for w in args.llamacpp_weights.split(",") if w.strip()],
                                 [int(x) for x in args.llamacpp_parallel.split(",") if x.strip()])
+        other_model = [e for e in engines if args.model != DEFAULT_MODEL and (e in HF_DTYPES or e == "vllm" or (
+            e.startswith("llamacpp-") and not e.startswith(f"llamacpp-{llamacpp_peer.MODEL_WEIGHTS}-")))]
+        if other_model:
+            raise ValueError(f"rows {other_model} run on the default model's files only; with --model {args.model} "
+                             f"use tokenmill rows and llamacpp-{llamacpp_peer.MODEL_WEIGHTS}-<serial|pN> (the same "
+                             f"GGUF file)")
     except ValueError as e:
         p.error(str(e))
     if args.speculative:

@@ -649,7 +649,8 @@ class LLM:
     """Offline batch generation.
 
     Args:
-        model: "smollm2-135m-instruct" (default), a .gguf path, a Hugging Face
+        model: "smollm2-135m-instruct" (default), "gemma-3-270m" (the extra 'gemma'; see
+            `engine.model_zoo`), a .gguf path, a Hugging Face
             folder, or "dummy:<shape>" (see `engine.weights.PRESETS`).
         **engine_kwargs: fields of `EngineConfig` (dtype, device, block_size,
             kv_cache_memory_bytes, kv_cache_memory_fraction, max_num_seqs,

@@ -382,7 +382,7 @@ class Tokenizer:
 
     @classmethod
     def from_model(cls, model: str) -> "Tokenizer":
-        """Load for an engine `model` string: the default name, a .gguf path or a folder.
+        """Load for an engine `model` string: a named model (`engine.model_zoo`), a .gguf path or a folder.
 
         `"dummy:<shape>"` models (random weights) use the default model's
         tokenizer; ids at or above its `vocab_size` decode to nothing.
@@ -392,6 +392,11 @@ class Tokenizer:
         """
         if model == DEFAULT_MODEL_NAME or model.startswith("dummy:"):
             return cls.default()
+        from .model_zoo import named_model_path
+
+        named = named_model_path(model)  # "gemma-3-270m" (engine.model_zoo)
+        if named is not None:
+            return cls.from_gguf(named)
         if os.path.isdir(model):
             return cls.from_pretrained(model)
         return cls.from_gguf(model)

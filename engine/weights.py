@@ -164,12 +164,19 @@ def default_gguf_path() -> str:
 def resolve_model(model: str) -> ModelSource:
     """Map the user's `model` string to a ModelSource.
 
+    A name in `engine.model_zoo.NAMED_MODELS` ("smollm2-135m-instruct", "gemma-3-270m") maps to
+    its GGUF file (a chunked one is assembled into the cache on first use).
+
     Raises:
         ValueError: for an unknown dummy shape, a .gguf path that does not exist, a folder
             without config.json, or a path that is neither a GGUF file nor such a folder.
+        FileNotFoundError: a named model's wheels are not installed (the line says what to install).
     """
-    if model == DEFAULT_MODEL:
-        return ModelSource("gguf", default_gguf_path())
+    from .model_zoo import named_model_path
+
+    named = named_model_path(model)
+    if named is not None:
+        return ModelSource("gguf", named)
     if model.startswith("dummy:"):
         name = model.split(":", 1)[1]
         if name not in PRESETS:
@@ -185,8 +192,10 @@ def resolve_model(model: str) -> ModelSource:
     if p.is_dir():
         raise ValueError(f"model folder {model!r} has no config.json (a Hugging Face model folder holds config.json "
                          f"and *.safetensors)")
+    from .model_zoo import NAMED_MODELS
+
     raise ValueError(
-        f"unknown model {model!r}: expected {DEFAULT_MODEL!r}, a .gguf file, a Hugging Face folder "
+        f"unknown model {model!r}: expected a named model ({', '.join(NAMED_MODELS)}), a .gguf file, a Hugging Face folder "
         f"(config.json + *.safetensors), or dummy:<shape> with shape in {sorted(PRESETS)}"
     )
 

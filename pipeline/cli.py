@@ -3,6 +3,7 @@
     tokenmill run --input URL --output URL [--spec job.yaml] [JobSpec options]
     tokenmill run ... --cluster tcp://HOST:8786   (the Prefect flow, windows on a Dask cluster)
     tokenmill demo [--job labelling|synthetic] [JobSpec options]   (replaces ./demo_output/JOB/ each time)
+    tokenmill demo --model gemma-3-270m   (a base model: few-shot labelling, beside the default model's accuracy)
     tokenmill report URL [--all]
 
 Every JobSpec field is an option in kebab case (`--max-tokens`,
@@ -426,11 +427,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     and computes every row again, whatever options changed; `--no-overwrite` resumes it instead, as
     `tokenmill run` does (a changed option is then refused, exit 2). Returns the exit code."""
     job = DEMO_JOBS[args.job]
-    base = {**job, "output": f"{DEMO_OUTPUT}/{args.job}", "overwrite": True}
+    default_model = JobSpec.model_fields["model"].default
+    model = getattr(args, "model", None) or default_model
+    name = args.job if model == default_model else f"{args.job}-{Path(model).name}"  # another model: its own folder
+    base = {**job, "output": f"{DEMO_OUTPUT}/{name}", "overwrite": True}
     spec = spec_from_args(args, base)
     if not Path(spec.input).exists():
         print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
         return EXIT_REFUSED
+    if args.job == "labelling" and spec.model != default_model and not _has_chat_template(spec):
+        return _demo_few_shot(spec, default_model)
     from pipeline import io
     from pipeline.manifest import job_url
 
@@ -443,22 +449,83 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return rc
 
 
-def _print_label_accuracy(output: str) -> None:
-    """A few sample rows of the labelling demo and its accuracy against `reference_label`."""
+def _has_chat_template(spec: JobSpec) -> bool:
+    """Whether the job wraps prompts in the model's chat template (`chat_template`, else whether the
+    model's tokenizer has one)."""
+    if spec.chat_template is not None:
+        return spec.chat_template
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_model(spec.model).has_chat_template
+
+
+def _demo_few_shot(spec: JobSpec, default_model: str) -> int:
+    """The labelling demo on a base model (`pipeline.few_shot`): few-shot prompts under the choice
+    constraint, then the default model on the same rows as its demo runs them (its chat template,
+    zero-shot), and both accuracies against `reference_label`. Returns the exit code."""
+    from pipeline.few_shot import LABEL_SPACE, few_shot_labelling
+
+    out = Path(spec.output)
+    data = out.parent / f"{out.name}-input"
+    few_shot, shot_ids = few_shot_labelling(spec.input, data / "few_shot.parquet")
+    import polars as pl
+
+    same_rows = data / "rows.parquet"
+    pl.read_parquet(spec.input).filter(~pl.col("id").is_in(shot_ids)).write_parquet(same_rows)
+    labels = spec.choice or DEMO_JOBS["labelling"]["choice"]
+    base_spec = spec.model_copy(update={"model": spec.model, "input": str(few_shot),
+                                        "choice": [LABEL_SPACE + c for c in labels]})
+    _echo(f"tokenmill demo: labelling job on the base model {spec.model}: few-shot prompts ({len(shot_ids)} worked "
+          f"examples, the first row of each label, left out), {few_shot} -> {spec.output}")
+    rc = _run(base_spec)
+    if rc != 0:
+        return rc
+    ref_spec = spec.model_copy(update={"model": default_model, "input": str(same_rows),
+                                       "output": str(out.parent / f"{out.name}-{default_model}"), "choice": labels})
+    _echo(f"\ntokenmill demo: the same rows on the default model {default_model} (chat template, zero-shot), "
+          f"-> {ref_spec.output}")
+    rc = _run(ref_spec)
+    if rc != 0:
+        return rc
+    _print_label_accuracy(spec.output)
+    rows = {model: _label_accuracy(output) for model, output in ((spec.model, spec.output),
+                                                                  (default_model, ref_spec.output))}
+    _echo(f"\naccuracy against reference_label on the same {rows[spec.model][1]} rows:")
+    for model, how in ((spec.model, "few-shot, choice"), (default_model, "chat template, choice")):
+        right, n, valid = rows[model]
+        _echo(f"  {model:24} ({how:21}) {right:4} of {n} ({right / max(n, 1):.1%}); valid labels {valid} of {n}")
+    return 0
+
+
+def _label_accuracy(output: str) -> tuple[int, int, int]:
+    """(rows whose label equals `reference_label`, rows, valid labels) of a labelling job's output
+    (labels compared without surrounding spaces: a base model's labels carry a leading one)."""
+    df = _label_rows(output)
+    if df is None:
+        return 0, 0, 0
+    right = int((df["generation"].str.strip_chars() == df["reference_label"]).sum())
+    return right, df.height, int(df["valid"].sum()) if "valid" in df.columns else 0
+
+
+def _label_rows(output: str):
     import polars as pl
 
     parts = sorted(Path(output).glob("part-*.parquet"))
     if not parts:
-        return
+        return None
     df = pl.concat([pl.read_parquet(p) for p in parts], how="diagonal_relaxed")
-    if "reference_label" not in df.columns:
+    return df if "reference_label" in df.columns else None
+
+
+def _print_label_accuracy(output: str) -> None:
+    """A few sample rows of the labelling demo and its accuracy against `reference_label`."""
+    df = _label_rows(output)
+    if df is None:
         return
     _echo("\nsample rows (title, label, reference_label):")
     for row in df.head(5).iter_rows(named=True):
-        _echo(f"  {row.get('title')!s:40.40}  {row['generation']!s:12}  {row['reference_label']}")
-    n = df.height
-    right = int((df["generation"] == df["reference_label"]).sum())
-    valid = int(df["valid"].sum()) if "valid" in df.columns else 0
+        _echo(f"  {row.get('title')!s:40.40}  {str(row['generation']).strip():12}  {row['reference_label']}")
+    right, n, valid = _label_accuracy(output)
     _echo(f"\nvalid labels: {valid} of {n}; accuracy against reference_label: {right} of {n} ({right / n:.1%})")
 
 

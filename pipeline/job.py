@@ -152,8 +152,8 @@ class JobSpec(BaseModel):
                                    "'s3://bucket/prefix/*.parquet'): s3://, gs://, file:// or a local path")
     output: str = Field(description="output folder/prefix URL")
 
-    model: str = Field("smollm2-135m-instruct", description="engine model: smollm2-135m-instruct, a .gguf file, "
-                                                            "a Hugging Face folder, or dummy:<shape>")
+    model: str = Field("smollm2-135m-instruct", description="engine model: smollm2-135m-instruct, gemma-3-270m, "
+                                                            "a .gguf file, a Hugging Face folder, or dummy:<shape>")
     dtype: str = Field("auto", description="weights dtype: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA "
                                            "and on CPUs with AMX-BF16 or AVX512-BF16, else fp32; a resume keeps "
                                            "the dtype the job's manifest recorded)")

@@ -8,6 +8,8 @@ is never installed here: its child runs against a stand-in `vllm` package.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -152,6 +154,24 @@ def test_parse_engines_expands_llamacpp_to_every_configuration():
             parse_engines(bad)
     with pytest.raises(ValueError):
         parse_engines("llamacpp", ["q5_k"], [8])
+
+
+def test_llamacpp_model_rows_run_the_benchmarked_models_own_gguf(monkeypatch, capsys):
+    from benchmarks import throughput as T
+    from benchmarks.llamacpp_peer import parse_config_name
+    from engine.weights import resolve_model
+
+    cfg = parse_config_name("llamacpp-model-p32")
+    assert (cfg.weights, cfg.parallel) == ("model", 32)
+    assert T.parse_engines("tokenmill,llamacpp", ["q4_1"], [8]) == ["tokenmill", "llamacpp-q4_1-p8"]  # not "model"
+    path = T.llamacpp_gguf("model", model="smollm2-135m-instruct")
+    assert path == Path(resolve_model("smollm2-135m-instruct").path)
+    with pytest.raises(ValueError, match="need a GGUF model"):
+        T.llamacpp_gguf("model", model="dummy:smollm2-135m")
+    # another --model: rows on the default model's files are refused before anything loads
+    with pytest.raises(SystemExit):
+        T.main(["--model", "gemma-3-270m", "--engines", "tokenmill,hf", "--workload", "labelling"])
+    assert "rows ['hf'] run on the default model's files only" in capsys.readouterr().err
 
 
 def _fake(out_tok_s: float, total_tok_s: float) -> dict:
@@ -359,7 +379,7 @@ def test_a_crashed_llamacpp_row_is_reported_and_the_others_still_run(tok, monkey
     info = {"python": "/venv/bin/python", "source": "venv", "venv": "/venv", "marker": {"install_s": 600.0},
             "build": "built from source, native"}
     monkeypatch.setattr(T, "prepare_llamacpp", lambda venv, build, log=None: dict(info))
-    monkeypatch.setattr(T, "llamacpp_gguf", lambda w, log=None: tmp_path / f"{w}.gguf")
+    monkeypatch.setattr(T, "llamacpp_gguf", lambda w, log=None, model=None: tmp_path / f"{w}.gguf")
     ran = []
 
     def fake(path, wl, cfg, threads, python=None):
