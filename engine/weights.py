@@ -299,7 +299,7 @@ def _gguf_config(path: str) -> ModelConfig:
     local_theta = None
     if sw and fam.name == "gemma3":
         windows = tuple(0 if (i + 1) % _GEMMA3_FULL_EVERY == 0 else sw for i in range(n_layers))
-        local_theta = _GEMMA3_LOCAL_THETA
+        local_theta = float(g("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
     elif sw:
         windows = (sw,) * n_layers
     scaling = None

@@ -431,11 +431,11 @@ class LlamaModel(nn.Module):
 
     @property
     def plain_layers(self) -> bool:
-        """Whether every layer is the Llama block (pre-norms, SwiGLU, dense MLP, full attention,
-        one RoPE table): the layout the C decoder driver runs."""
+        """Whether every layer is the Llama block (pre-norms, SwiGLU, dense MLP, one RoPE table; a
+        sliding window allowed): the layout the C decoder driver runs."""
         f, c = self.family, self.cfg
         return not (f.qk_norm or f.sandwich_norms or f.activation != "silu" or f.embed_scale or c.num_experts
-                    or c.layer_windows or c.rope_local_theta is not None)
+                    or c.rope_local_theta is not None)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm through the PyTorch reference ops (kept for callers outside the forward)."""
@@ -452,7 +452,8 @@ class LlamaModel(nn.Module):
         backend's C kernel serving the step), else None. The model's description is made on first use and
         remade after a layer swap."""
         if (not self.use_c_decoder or not self.plain_layers or getattr(self.ops, "name", "") != "cpu"
-                or not kv_caches or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()):
+                or not kv_caches or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()
+                or meta.window_meta is not None):  # two KV groups (full and sliding layers): the loop
             return None
         from ..attention.torch_quant_kv import TorchQuantKVAttentionBackend
         from ..attention.torch_ref import TorchAttentionBackend
@@ -555,10 +556,7 @@ class LlamaModel(nn.Module):
             else:
                 ops.rope_(q, k, positions, self.cos, self.sin)
             m = meta.window_meta if (window and meta.window_meta is not None) else meta
-            if window:
-                backend.forward(q, k, v, kc, vc, m, self.scale, out=a.view(T, hq, d), window=window)
-            else:
-                backend.forward(q, k, v, kc, vc, m, self.scale, out=a.view(T, hq, d))
+            backend.forward(q, k, v, kc, vc, m, self.scale, out=a.view(T, hq, d), window=window)
             if layer.attn_post_norm is not None:  # Gemma: norm the attention output, then add
                 self._row_parallel(layer.o, a, x, tp, out_only=True)
                 h.add_(ops.rms_norm(x, layer.attn_post_norm, eps))

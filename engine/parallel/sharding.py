@@ -144,9 +144,9 @@ def slice_spec(name: str, cfg: ModelConfig, shard: TPShard) -> Optional[SliceSpe
     if name.endswith("self_attn.o_proj.weight"):
         return SliceSpec(1, r * loc.num_heads * d, (r + 1) * loc.num_heads * d)
     i = cfg.moe_intermediate_size // shard.world_size if ".experts." in name else loc.intermediate_size
-    if name.endswith("mlp.gate_proj.weight") or name.endswith("mlp.up_proj.weight"):
+    if name.endswith(".gate_proj.weight") or name.endswith(".up_proj.weight"):  # dense MLP or an expert
         return SliceSpec(0, r * i, (r + 1) * i)
-    if name.endswith("mlp.down_proj.weight"):
+    if name.endswith(".down_proj.weight"):
         return SliceSpec(1, r * i, (r + 1) * i)
     return None
 
