@@ -55,6 +55,14 @@ def build(kind: str, tok: Tokenizer):
                                                   "full_attention": {"rope_type": "default",
                                                                      "rope_theta": 1000000.0}})
         model = T.Gemma3ForCausalLM(cfg)
+    elif kind == "gemma3_gguf":  # llama.cpp's Gemma 3: 5 sliding layers then a full one, scale 1/sqrt(head_dim)
+        cfg = T.Gemma3TextConfig(**{**c, "num_hidden_layers": 6}, head_dim=32, query_pre_attn_scalar=32,
+                                 sliding_window=WINDOW,
+                                 layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                  "full_attention": {"rope_type": "default",
+                                                                     "rope_theta": 1000000.0}})
+        model = T.Gemma3ForCausalLM(cfg)
     elif kind == "phi3":
         model = T.Phi3ForCausalLM(T.Phi3Config(**c, rope_parameters=rope, tie_word_embeddings=False,
                                                pad_token_id=0))
@@ -79,7 +87,7 @@ def build(kind: str, tok: Tokenizer):
     with torch.no_grad():  # random norms: a norm bug (offset, placement) must show in the logits
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.normal_(0.0 if kind == "gemma3" else 1.0, 0.3)
+                p.normal_(0.0 if kind.startswith("gemma3") else 1.0, 0.3)
     return model.float().eval()
 
 
@@ -125,6 +133,22 @@ def check_family(llm: LLM, model, tok: Tokenizer) -> None:
             ours = llm.compute_logits(i + ref_ids[:step])
             worst = max(worst, (ours - ref_logits[step]).abs().max().item())
     assert worst < LOGITS_ATOL, worst
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3_gguf", "qwen3_moe", "mixtral"])
+def test_family_from_gguf_matches_transformers(tmp_path, tok, kind):
+    """The same model written as a GGUF file with the `gguf` library in llama.cpp's layout
+    (tests/gguf_families.py: its names, Gemma's 1 + w norms, stacked experts, Mixtral as llama
+    with experts) and loaded from that file: transformers' logits and greedy ids."""
+    from gguf_families import write_gguf
+
+    model = build(kind, tok)
+    path = write_gguf(model, tmp_path / f"{kind}.gguf")
+    llm = engine(path)
+    assert llm.model_config.family == {"gemma3_gguf": "gemma3"}.get(kind, kind)
+    if kind == "gemma3_gguf":
+        assert llm.model_config.layer_windows == (WINDOW,) * 5 + (0,)
+    check_family(llm, model, tok)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -225,3 +249,21 @@ def test_quantized_experts(tmp_path, tok, scheme):
     else:
         diff = (got - ref.score(ids)[0]).abs()
         assert 0 < diff.mean().item() < 0.1, diff
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma3_gguf"])
+def test_gguf_blocks_per_expert_and_family(tmp_path, tok, kind):
+    """quantization="gguf" reads the file's Q8_0 blocks in place for every linear layer, each
+    expert's own (stacked in the file): the same log-probabilities as the float engine on the
+    dequantized weights of that file."""
+    from gguf_families import write_gguf
+
+    path = write_gguf(build(kind, tok), tmp_path / f"{kind}.gguf", weight_type="Q8_0")
+    ref = engine(path)
+    q = engine(path, quantization="gguf")
+    kinds = {n: type(lin).__name__ for n, lin in q.model.linear_layers()}
+    assert all(k in ("QuantLinear", "CpuQuantLinear") for k in kinds.values()), kinds
+    if kind == "qwen3_moe":
+        assert sum(".experts." in n for n in kinds) == 3 * 8 * 2
+    ids = tok.encode(PROMPTS[-1])
+    assert (q.score(ids)[0] - ref.score(ids)[0]).abs().max().item() < 1e-3
