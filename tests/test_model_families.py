@@ -267,3 +267,21 @@ def test_gguf_blocks_per_expert_and_family(tmp_path, tok, kind):
         assert sum(".experts." in n for n in kinds) == 3 * 8 * 2
     ids = tok.encode(PROMPTS[-1])
     assert (q.score(ids)[0] - ref.score(ids)[0]).abs().max().item() < 1e-3
+
+
+def test_unsupported_gguf_architecture_is_named_in_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError) as e:
+        LLM(str(path))
+    msg = str(e.value)
+    assert "'falcon'" in msg and "gemma3" in msg and "qwen3moe" in msg and "\n" not in msg
