@@ -26,8 +26,8 @@ BAD_OPTIONS = [
     ({"quantization": "int9"}, "invalid engine option: quantization must be None or none|int8|int4|gguf|w8a8, got "
                                   "'int9'"),
     ({"dtype": "fp8"}, "invalid engine option: dtype must be auto|float32|bfloat16|float16, got 'fp8'"),
-    ({"model": "smollm-nope", "plan": "input"}, "unknown model 'smollm-nope': expected 'smollm2-135m-instruct', "
-                                                "a .gguf file"),
+    ({"model": "smollm-nope", "plan": "input"}, "unknown model 'smollm-nope': expected a named model "
+                                                "(smollm2-135m-instruct, gemma-3-270m), a .gguf file"),
     ({"model": "smollm-nope"}, "unknown model 'smollm-nope'"),
     ({"engine_options": {"block_sz": 32}}, "unknown engine option(s) ['block_sz']; known: ['attention_backend', "
                                            "'block_size'"),
