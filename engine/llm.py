@@ -1118,8 +1118,9 @@ class LLM:
                 parent = hash(key)
                 keys.append(key)
             tails = [-(-(len(P) + len(t)) // bs) - n_shared for t in toks]
-            # a hybrid model scores each choice over its own scratch tables (`_score_job_plain`)
-            need = (max(self.kv_manager.scratch_blocks(len(P) + len(t)) for t in toks) if hybrid
+            # a hybrid model: the prompt's scratch tables and one choice's tail blocks (`_score_job_hybrid`)
+            need = (self.kv_manager.scratch_blocks(len(P) - 1) + max(self._tail_blocks(len(P) - 1, len(t))
+                                                                       for t in toks) + 2 if hybrid
                     else n_shared + sum(tails) + 2)
             if need > pool.num_blocks:
                 results[i] = f"score_choices: needs {need} KV blocks, the pool holds {pool.num_blocks}"
@@ -1130,7 +1131,7 @@ class LLM:
             start = 0
             if hybrid:
                 for job in jobs:
-                    self._score_job_plain(job, results, budget)
+                    self._score_job_hybrid(job, results, budget)
                 start = len(jobs)
             while start < len(jobs):
                 # a group whose blocks fit at once (its prefixes are held until its tails ran)
@@ -1147,24 +1148,63 @@ class LLM:
                 self._score_group(group, results, bs, budget)
         return results  # type: ignore[return-value]
 
-    def _score_job_plain(self, job: tuple, results: list, budget: int) -> None:
-        """One scoring job (see `score_choices_batch`) without shared prefix blocks, for a model that
-        mixes full and sliding-window layers: each prompt + choice is prefilled over its own scratch
-        tables (`_prefill_logprobs`), as many choices at once as the free blocks hold; a choice's
-        score sums the log-probabilities of its tokens."""
+    def _tail_blocks(self, prefix_len: int, num_tokens: int) -> int:
+        """Pool blocks a choice's tail of `num_tokens` tokens takes over a shared scratch prefix of
+        `prefix_len` tokens: per layer group, its blocks past the prefix's full ones (the first a copy
+        of the prefix's partial block)."""
+        return sum(-(-(prefix_len + num_tokens) // g.block_tokens) - prefix_len // g.block_tokens
+                   for g in self.kv_manager.groups)
+
+    def _score_job_hybrid(self, job: tuple, results: list, budget: int) -> None:
+        """One scoring job (see `score_choices_batch`) for a model that mixes full and sliding-window
+        layers, outside the prefix cache: the prompt's tokens but its last are prefilled once over
+        scratch tables (no logits); then each choice runs the prompt's last token and its own tokens
+        but the last as one chunk over the prompt's full blocks plus, per layer group, a copy of
+        the prompt's partial block and fresh blocks; row j predicts the choice's token j. All choices
+        of the prompt share one forward pass (`_run_invariant`), as many as the free blocks hold.
+        A choice's score sums the log-probabilities of its tokens."""
         i, P, choices, toks = job[:4]
-        seqs = [list(P) + list(t) for t in toks]
+        L = len(P) - 1
+        mgr = self.kv_manager
+        prefix = mgr.allocate_scratch(L) if L else ([], [])
+        owned: list[list[int]] = []
         scores: dict[str, float] = {}
-        k = 0
-        while k < len(seqs):
-            free, end = self.num_free_blocks, k
-            while end < len(seqs) and (end == k or self.kv_manager.scratch_blocks(len(seqs[end])) <= free):
-                free -= self.kv_manager.scratch_blocks(len(seqs[end]))
-                end += 1
-            for (lp, _, _), c, t in zip(self._prefill_logprobs(seqs[k:end], budget), choices[k:end], toks[k:end]):
-                scores[c] = float(lp[len(P) - 1: len(P) - 1 + len(t)].double().sum())
-            k = end
-        results[i] = scores
+        try:
+            for start in range(0, L, budget):
+                n = min(budget, L - start)
+                self.runner.run(self.runner.prepare([], [ChunkSpec(P, start, n, prefix[0], None,
+                                                                   window_table=prefix[1])]))
+            k = 0
+            while k < len(toks):
+                specs = []  # (choice, chunk); 2 blocks stay free for `_run_invariant`'s padding chunk
+                while k < len(toks) and (not specs or self._tail_blocks(L, len(toks[k])) + 2 <= mgr.pool.num_free_blocks):
+                    tables = []
+                    for g, shared in zip(mgr.groups, prefix):
+                        full = L // g.block_tokens
+                        fresh = mgr.pool.allocate(-(-(L + len(toks[k])) // g.block_tokens) - full)
+                        owned.append(fresh)
+                        if L % g.block_tokens:
+                            self.runner.copy_blocks([shared[full]], fresh[:1])
+                        tables.append(list(shared[:full]) + fresh)
+                    specs.append((choices[k], ChunkSpec(P + toks[k], L, len(toks[k]), tables[0], "all",
+                                                        window_table=tables[1] if len(tables) > 1 else None)))
+                    k += 1
+                for part in _batches(specs, lambda cs: cs[1].num_tokens, budget):
+                    lp = torch.log_softmax(self._run_invariant([spec for _, spec in part]).float(), dim=-1)
+                    row = 0
+                    for c, spec in part:
+                        t = torch.tensor(spec.token_ids[len(P):], device=lp.device)
+                        idx = torch.arange(row, row + len(t), device=lp.device)
+                        scores[c] = float(lp[idx, t].double().sum())
+                        row += spec.num_tokens
+                for t in owned:
+                    mgr.pool.free(t)
+                owned.clear()
+        finally:
+            for t in owned:
+                mgr.pool.free(t)
+            mgr.free_scratch(prefix)
+        results[i] = {c: scores[c] for c in choices}
 
     _ROW_MULTIPLE = 12  # the CPU GEMM's register tile is 12, 6 or 4 rows: multiples of 12 fill every tile
 

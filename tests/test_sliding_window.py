@@ -286,3 +286,26 @@ def test_c_decoder_sliding_window_layers_use_their_own_block_tables(monkeypatch)
     with pytest.raises(ValueError, match="both or neither"):
         run_shared(llm.model._c_decoder, None, None, None, None, torch.zeros(1, dtype=torch.int64),
                    (None, None, None, None), BS, 1.0, (), window_tables=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_scoring_a_hybrid_model_equals_the_log_probabilities_of_each_choice(monkeypatch):
+    """`score_choices_batch` on a model mixing full and sliding-window layers (prompts longer than
+    every window, choices of one to several tokens) gives, per choice, the sum of the choice tokens'
+    log-probabilities that `score` gives for prompt + choice; a prompt's scores do not depend on the
+    other prompts; no KV block is kept."""
+    llm, _ = _tiny_sw_llm(monkeypatch)
+    assert llm.kv_manager.layout.hybrid
+    tok = llm.get_tokenizer()
+    choices = ["yes", "no", " maybe later", "positive sentiment overall"]
+    prompts = [PROMPTS[2], PROMPTS[3], PROMPTS[0][:1]]
+    free = llm.num_free_blocks
+    got = llm.score_choices_batch([(p, choices) for p in prompts])
+    assert llm.num_free_blocks == free
+    for p, scores in zip(prompts, got):
+        assert list(scores) == choices
+        for c in choices:
+            t = tok.encode(c, add_special_tokens=False)
+            want = float(llm.score([p + t])[0][len(p) - 1:].double().sum())
+            assert abs(scores[c] - want) < 1e-3, (c, scores[c], want)
+    alone = llm.score_choices_batch([(prompts[1], choices)])[0]
+    assert alone == got[1]
