@@ -138,3 +138,10 @@ def write(path: Optional[Path], report: dict, benchmark: str, notes: str = "") -
     path.write_text(json.dumps(stamp(report, benchmark, notes=notes), indent=2, default=float) + "\n")
     print(f"wrote {relative_path(str(path.resolve()))}")
     return path
+
+
+def main_benchmark() -> str:
+    """The running benchmark's module name ("throughput" under `python -m benchmarks.throughput`)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", "") or ""
+    return name.removeprefix("benchmarks.") if name.startswith("benchmarks.") else (name or "unknown")
