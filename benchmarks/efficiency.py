@@ -64,6 +64,7 @@ from typing import Any, Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks import record  # noqa: E402
 from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_busy, write_json_report  # noqa: E402
 from benchmarks.throughput import DEFAULT_MODEL, make_llm, stats_delta  # noqa: E402
 from benchmarks.workloads import build_workload  # noqa: E402
@@ -343,6 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=None, help="prompt of the prefill-step breakdown (4096)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", type=Path, default=None)
+    record.add_arguments(p)
     args = p.parse_args(argv)
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     bad = [s for s in schemes if s not in SCHEMES]
@@ -602,7 +604,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         (ld.get("other_busy_cores") or 0.0) for ld in loads.values()])
     print(f"machine at end: {_fmt_load(machine_load())}")
     warn_if_busy(report["max_other_busy_cores"], "peak and engine figures move differently under contention")
-    write_json_report(args.output_json, report)
+    write_json_report(record.output_path(args, "efficiency"), report)
     return 0
 
 

@@ -30,7 +30,7 @@ window's time from reading its shards to its last commit, from the done markers)
 workers of one thread each share the same 2 cores as the one 2-thread process of part 1: no
 speed-up is possible here; the figure measures what the cluster costs, not what it gains.
 
-Results: benchmarks/results/flow_cluster.{txt,json}.
+Results: benchmarks/results/<host-id>/flow_cluster.{txt,json} (see benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 KV_BYTES = 1 << 30
 
 
@@ -221,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=256, help="rows of the labelling input")
     parser.add_argument("--repeats", type=int, default=3, help="CLI/flow pairs (ABBA order)")
     parser.add_argument("--no-cluster", action="store_true", help="skip the 2-worker cluster part")
-    parser.add_argument("--results", default=str(RESULTS / "flow_cluster"), help="path stem for .txt and .json")
+    parser.add_argument("--results", default=None,
+                        help="path stem for .txt and .json (default: benchmarks/results/<host-id>/flow_cluster)")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.repeats < 1:
         parser.error("--rows and --repeats must be at least 1")
@@ -287,9 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"load at start: {fmt_load(result['load_start'])}; at end: {fmt_load(result['load_end'])}")
     text = "\n".join(lines)
     print(text)
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results + ".txt").write_text(text + "\n")
-    Path(args.results + ".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    from benchmarks import record
+    from engine.host import Host
+
+    stem = args.results or str(record.result_path(Host.current().host_id, "flow_cluster").with_suffix(""))
+    Path(stem).parent.mkdir(parents=True, exist_ok=True)
+    Path(stem + ".txt").write_text(record.strip_paths(text) + "\n")
+    record.write(Path(stem + ".json"), json.loads(json.dumps(result, default=str)), "flow_cluster")
     return 0
 
 

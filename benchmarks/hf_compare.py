@@ -35,7 +35,6 @@ Prints a table of output tokens/s and the ratio tokenmill / transformers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from benchmarks import record
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "labelling.parquet"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -130,12 +131,8 @@ def warn_if_busy(busiest: float, consequence: str = "these are not the figures o
 
 
 def write_json_report(path: Optional[Path], report: dict[str, Any]) -> None:
-    """Write a benchmark's report as JSON (parents created; non-JSON numbers as floats), if a path is given."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=float))
-    print(f"wrote {path}")
+    """Write a benchmark's report as JSON with its record (`benchmarks.record.write`), if a path is given."""
+    record.write(path, report, record.main_benchmark())
 
 
 # ----------------------------------------------------------------- workload
@@ -216,6 +213,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                         help="before each measurement, wait up to this long for other processes to go quiet")
     parser.add_argument("--output-json", type=Path, default=None, help="also write the results here")
+    record.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.num_prompts < 2 or args.max_tokens < 1 or args.batch_size < 1:
         parser.error("need --num-prompts >= 2, --max-tokens >= 1, --batch-size >= 1")
@@ -298,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   for r in results.values())
     warn_if_busy(busiest)
 
-    if args.output_json:
+    if record.output_path(args, "hf_compare"):
         report = {
             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
             "model": args.model, "gguf": str(gguf), "torch": torch.__version__,
@@ -308,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "machine_load_start": load_start, "ratio_output_tok_s": ratio, "agreement": agree,
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in results.items()},
         }
-        write_json_report(args.output_json, report)
+        write_json_report(record.output_path(args, "hf_compare"), report)
     return 0
 
 

@@ -21,6 +21,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
+from benchmarks import record  # noqa: E402
 from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_busy, write_json_report  # noqa: E402
 from benchmarks.workloads import build_workload  # noqa: E402
 
@@ -56,6 +57,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-output-tokens", type=int, default=None, help="cap every row's output length")
     p.add_argument("--output-json", type=Path, default=None)
+    record.add_arguments(p)
     args = p.parse_args(argv)
     from engine.tokenizer import Tokenizer
 
@@ -75,7 +77,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{r['mode']} / off: makespan {off['makespan_s'] / r['makespan_s']:.2f}x faster, "
                   f"tail {off['tail_s'] / max(r['tail_s'], 1e-9):.2f}x faster")
     warn_if_busy(max([r["other_busy_during"] or 0.0 for r in results] or [0.0]))
-    write_json_report(args.output_json, {"workload": wl.summary(), "tail_rows": args.tail_rows, "results": results})
+    write_json_report(record.output_path(args, "spec_tail"), {"workload": wl.summary(), "tail_rows": args.tail_rows, "results": results})
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks import record  # noqa: E402
 from benchmarks.hf_compare import _fmt_load, machine_load, write_json_report  # noqa: E402
 
 
@@ -65,6 +66,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--output-json", type=Path, default=None)
+    record.add_arguments(p)
     args = p.parse_args(argv)
     from engine import LLM
 
@@ -79,7 +81,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{n:>6} {t:>9.2f} {t / n:>8.3f} {'' if marg is None else f'{marg:.3f}':>16}", flush=True)
         prev = (n, t)
     print(f"machine at end: {_fmt_load(machine_load())}")
-    write_json_report(args.output_json, {"context": args.context, "model": args.model, "rows": out})
+    write_json_report(record.output_path(args, "step_cost"), {"context": args.context, "model": args.model, "rows": out})
     return 0
 
 

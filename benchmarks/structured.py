@@ -22,11 +22,12 @@ printed before and after each: trust a run on a quiet machine only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from benchmarks import record
 
 LABELS = ["files", "network", "text", "math", "concurrency", "data"]
 JSON_SCHEMA = {"type": "object", "properties": {"topic": {"enum": LABELS}, "why": {"type": "string", "maxLength": 40}},
@@ -120,6 +121,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--speculative", default="off", help="the engines' speculative mode (default off)")
     p.add_argument("--output-json", type=Path, default=None)
+    record.add_arguments(p)
     args = p.parse_args(argv)
     from benchmarks.workloads import build_labelling
     from engine.tokenizer import Tokenizer
@@ -133,9 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         r = run_mode(mode, wl.prompt_token_ids, kw, args.max_tokens)
         print(format_result(r), flush=True)
         results.append(r)
-    if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(results, indent=2))
+    record.write(record.output_path(args, "structured"), {"rows": results}, "structured")
     return 0
 
 

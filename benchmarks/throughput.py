@@ -81,6 +81,7 @@ from typing import Any, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks import record  # noqa: E402
 from benchmarks.hf_compare import (  # noqa: E402
     BusyMeter, _fmt_load, machine_load, wait_for_quiet, warn_if_busy, write_json_report,
 )
@@ -686,6 +687,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="with --workload labelling: constrained (choice|json) against unconstrained output, and the "
                         "scoring mode (score); see benchmarks.structured")
     p.add_argument("--output-json", type=Path, default=None)
+    record.add_arguments(p)
     args = p.parse_args(argv)
     if args.structured:
         if args.workload != "labelling":
@@ -693,7 +695,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from benchmarks import structured
 
         extra = ["--num-prompts", str(args.num_prompts)] if args.num_prompts else []
-        extra += ["--output-json", str(args.output_json)] if args.output_json else []
+        extra += ["--output-json", str(out)] if (out := record.output_path(args, "structured")) else []
         return structured.main(["--structured", args.structured, "--seed", str(args.seed), *extra])
     if args.engines is None:
         args.engines = "tokenmill,hf,llamacpp" if args.model == DEFAULT_MODEL else "tokenmill,llamacpp-model-p32"
@@ -775,7 +777,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   engine_kwargs=engine_kwargs,
                   hf_batch_size=args.hf_batch_size, quick=args.quick, seed=args.seed, busy_loops=args.busy_loops,
                   llamacpp_omp_wait_policy=args.llamacpp_omp_wait_policy)
-    write_json_report(args.output_json, report)
+    write_json_report(record.output_path(args, "throughput"), report)
     return 0
 
 

@@ -34,6 +34,7 @@ from typing import Optional  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks import record  # noqa: E402
 from benchmarks.hf_compare import _fmt_load, machine_load, write_json_report  # noqa: E402
 
 
@@ -141,6 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="per rank")
     p.add_argument("--output-json", type=Path, default=None)
+    record.add_arguments(p)
     args = p.parse_args(argv)
     from engine import LLM
     from engine.threads import default_num_threads
@@ -183,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{report[f'tp1_{cores}threads_generate_tok_s']:.1f}, TP{args.tp} {report[f'tp{args.tp}_generate_tok_s']:.1f}")
     report["load_end"] = machine_load()
     print(f"machine at end: {_fmt_load(report['load_end'])}")
-    write_json_report(args.output_json, report)
+    write_json_report(record.output_path(args, "tp_allreduce"), report)
     return 0
 
 

@@ -143,6 +143,32 @@ class Host:
         """The ISA features present, in `ISA_FLAGS` order, comma separated ("" for none)."""
         return ",".join(f for f in ISA_FLAGS if f in self.flags)
 
+    @property
+    def host_id(self) -> str:
+        """A short, stable name for this kind of host, used as its results folder.
+
+        "<line>[-<core>]-<isa>": the product line from the model name ("epyc", "ryzen", "xeon",
+        "core", else the machine), the AMD core generation from family and model (x86 family 23 is
+        Zen to Zen 2, 25 Zen 3 or Zen 4 by model range, 26 Zen 5; Intel VMs report no usable
+        generation, so none), and the widest matrix ISA ("amx", "avx512bf16", "avx512", "avx2").
+        E.g. "epyc-zen4-avx512bf16", "epyc-zen3-avx2", "xeon-amx".
+        """
+        name = self.model_name.lower()
+        line = next((w for w in ("epyc", "ryzen", "xeon") if w in name),
+                    "core" if "intel" in name else (self.machine or "cpu").lower())
+        core = None
+        if self.family == 23:
+            core = "zen2" if (self.model or 0) >= 0x30 else "zen"
+        elif self.family == 25:
+            # Zen 4 model ranges (Genoa, Raphael, Phoenix, Bergamo); the others of family 25 are Zen 3
+            zen4 = any(lo <= (self.model or 0) <= lo + 0x0F for lo in (0x10, 0x60, 0x70, 0xA0))
+            core = "zen4" if zen4 else "zen3"
+        elif self.family == 26:
+            core = "zen5"
+        isa = ("amx" if self.amx_bf16 else "avx512bf16" if self.avx512_bf16 else
+               "avx512" if self.has("avx512f") else "avx2" if self.has("avx2") else None)
+        return "-".join(p for p in (line, core, isa) if p)
+
     def describe(self) -> str:
         """One line for reports: model name, CPUs, ISA features, matrix unit and caches."""
         caches = " ".join(f"{k} {v >> 10} KiB" for k, v in sorted(self.caches.items()))
@@ -154,7 +180,7 @@ class Host:
         """The record as plain JSON types (for benchmark reports and the cost report)."""
         return {"cpu": self.model_name, "family": self.family, "model": self.model, "machine": self.machine,
                 "cpus": self.cpus, "isa": self.isa,
-                "matrix_unit": self.matrix_unit, "caches": dict(self.caches)}
+                "matrix_unit": self.matrix_unit, "host_id": self.host_id, "caches": dict(self.caches)}
 
 
 def current() -> Host:

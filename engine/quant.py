@@ -14,7 +14,7 @@ Schemes (`quantize_model`):
 - "int8": per-output-channel symmetric, s = max|w_row| / 127, q = round(w / s).
   The LM head stays in float (for a tied head: the embedding table itself), as
   vLLM leaves `lm_head` unquantized for most weight-only schemes. Measured
-  (`python -m benchmarks.int8_diagnosis`, benchmarks/results/int8_diagnosis.txt):
+  (`python -m benchmarks.int8_diagnosis`, benchmarks/results/epyc-zen5-avx512bf16/int8_diagnosis.txt):
   an int8 copy of SmolLM2's 49152 x 576 head alone costs 2.6 points of
   teacher-forced greedy agreement with fp32 (100 -> 97.4%), the whole int8 body
   4.4 (-> 95.6%), both 6.1 (-> 93.9%, under the 95% target); every miss is a
@@ -26,8 +26,8 @@ Schemes (`quantize_model`):
 
 CPU kernel (CUDA inputs go to the Triton kernel `engine.kernels.quant_gemm`):
 dequantize a tile of output rows into an fp32 buffer, then one fp32 matmul per tile. PyTorch's packed kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) run at ~2 GFLOP/s on
-this AVX2 CPU (measured: benchmarks/quality.py --kernels), 40-70x below fp32.
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) run far below an fp32 matmul
+on AVX2 CPUs (`python -m benchmarks.quality --kernels` measures both).
 """
 from __future__ import annotations
 

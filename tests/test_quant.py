@@ -263,7 +263,8 @@ def test_the_default_cache_is_fp16_under_fp32_weights_and_scores_as_the_fp16_sch
 
 def test_int8_keeps_the_tied_lm_head_in_float_and_counts_its_bytes(llm, engines):
     """int8 quantizes the 120 decoder linears and keeps the LM head as the float embedding table
-    (an int8 copy of it alone cost 2.6 points of greedy agreement: benchmarks/results/int8_diagnosis.txt).
+    (an int8 copy of it alone cost 2.6 points of greedy agreement:
+    benchmarks/results/epyc-zen5-avx512bf16/int8_diagnosis.txt).
     Its bytes count once when held and in full when read per decode step."""
     from engine.quant import decode_weight_bytes, model_weight_bytes
 
@@ -338,8 +339,9 @@ def test_greedy_agreement_no_nan_no_degenerate_repetition(llm, engines):
             forced = teacher_forced_agreement(engines[name], prompts, ref)
             print(f"{name}: teacher-forced greedy agreement with fp32 {forced:.3f}")
             # MEASURED here 0.965 (0.963 with an int8 LM head); on benchmarks/quality.py's 50 prompts x 32
-            # tokens 0.956 (0.939 with an int8 LM head: benchmarks/results/int8_diagnosis.txt). Every miss
-            # is a near tie (fp32's top-2 logit margin < 1), so the bound has little room.
+            # tokens 0.956 (0.939 with an int8 LM head:
+            # benchmarks/results/epyc-zen5-avx512bf16/int8_diagnosis.txt). Every miss is a near tie
+            # (fp32's top-2 logit margin < 1), so the bound has little room.
             assert forced >= 0.95, forced
         for o in outs:
             t = o.outputs[0].token_ids

@@ -793,9 +793,9 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
 #endif
 
 /* Start fetching the first lines of the blocks holding a tile's first TM_CHUNK keys, K and V,
- * for every KV head (the hardware streamer follows within a block). Measured: decode
- * attention over cold KV (each of 30 layers' pools in turn) is bound by memory, about 34 GB/s
- * on two threads here; this and the chunk prefetch win about 7%. */
+ * for every KV head (the hardware streamer follows within a block): decode attention over
+ * cold KV is bound by memory, so starting the loads early hides part of their latency
+ * (benchmarks/results/epyc-zen5-avx512bf16/attention_bench.json). */
 static void prefetch_tile(const tm_attn *j, int64_t tile) {
     const int64_t r0 = j->tiles[2 * tile], nr = j->tiles[2 * tile + 1];
     const int64_t seq = j->row_seq ? j->row_seq[r0] : r0;

@@ -45,8 +45,8 @@
  *     y[r, n] = sum_g  s[n, g] sa[r, g] (sum_{k in g} q[n, k] qa[r, k])  +  m[n, g] sx[r, g]
  * where sx[r, g] is the fp32 sum of the group's x (the min's term is not rounded to int8).
  * One 256-bit vpmaddubsw does 32 multiplies where the fp32 path widens, converts and scales
- * every code before its FMA; measured on SmolLM2 (benchmarks/results/quality_zen3_q4a8.txt),
- * the activations' rounding costs +0.75% perplexity. A row's codes, scales and sums depend on
+ * every code before its FMA; the activations' rounding costs a little perplexity
+ * (benchmarks/results/epyc-zen3-avx2/quality-gguf.json). A row's codes, scales and sums depend on
  * that row alone, so the result stays batch-invariant.
  *
  * Packed quantized panel layout, per panel of TM_NR columns, per group g:

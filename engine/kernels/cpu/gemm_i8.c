@@ -4,8 +4,8 @@
  * exactly in int32 within each group, then scaled to fp32:
  *     y[m, n] = sw[n] * sum_g sa[m, g] * (sum_{k in g} qa[m, k] qw[n, k])
  * (W8A8 as in SmoothQuant, Xiao et al. 2022, arXiv 2211.10438, with the activations'
- * scales per token-group as llama.cpp's Q8 activation blocks; measured on SmolLM2 with
- * SmoothQuant smoothing: per-token scales cost +1.0-1.8% perplexity, groups of 64 +0.2%).
+ * scales per token-group as llama.cpp's Q8 activation blocks: per-token scales lose
+ * noticeably more perplexity than groups of 64; benchmarks/quality.py measures it).
  *
  * Integer dot products by instruction set. Activations are stored offset by +128
  * (u8 = q + 128, in [1, 255]); the offset's contribution, 128 * sum_k qw[n, k], is
@@ -17,11 +17,10 @@
  *     saturating int16, so the weights' codes are limited to [-64, 64] (tm_pack_w8a8 refuses
  *     others): a pair is then at most 2 * 255 * 64 = 32640 < 32767 and never saturates.
  *     This form takes 3 vector operations per 32 multiply-adds; the signed form (vpsign on
- *     both operands so that codes in [-127, 127] fit) took 4-5, and this one runs 1.5-1.7x
- *     faster per core on Zen 3 (python -m benchmarks.w8a8_ab, results/w8a8_ab_zen3.txt). Measured on SmolLM2
- *     with SmoothQuant smoothing and groups of 64: weights in [-63, 63] give perplexity
- *     +0.01% over fp32 and [-127, 127] +0.23% (benchmarks/quality.py): the smoothed weights'
- *     rounding is not what limits W8A8 there.
+ *     both operands so that codes in [-127, 127] fit) took 4-5 (python -m benchmarks.w8a8_ab
+ *     compares the two; benchmarks/results/epyc-zen3-avx2/w8a8_ab.json). After SmoothQuant
+ *     smoothing the narrower weight range costs no measurable perplexity
+ *     (benchmarks/results/epyc-zen3-avx2/quality-w8a8.json).
  *   AMX (AMX-TILE + AMX-INT8: Xeon since Sapphire Rapids): TDPBUSD is vpdpbusd's product on tiles,
  *     C[16 rows][16 int32] += A[16 rows][64 unsigned bytes] . B[16 rows of 4 k x 16 columns, signed],
  *     16 x 16 x 64 multiply-adds per instruction (Intel 64 and IA-32 Architectures Software
@@ -44,20 +43,11 @@
  *     after. TOKENMILL_AMX=0 or tm_w8a8_amx(0) keeps the vpdpbusd path.
  *     The next panel's rows of y are prefetched for writing: where y outgrows the caches (the LM
  *     head) a block's rows came out in one burst of write-allocate misses.
- *     Measured on a 2-core Xeon VM (AMX-INT8, AVX512-VNNI; shared, the runs niced, another job on
- *     about one core), python -m benchmarks.w8a8_ab OLD.so NEW.so --threads 2 --m 16,32,64,128
- *     (activation quantization included, interleaved), sum over SmolLM2-135M's four decoder
- *     projections, AMX / vpdpbusd: M = 16: 1.33, 32: 1.60, 64: 1.73, 128: 1.82 (per shape 1.28-1.86;
- *     LM head 1.02-2.28); --threads 1: 1.37, 1.65, 1.84, 1.86 (benchmarks/results/w8a8_amx_xeon.txt,
- *     with a noisier run). Fewer than 16 rows would leave a tile part empty, so M = 16 is the
- *     threshold: the GEMM alone on one core, M = 16, ran 1.6-2.1x faster on the four projections.
- *     16x the multiply-adds per instruction do not make 16x here: each 64 k of int32 sums must leave
- *     the tiles for the fp32 group scaling, and per 32 x 32 x 64 block the 4 tile stores (~20 ns)
- *     and 64 vector conversions and fmas (~40-50 ns) cost more than the 4 TDPBUSD (~22 ns) and did
- *     not overlap with the tile work, in a microbenchmark and in every order tried (the sums of
- *     several groups stored before one fp32 pass with the running sums in registers; a signed copy
- *     of the activations and TDPBSSD, so that no offset is subtracted): ~130 ns a block in L2,
- *     against ~290 ns for vpdpbusd, on one core.
+ *     Fewer than 16 rows would leave a tile part empty, so M = 16 is the threshold. 16x the
+ *     multiply-adds per instruction do not make 16x: each 64 k of int32 sums must leave the tiles
+ *     for the fp32 group scaling, and those tile stores, conversions and fmas cost more than the
+ *     TDPBUSDs and do not overlap with the tile work. The measurements (AMX against vpdpbusd per
+ *     M, and the block timings behind this) are in benchmarks/results/xeon-amx/w8a8_ab.json.
  *   plain C: int32 loops.
  * All give the same int32 sums, so the paths agree up to the fp32 epilogue (and the AVX-512 and
  * AMX paths in it).
