@@ -460,10 +460,12 @@ def _has_chat_template(spec: JobSpec) -> bool:
 
 
 def _demo_few_shot(spec: JobSpec, default_model: str) -> int:
-    """The labelling demo on a base model (`pipeline.few_shot`): few-shot prompts under the choice
-    constraint, then the default model on the same rows as its demo runs them (its chat template,
-    zero-shot), and both accuracies against `reference_label`. Returns the exit code."""
-    from pipeline.few_shot import LABEL_SPACE, few_shot_labelling
+    """The labelling demo on a base model (`pipeline.few_shot`): few-shot prompts whose labels are
+    scored (`score_choices`), then the default model on the same rows as its demo runs them (its
+    chat template, zero-shot, choice constraint), and the accuracies against `reference_label`: the
+    base model's best-scored labels, its labels after contextual calibration, and the default
+    model's. Returns the exit code."""
+    from pipeline.few_shot import LABEL_SPACE, content_free_prompts, contextual_prior, few_shot_labelling
 
     out = Path(spec.output)
     data = out.parent / f"{out.name}-input"
@@ -473,13 +475,19 @@ def _demo_few_shot(spec: JobSpec, default_model: str) -> int:
     same_rows = data / "rows.parquet"
     pl.read_parquet(spec.input).filter(~pl.col("id").is_in(shot_ids)).write_parquet(same_rows)
     labels = spec.choice or DEMO_JOBS["labelling"]["choice"]
-    base_spec = spec.model_copy(update={"model": spec.model, "input": str(few_shot),
-                                        "choice": [LABEL_SPACE + c for c in labels]})
+    base_spec = spec.model_copy(update={"model": spec.model, "input": str(few_shot), "choice": None,
+                                        "score_choices": [LABEL_SPACE + c for c in labels]})
     _echo(f"tokenmill demo: labelling job on the base model {spec.model}: few-shot prompts ({len(shot_ids)} worked "
-          f"examples, the first row of each label, left out), {few_shot} -> {spec.output}")
+          f"examples, the first row of each label, left out), each label scored, {few_shot} -> {spec.output}")
     rc = _run(base_spec)
     if rc != 0:
         return rc
+    from engine import SamplingParams
+    from pipeline.job import get_llm
+
+    cf = get_llm(base_spec).generate(content_free_prompts(spec.input),
+                                     SamplingParams(score_choices=base_spec.score_choices), use_tqdm=False)
+    prior = contextual_prior([o.outputs[0].label_logprobs for o in cf])
     ref_spec = spec.model_copy(update={"model": default_model, "input": str(same_rows),
                                        "output": str(out.parent / f"{out.name}-{default_model}"), "choice": labels})
     _echo(f"\ntokenmill demo: the same rows on the default model {default_model} (chat template, zero-shot), "
@@ -488,22 +496,33 @@ def _demo_few_shot(spec: JobSpec, default_model: str) -> int:
     if rc != 0:
         return rc
     _print_label_accuracy(spec.output)
-    rows = {model: _label_accuracy(output) for model, output in ((spec.model, spec.output),
-                                                                  (default_model, ref_spec.output))}
-    _echo(f"\naccuracy against reference_label on the same {rows[spec.model][1]} rows:")
-    for model, how in ((spec.model, "few-shot, choice"), (default_model, "chat template, choice")):
-        right, n, valid = rows[model]
+    rows = [(spec.model, "few-shot, scored", _label_accuracy(spec.output)),
+            (spec.model, "few-shot, calibrated", _label_accuracy(spec.output, prior)),
+            (default_model, "chat template, choice", _label_accuracy(ref_spec.output))]
+    _echo(f"\naccuracy against reference_label on the same {rows[0][2][1]} rows (calibrated: each label's probability "
+          f"divided by its mean over {len(cf)} content-free items, Zhao et al. 2021):")
+    for model, how, (right, n, valid) in rows:
         _echo(f"  {model:24} ({how:21}) {right:4} of {n} ({right / max(n, 1):.1%}); valid labels {valid} of {n}")
     return 0
 
 
-def _label_accuracy(output: str) -> tuple[int, int, int]:
+def _label_accuracy(output: str, prior: dict[str, float] | None = None) -> tuple[int, int, int]:
     """(rows whose label equals `reference_label`, rows, valid labels) of a labelling job's output
-    (labels compared without surrounding spaces: a base model's labels carry a leading one)."""
+    (labels compared without surrounding spaces: a base model's labels carry a leading one). With
+    `prior` (`pipeline.few_shot.contextual_prior`), a scored row's label is its calibrated one."""
     df = _label_rows(output)
     if df is None:
         return 0, 0, 0
-    right = int((df["generation"].str.strip_chars() == df["reference_label"]).sum())
+    labels = df["generation"]
+    if prior is not None and "label_logprobs" in df.columns:
+        import polars as pl
+
+        from pipeline.few_shot import calibrated_label
+
+        labels = pl.Series([calibrated_label({d["choice"]: d["logprob"] for d in lp}, prior) if lp else g
+                            for lp, g in zip(df["label_logprobs"].to_list(), df["generation"].to_list())],
+                           dtype=pl.Utf8)
+    right = int((labels.str.strip_chars() == df["reference_label"]).sum())
     return right, df.height, int(df["valid"].sum()) if "valid" in df.columns else 0
 
 
