@@ -94,7 +94,7 @@ def _host_line(r: Result) -> str:
     cpus = f", {host['cpus']} CPUs" if host.get("cpus") else ""
     what = f"{cpu}{fm}{cpus}{isa}" if cpu else r.host_id
     commit = f", commit {r.commit}" if r.commit else ""
-    return f"Host `{r.host_id}`: {what}; {r.date}{commit}; `{r.path}`."
+    return f"Host: {what} (`{r.host_id}`); {r.date}{commit}; `{r.path}`."
 
 
 def headline_result(results: list[Result]) -> Optional[Result]:
@@ -103,15 +103,36 @@ def headline_result(results: list[Result]) -> Optional[Result]:
     return max(cands, key=lambda r: (r.date, r.host_id)) if cands else None
 
 
+# the README's headline columns: (title, engine names that fill it; the best of them is shown)
+HEADLINE_COLUMNS = (("tokenmill", ("tokenmill",)), ("tokenmill W8A8", ("tokenmill-w8a8",)),
+                    ("vLLM-CPU", ("vllm",)), ("llama.cpp best", ("llamacpp",)), ("transformers best", ("hf",)))
+
+
+def _best(results: dict, prefixes: tuple) -> Optional[tuple[float, str]]:
+    """(output tok/s, engine) of the fastest engine named exactly a prefix or starting with it + "-"."""
+    rows = [(float(v["output_tok_s"]), k) for k, v in results.items()
+            if isinstance(v, dict) and v.get("output_tok_s")
+            and any(k == p or (k.startswith(p + "-") and p != "tokenmill") for p in prefixes)]
+    return max(rows) if rows else None
+
+
 def readme_block(results: list[Result]) -> str:
-    """The README's headline table and host line (markdown, no markers)."""
+    """The README's headline table (output tok/s per engine, each peer's best configuration of
+    the run, and tokenmill's default over the best peer) and its host line (markdown, no markers)."""
     r = headline_result(results)
     if r is None:
         return "No throughput result with peers yet (`python -m benchmarks.throughput --record`)."
-    lines = ["| workload | tokenmill out tok/s | best peer | peer out tok/s | tokenmill / best peer |",
-             "|---|---|---|---|---|"]
+    head = [t for t, _ in HEADLINE_COLUMNS]
+    lines = ["Output tokens/s; each peer in its best configuration of the run.", "",
+             "| workload | " + " | ".join(head) + " | tokenmill / best peer |",
+             "|---" * (len(head) + 2) + "|"]
     for wl, tm, peer, best in r.peer_rows():
-        lines.append(f"| {wl} | {tm:.1f} | {peer} | {best:.1f} | **{tm / best:.2f}x** |")
+        res = r.data["workloads"][wl]["results"]
+        cells = []
+        for _, prefixes in HEADLINE_COLUMNS:
+            got = _best(res, prefixes)
+            cells.append("-" if got is None else (f"{got[0]:.1f}" if got[1] in prefixes else f"{got[0]:.1f} ({got[1]})"))
+        lines.append(f"| {wl} | " + " | ".join(cells) + f" | **{tm / best:.2f}x** ({peer}) |")
     cmd = f"\n\n`{r.data['command']}`" if r.data.get("command") else ""
     return "\n".join(lines) + "\n\n" + _host_line(r) + cmd
 
@@ -123,7 +144,7 @@ def doc_block(results: list[Result]) -> str:
     for r in sorted(results, key=lambda r: (r.benchmark, r.variant, r.host_id)):
         legacy = " (legacy)" if r.data.get("legacy") else ""
         lines.append(f"| {r.host_id} | {r.benchmark} | {r.variant or '-'} | {r.date}{legacy} | {r.commit or '-'} | "
-                     f"{r.headline() or '-'} | [{r.name}.json](../{r.path}) |")
+                     f"{r.headline() or '-'} | `{r.path}` |")
     return "\n".join(lines)
 
 

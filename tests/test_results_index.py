@@ -128,11 +128,12 @@ def test_index_writes_blocks_then_check_passes(tree):
     assert results_index.run(readme, doc, res) == 0
     text = readme.read_text()
     assert text.startswith("# t\n\n" + BEGIN) and text.endswith(END + "\n\nrest\n") and "stale" not in text
-    assert "| w1 | 300.0 | vllm | 200.0 | **1.50x** |" in text  # the newest host; w8a8 is not a peer
-    assert "Host `epyc-zen4-avx512bf16`: AMD EPYC (family 25 model 17), 2 CPUs" in text
+    # the newest host; each column its engines' best; w8a8 is not a peer
+    assert "| w1 | 300.0 | 9000000000.0 | 200.0 | 1.0 (llamacpp-f16-p32) | - | **1.50x** (vllm) |" in text
+    assert "Host: AMD EPYC (family 25 model 17), 2 CPUs, ISA avx2 avx512_bf16 (`epyc-zen4-avx512bf16`)" in text
     table = doc.read_text()
     assert table.index("| xeon-amx | efficiency | kv-int8 | 2026-01-01 (legacy) |") < table.index("| epyc-zen4")
-    assert "w1 2.00x vllm" in table and "[throughput.json](../benchmarks/results/xeon-amx/throughput.json)" in table
+    assert "w1 2.00x vllm" in table and "`benchmarks/results/xeon-amx/throughput.json`" in table
     assert results_index.run(readme, doc, res, check=True) == 0
 
 
