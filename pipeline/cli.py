@@ -58,10 +58,10 @@ from typing import Any, Literal, Optional, Sequence
 from pydantic import ValidationError
 
 from pipeline.cost import format_report
-from pipeline.job import (
-    ENGINE_FIELDS, InvalidOption, JobInterrupted, JobSpec, JobSpecChanged, booked_report, done_shards, read_metrics,
-    run_job, spec_errors,
-)
+from pipeline.bookkeeping import JobInterrupted, booked_report, read_metrics
+from pipeline.job import run_job
+from pipeline.plan import done_shards
+from pipeline.spec import ENGINE_FIELDS, InvalidOption, JobSpec, JobSpecChanged, spec_errors
 from pipeline.lease import JobLocked, LeaseLost
 from pipeline.storage import StorageError, plural, mask_secrets
 
@@ -179,7 +179,7 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
     problems: list[str] = []
     lines: dict[str, int] = {}
     if getattr(args, "spec", None):
-        from pipeline.job import load_spec_file, spec_field_lines
+        from pipeline.spec import load_spec_file, spec_field_lines
 
         from_file = load_spec_file(args.spec)[0]
         lines = spec_field_lines(args.spec)
@@ -711,7 +711,7 @@ def _fail_option(exc: InvalidOption, args: argparse.Namespace, verbose: bool) ->
         rest = exc.problem[len(field):]
         said = "--" + field.replace("_", "-") + (" " + rest[1:] if rest.startswith("=") else rest)
     elif field is not None and getattr(args, "spec", None):
-        from pipeline.job import spec_field_lines
+        from pipeline.spec import spec_field_lines
 
         line = spec_field_lines(args.spec).get(field)
         if line is None:
