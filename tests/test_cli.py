@@ -813,6 +813,13 @@ if __name__ == '__main__':
 """
 
 
+def default_sigint() -> None:
+    """A child's SIGINT back to the default (a KeyboardInterrupt in Python): a suite started with SIGINT
+    ignored (`nohup pytest &`, a background job) passes SIG_IGN on to its children, which would then
+    never see the Ctrl-C these tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("command,signum", [("tokenmill", signal.SIGINT), ("tokenmill", signal.SIGTERM),
                                             ("flows.deploy", signal.SIGINT)])
 def test_an_interrupt_while_the_command_imports_torch_ends_in_one_line(tmp_path, command, signum):
@@ -835,7 +842,7 @@ def test_an_interrupt_while_the_command_imports_torch_ends_in_one_line(tmp_path,
     args = ([str(tmp_path / "tokenmill"), "run", "--input", "in.parquet", "--output", "out"]
             if command == "tokenmill" else ["-m", "flows.deploy", "job.yaml"])
     proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():  # a file the child writes: nothing to wait on but the file system
