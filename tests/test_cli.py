@@ -419,7 +419,7 @@ def test_cluster_run_with_an_unreachable_prefect_server_is_one_line_naming_prefe
     out = tmp_path / "out"
     api = "http://127.0.0.1:9/api"  # the discard port: nothing listens there, a connection is refused at once
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--input", str(inp), "--output", str(out),
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--input", str(inp), "--output", str(out),
                            "--cluster", "tcp://127.0.0.1:1", "--no-progress"],
                           env={**os.environ, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -430,6 +430,24 @@ def test_cluster_run_with_an_unreachable_prefect_server_is_one_line_naming_prefe
     assert "refused" in err[0] and err[0].endswith("start it (prefect server start) or set PREFECT_API_URL to the "
                                                    "server the Dask workers report to")
     assert not out.exists()
+
+
+def test_pipeline_alone_refuses_cluster_in_one_line_before_anything_is_written(tmp_path, capsys):
+    """`pipeline` never imports `flows`: `python -m pipeline` (pipeline.cli.main without a cluster runner)
+    refuses --cluster in one line, exit 1, and writes nothing; the `tokenmill` script (flows.cli) runs it."""
+    import sys
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    flows_before = {m for m in sys.modules if m == "flows" or m.startswith("flows.")}
+    assert main(["run", "--input", str(inp), "--output", str(out), "--cluster", "tcp://127.0.0.1:1",
+                 "--no-progress"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill: --cluster runs the job through the Prefect flow, which `python -m pipeline` does not import: "
+        "use the tokenmill command (or python -m flows.cli)"]
+    assert not out.exists()
+    assert {m for m in sys.modules if m == "flows" or m.startswith("flows.")} == flows_before
 
 
 def test_colliding_sampling_and_engine_options_name_both_sources_and_the_parameter(tmp_path, capsys):
@@ -806,7 +824,7 @@ sys.meta_path.insert(0, _Gate())
 # what pip writes for the `tokenmill` console script
 CONSOLE_SCRIPT = """import re
 import sys
-from pipeline.cli import main
+from flows.cli import main
 if __name__ == '__main__':
     sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
     sys.exit(main())

@@ -522,7 +522,7 @@ def test_a_signal_stops_tokenmill_run_cluster_as_it_stops_tokenmill_run(prefect_
     on SIGTERM). It ends as `tokenmill run` does: the partial cost report on stdout, one line on stderr
     naming the shards done, exit 128 + the signal. (The flow's windows run on this process's thread
     runner here: the cluster's connection is stood in for.)"""
-    from pipeline.cli import main
+    from flows.cli import main
 
     flow_module = sys.modules["flows.batch_generate"]
     settling = threading.Event()

@@ -205,7 +205,7 @@ def in_thread(fn, *args, **kwargs):
 def test_two_workers_give_the_single_process_rows_and_a_rerun_computes_nothing(cluster, job_llm, s3_bucket,
                                                                               tmp_path):
     from flows import batch_generate
-    from pipeline.cli import main
+    from flows.cli import main
 
     c, client = cluster
     inp = upload(s3_bucket, tmp_path)
