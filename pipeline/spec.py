@@ -13,27 +13,33 @@ import typing
 from typing import Any, Literal, Optional, Union
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_serializer, field_validator,
+    BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_serializer,
+    field_validator,
 )
 
-from engine.config import SEED_MAX, SEED_MIN, SEED_RANGE, EngineConfig, SamplingParams
+from engine.config import (
+    SEED_MAX, SEED_MIN, SEED_RANGE, EngineConfig, SamplingParams, declared_options,
+)
 from engine.structured.params import StructuredOutputsParams
 from pipeline.schema import parse_choices
 from pipeline.storage import mask_secrets
 
-# JobSpec fields that change what the outputs are; any change refuses a resume.
+# JobSpec fields passed to the engine under their own names (`engine_options` may set the others): the
+# EngineConfig fields declared with `engine.config.option`, whose help text and rules they take.
+ENGINE_FIELDS = tuple(declared_options())
+
+# Engine options whose JobSpec default is the engine's value as written (the manifest fingerprints dtype
+# and seed as given; "auto" is a device validation resolves); the others default to None, the engine's.
+_WRITTEN_DEFAULTS = ("dtype", "device", "seed")
+
+# JobSpec fields that change what the outputs are; any change refuses a resume. The engine's own say so
+# (`option(..., changes_outputs=True)`).
 FINGERPRINT_FIELDS = (
-    "model", "dtype", "quantization", "max_model_len", "seed", "engine_options",
+    "model", *(name for name, f in declared_options().items() if f.metadata["changes_outputs"]), "engine_options",
     "max_tokens", "temperature", "top_p", "top_k", "stop", "sampling_options",
     "system_prompt", "chat_template", "n", "id_column", "shard_size", "limit", "plan", "decode_heavy_first",
     "truncate", "structured", "score_choices",
 )
-
-
-# JobSpec fields passed to the engine under their own names (`engine_options` may set the others).
-ENGINE_FIELDS = ("dtype", "device", "quantization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "kv_cache_memory_bytes", "enable_prefix_caching", "seed", "num_threads", "speculative",
-                 "tensor_parallel_size")
 
 
 # JobSpec fields always passed to SamplingParams under their own names: a `sampling_options` key may not
@@ -83,14 +89,48 @@ _FLOAT_RANGES = {"lease_ttl_s": (LEASE_TTL_MAX_S, "[0.1, 604800] seconds (at mos
                  "price_per_hour": (PRICE_PER_HOUR_MAX, "[0, 1000000] USD per device-hour")}
 
 
-class JobSpec(BaseModel):
+class _JobCore(BaseModel):
+    """JobSpec's first fields: the input, the output and the model (see `JobSpec`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str = Field(description="Parquet file, folder/prefix, or glob pattern of files ('data/*.parquet', "
+                                   "'s3://bucket/prefix/*.parquet'): s3://, gs://, file:// or a local path")
+    output: str = Field(description="output folder/prefix URL")
+
+    model: str = Field("smollm2-135m-instruct", description="engine model: smollm2-135m-instruct, gemma-3-270m, "
+                                                            "a .gguf file, a Hugging Face folder, or dummy:<shape>")
+
+
+def _engine_option_field(name: str, option: dataclasses.Field) -> tuple[Any, Any]:
+    """(annotation, pydantic Field) of JobSpec's engine option `name`, from its EngineConfig field: its help
+    text, its rules (`ge=1`), its allowed values (`choices`); its default is None (the engine's, named in
+    the help) except for `_WRITTEN_DEFAULTS`."""
+    help_text, rules, choices = option.metadata["help"], dict(option.metadata["rules"]), option.metadata["choices"]
+    hint = typing.get_type_hints(EngineConfig)[name]
+    annotation: Any = next((a for a in typing.get_args(hint) if a is not type(None)), hint)  # Optional[X] -> X
+    if choices is not None:
+        annotation = Literal[tuple(c for c in choices if c is not None)]  # type: ignore[misc]
+    if name in _WRITTEN_DEFAULTS:
+        return annotation, Field(option.default, description=help_text, **rules)
+    if option.default is not None and "default" not in help_text:
+        shown = ("on" if option.default else "off") if isinstance(option.default, bool) else option.default
+        help_text = f"{help_text} (engine default {shown})"
+    return Optional[annotation], Field(None, description=help_text, **rules)
+
+
+_JobEngineOptions = create_model(
+    "_JobEngineOptions", __base__=_JobCore, __module__=__name__,
+    **{name: _engine_option_field(name, f) for name, f in declared_options().items()},
+)
+
+
+class JobSpec(_JobEngineOptions):
     """Everything a job needs; shared by `run_job`, the CLI (`--kebab-case` flags) and the flow.
 
-    Engine options (None means the engine's default): model, dtype, device,
-    quantization, max_num_seqs, max_num_batched_tokens, max_model_len,
-    kv_cache_memory_bytes, enable_prefix_caching, seed, num_threads, speculative,
-    tensor_parallel_size, plus any other EngineConfig field in `engine_options` (e.g.
-    speculative_config).
+    Engine options: model, the EngineConfig fields declared with `engine.config.option` (ENGINE_FIELDS:
+    dtype, max_num_seqs, ...; None means the engine's default), plus any other EngineConfig field in
+    `engine_options` (e.g. speculative_config).
 
     Sampling defaults (a row's `max_tokens`, `temperature`, `top_p`, `seed`,
     `stop` columns override them): max_tokens, temperature, top_p, top_k,
@@ -101,36 +141,6 @@ class JobSpec(BaseModel):
     grammar (a file). Or score_choices: score each choice instead of generating.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    input: str = Field(description="Parquet file, folder/prefix, or glob pattern of files ('data/*.parquet', "
-                                   "'s3://bucket/prefix/*.parquet'): s3://, gs://, file:// or a local path")
-    output: str = Field(description="output folder/prefix URL")
-
-    model: str = Field("smollm2-135m-instruct", description="engine model: smollm2-135m-instruct, gemma-3-270m, "
-                                                            "a .gguf file, a Hugging Face folder, or dummy:<shape>")
-    dtype: str = Field("auto", description="weights dtype: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA "
-                                           "and on CPUs with AMX-BF16 or AVX512-BF16, else fp32; a resume keeps "
-                                           "the dtype the job's manifest recorded)")
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    quantization: Optional[str] = Field(None, description="weight quantization: none | int8 | int4 | gguf | "
-                                                          "w8a8 (int8 x int8 arithmetic, CPU) (default none)")
-    max_num_seqs: Optional[int] = Field(None, description="most requests running at once (engine default 128)")
-    max_num_batched_tokens: Optional[int] = Field(None, description="per-step token budget (engine default 1024)")
-    max_model_len: Optional[int] = Field(None, description="context length in tokens (default: the model's)")
-    kv_cache_memory_bytes: Optional[int] = Field(None, description="bytes for the KV cache (default: a share of "
-                                                                   "free memory)")
-    enable_prefix_caching: Optional[bool] = Field(None, description="reuse KV blocks of shared prefixes "
-                                                                    "(engine default on)")
-    seed: int = Field(0, description="engine seed: sampled runs are reproducible (a 64-bit integer, as a row's seed)")
-    num_threads: Optional[int] = Field(None, description="CPU threads of torch and the C kernels (default: the "
-                                                         "CPUs this process may use)")
-    speculative: Optional[Literal["auto", "ngram", "suffix", "draft_model", "off"]] = Field(
-        None, description="speculative decoding: auto (the engine default: drafts where the measured step cost "
-                          "makes them pay) | ngram | suffix | draft_model | off")
-    tensor_parallel_size: Optional[int] = Field(
-        None, ge=1, description="split the model over N devices (tensor parallelism; N processes, gloo on CPU, "
-                                "NCCL on CUDA); N must divide the model's KV heads (engine default 1)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig fields")
 
     max_tokens: int = Field(128, description="default new tokens per row")
