@@ -23,7 +23,8 @@ LINES = {
     "tokenmill": "tokenmill: interrupted before the job started (nothing written); re-run the same command to start",
     "flows.deploy": "flows.deploy: stopped by {signal} before the deployment was served",
 }
-_MODULES = {"pipeline.cli": "tokenmill", "flows.cli": "tokenmill", "flows.deploy": "flows.deploy"}  # `python -m MODULE` -> the command
+# `python -m MODULE` -> the command
+_MODULES = {"pipeline.cli": "tokenmill", "flows.cli": "tokenmill", "flows.deploy": "flows.deploy"}
 
 
 def running_command() -> Optional[str]:

@@ -292,6 +292,32 @@ def test_every_run_option_is_described():
     assert "int8 | int4 | gguf" in quant.help
 
 
+def test_each_engine_option_is_written_once_on_its_engine_config_field():
+    """An engine option is declared once, on its EngineConfig field (`engine.config.option`); the job's field,
+    its --flag, the fingerprint and the engine's keyword arguments follow from it."""
+    from engine.config import declared_options
+    from pipeline.spec import ENGINE_FIELDS, FINGERPRINT_FIELDS, JobSpec
+
+    options = declared_options()
+    assert set(options) == set(ENGINE_FIELDS) and {"dtype", "max_num_seqs", "tensor_parallel_size"} <= set(options)
+    assert "block_size" not in options  # an EngineConfig field without `option`: through engine_options only
+    run = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    flags = {a.option_strings[0]: a for a in run._actions if a.option_strings}
+    for name, f in options.items():
+        assert JobSpec.model_fields[name].description.startswith(f.metadata["help"]), name
+        assert flags["--" + name.replace("_", "-")].help.startswith(f.metadata["help"]), name
+        assert (name in FINGERPRINT_FIELDS) == f.metadata["changes_outputs"], name
+    assert [n for n in ("dtype", "quantization", "max_model_len", "seed", "device", "max_num_seqs")
+            if n in FINGERPRINT_FIELDS] == ["dtype", "quantization", "max_model_len", "seed"]
+    assert flags["--speculative"].choices == ["auto", "ngram", "suffix", "draft_model", "off"]
+    assert flags["--max-num-seqs"].help == "most requests running at once (engine default 128)"
+    spec = JobSpec(input="in", output="out", max_num_seqs=4, enable_prefix_caching=False)
+    assert spec.engine_kwargs() == {"dtype": "auto", "device": "auto", "seed": 0, "max_num_seqs": 4,
+                                    "enable_prefix_caching": False}
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        JobSpec(input="in", output="out", tensor_parallel_size=0)
+
+
 def test_progress_says_what_the_job_is_doing_while_the_model_loads(tmp_path, capsys, monkeypatch):
     import engine
 
