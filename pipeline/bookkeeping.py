@@ -16,6 +16,7 @@ from pipeline.manifest import ShardResult
 from pipeline.plan import JobPlan, done_shards
 from pipeline.storage import StorageError, quick_options, storage_call
 
+
 RUNS_DIR = "runs"  # OUTPUT/_job/runs/run-<started>-<run_id>.parquet: one cost row per run
 
 

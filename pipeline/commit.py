@@ -49,6 +49,7 @@ from pipeline.schema import InputLayout, output_schema
 from pipeline.spec import JobSpec, JobSpecChanged
 from pipeline.storage import storage_call
 
+
 @dataclass
 class ShardState:
     shard: Shard

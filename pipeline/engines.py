@@ -27,6 +27,7 @@ from pipeline.planner import Shard
 from pipeline.schema import CONSTRAINT_COLUMNS, InputLayout, build_request
 from pipeline.spec import JobSpec
 
+
 _ENGINES: dict[str, Any] = {}
 
 

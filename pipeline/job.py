@@ -46,6 +46,7 @@ from pipeline.schema import CONSTRAINT_COLUMNS
 from pipeline.spec import JobSpec, JobSpecChanged, validate_spec
 from pipeline.storage import StorageError, plural, quick_options, storage_call
 
+
 def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[int] = None) -> JobPlan:
     """Validate, take the output's lease, check the manifest (refuse a changed job unless `overwrite`), plan.
 

@@ -20,6 +20,7 @@ from pipeline.schema import InputLayout, unify_input_columns
 from pipeline.spec import JobSpec
 from pipeline.storage import quick_options
 
+
 @dataclass
 class JobPlan:
     """A prepared run: the shard plan, which shards still need to run, and the run's lease on the output.

@@ -310,6 +310,7 @@ def test_ctrl_c_while_planning_books_its_cost_and_one_before_the_lease_writes_no
     """Once the run holds the output's lease it books its cost however it ends, planning included (the
     tokenizer loads, prompts are tokenised); an interruption before that (checking the options and
     input) writes nothing, so the output stays free for the same command."""
+    import pipeline.job as job
     import pipeline.plan as plan
     from pipeline.cli import main
 
