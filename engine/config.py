@@ -8,6 +8,7 @@ error output and never fails the batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
 from dataclasses import dataclass, field
@@ -36,6 +37,31 @@ def seed_problem(name: str, value: Any, none_ok: bool = False) -> Optional[str]:
 
 # completions per prompt: n = 10**9 was accepted and built a Sequence per completion until memory ran out
 MAX_N = 4096
+
+
+SPECULATIVE_MODES = ("auto", "ngram", "suffix", "draft_model", "off", None)
+
+
+def option(default: Any, help: str, *, changes_outputs: bool = False, choices: Optional[Sequence[Any]] = None,
+           **rules: Any) -> Any:
+    """An EngineConfig field that batch jobs take as an option of their own (`pipeline.spec.JobSpec`
+    builds its engine fields, and the CLI its flags, from these).
+
+    Args:
+        default: the field's default.
+        help: one line for a command's --help.
+        changes_outputs: the value changes the tokens generated (a job fingerprints it, so a resume
+            with another value is refused); speed-only options leave it False.
+        choices: the values it may take (None among them: unset), where it is one of a few.
+        rules: bounds the value must keep, as pydantic `Field` takes them (`ge=1`).
+    """
+    return field(default=default, metadata={"help": help, "changes_outputs": changes_outputs, "choices": choices,
+                                            "rules": rules})
+
+
+def declared_options() -> dict[str, dataclasses.Field]:
+    """The EngineConfig fields declared with `option`, by name, in declaration order."""
+    return {f.name: f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata}
 
 
 @dataclass
@@ -121,29 +147,38 @@ class EngineConfig:
     """
 
     model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"
-    device: str = "auto"
+    dtype: str = option("auto", "weights dtype: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA and on CPUs "
+                               "with AMX-BF16 or AVX512-BF16, else fp32; a resume keeps the dtype the job's "
+                               "manifest recorded)", changes_outputs=True)
+    device: str = option("auto", "auto | cpu | cuda | cuda:N")
     block_size: int = 16
-    kv_cache_memory_bytes: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = option(None, "bytes for the KV cache (default: a share of free memory)")
     kv_cache_memory_fraction: float = 0.25
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    max_model_len: Optional[int] = None
+    max_num_seqs: int = option(128, "most requests running at once")
+    max_num_batched_tokens: int = option(1024, "per-step token budget")
+    max_model_len: Optional[int] = option(None, "context length in tokens (default: the model's)",
+                                          changes_outputs=True)
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    quantization: Optional[str] = None
-    num_threads: Optional[int] = None
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prefixes")
+    seed: int = option(0, "engine seed: sampled runs are reproducible (a 64-bit integer, as a row's seed)",
+                       changes_outputs=True)
+    quantization: Optional[str] = option(None, "weight quantization: none | int8 | int4 | gguf | w8a8 (int8 x int8 "
+                                               "arithmetic, CPU) (default none)", changes_outputs=True)
+    num_threads: Optional[int] = option(None, "CPU threads of torch and the C kernels (default: the CPUs this "
+                                              "process may use)")
     quant_group_size: int = 32
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cpu_kernels: bool = True
-    speculative: Optional[str] = "auto"
+    speculative: Optional[str] = option("auto", "speculative decoding: auto (the engine default: drafts where the "
+                                                "measured step cost makes them pay) | ngram | suffix | draft_model | "
+                                                "off", choices=SPECULATIVE_MODES)
     speculative_config: Optional[dict] = None
     structured_outputs_jump_forward: bool = True
     structured_outputs_backend: str = "llguidance"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = option(1, "split the model over N devices (tensor parallelism; N processes, gloo on "
+                                          "CPU, NCCL on CUDA); N must divide the model's KV heads", ge=1)
     distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -208,7 +243,6 @@ class EngineConfig:
             )
 
 
-SPECULATIVE_MODES = ("auto", "ngram", "suffix", "draft_model", "off", None)
 
 
 @dataclass

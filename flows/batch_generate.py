@@ -35,7 +35,7 @@ Where the windows run:
   server (`PREFECT_API_URL`, set for the flow and for every worker); the flow
   refuses to start without one.
 - A worker that dies mid-window has its task rerun on another worker by Dask;
-  commits are first-wins (see `pipeline.job`), so every row lands once. The
+  commits are first-wins (see `pipeline.commit`), so every row lands once. The
   done marker of each shard names the worker that committed it, and the cost
   report's `device_count` is the number of workers that committed shards.
 
@@ -75,9 +75,10 @@ from prefect.tasks import exponential_backoff
 from pipeline import (
     JobInterrupted, JobSpec, ShardResult, WindowRun, finish_job, format_report, get_llm, prepare_job,
 )
-from pipeline.job import (
-    abort_job, add_steps, default_worker, engine_lock, engine_spec, job_device, plan_windows, run_window,
-)
+from pipeline.bookkeeping import abort_job, job_device
+from pipeline.commit import default_worker
+from pipeline.engines import add_steps, engine_lock, engine_spec, run_window
+from pipeline.plan import plan_windows
 from pipeline.lease import LeaseToken
 from pipeline.manifest import committed_by_run, read_marker
 from pipeline.planner import Shard

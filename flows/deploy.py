@@ -54,7 +54,7 @@ import signal
 import sys
 from typing import Any, Optional, Sequence
 
-from pipeline.job import JobSpec, load_spec_file
+from pipeline.spec import JobSpec, load_spec_file
 
 
 def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str] = None) -> tuple[JobSpec, dict[str, Any]]:
@@ -62,14 +62,14 @@ def load_deployment(path: str, *, name: Optional[str] = None, cron: Optional[str
 
     Raises:
         ValueError: no cron schedule given, invalid spec fields (named, with the file), a spec every
-            run would refuse (`pipeline.job.validate_spec`: `max_tokens: 0`, an unknown engine option, ...),
+            run would refuse (`pipeline.spec.validate_spec`: `max_tokens: 0`, an unknown engine option, ...),
             a negative deployment.shard_retries, an unknown top-level key, two different clusters, or
             credentials in the spec's storage_options.
     """
     from pydantic import ValidationError
 
     from flows.batch_generate import check_retry_delay, check_shard_retries, refuse_inline_secrets
-    from pipeline.job import spec_errors, spec_field_lines, validate_spec
+    from pipeline.spec import spec_errors, spec_field_lines, validate_spec
 
     fields, rest = load_spec_file(path)
     unknown = sorted(set(rest) - {"deployment"})

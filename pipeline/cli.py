@@ -1,7 +1,7 @@
 """The `tokenmill` command.
 
     tokenmill run --input URL --output URL [--spec job.yaml] [JobSpec options]
-    tokenmill run ... --cluster tcp://HOST:8786   (the Prefect flow, windows on a Dask cluster)
+    tokenmill run ... --cluster tcp://HOST:8786   (the Prefect flow, windows on a Dask cluster: `flows.cli`)
     tokenmill demo [--job labelling|synthetic] [JobSpec options]   (replaces ./demo_output/JOB/ each time)
     tokenmill demo --model gemma-3-270m   (a base model: few-shot labelling, beside the default model's accuracy)
     tokenmill report URL [--all]
@@ -53,15 +53,15 @@ import types
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 from pydantic import ValidationError
 
 from pipeline.cost import format_report
-from pipeline.job import (
-    ENGINE_FIELDS, InvalidOption, JobInterrupted, JobSpec, JobSpecChanged, booked_report, done_shards, read_metrics,
-    run_job, spec_errors,
-)
+from pipeline.bookkeeping import JobInterrupted, booked_report, read_metrics
+from pipeline.job import run_job
+from pipeline.plan import done_shards
+from pipeline.spec import ENGINE_FIELDS, InvalidOption, JobSpec, JobSpecChanged, spec_errors
 from pipeline.lease import JobLocked, LeaseLost
 from pipeline.storage import StorageError, plural, mask_secrets
 
@@ -179,7 +179,7 @@ def spec_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = No
     problems: list[str] = []
     lines: dict[str, int] = {}
     if getattr(args, "spec", None):
-        from pipeline.job import load_spec_file, spec_field_lines
+        from pipeline.spec import load_spec_file, spec_field_lines
 
         from_file = load_spec_file(args.spec)[0]
         lines = spec_field_lines(args.spec)
@@ -327,9 +327,22 @@ def _print_failed_report(exc: BaseException) -> None:
         _silence_stdout()
 
 
-def _run(spec: JobSpec) -> int:
+ClusterRunner = Callable[[JobSpec], dict[str, Any]]
+"""Runs a job with `spec.cluster` set (through the Prefect flow) and returns its cost report row:
+`flows.cli.run_on_cluster`, which the `tokenmill` console script passes to `main`."""
+
+
+def _run(spec: JobSpec, run_on_cluster: Optional[ClusterRunner] = None) -> int:
+    """Run the job (on its cluster through `run_on_cluster`), print its report; returns the exit code.
+
+    Raises:
+        ValueError: `spec.cluster` is set and there is no `run_on_cluster` (`python -m pipeline`).
+    """
+    if spec.cluster and run_on_cluster is None:
+        raise ValueError("--cluster runs the job through the Prefect flow, which `python -m pipeline` does not "
+                         "import: use the tokenmill command (or python -m flows.cli)")
     try:
-        row = _run_on_cluster(spec) if spec.cluster else run_job(spec).as_row()
+        row = run_on_cluster(spec) if spec.cluster else run_job(spec).as_row()
     except Exception as exc:  # a failed run: its booked row is printed as an interrupted run's is
         _print_failed_report(exc)
         raise
@@ -385,40 +398,9 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
             f"error column of {spec.output}/part-*.parquet (exit {EXIT_ALL_ERRORS})")
 
 
-def _run_on_cluster(spec: JobSpec) -> dict[str, Any]:
-    """Run the job through the Prefect flow on the Dask cluster `spec.cluster`; returns the cost report row.
-
-    The only place `pipeline` reaches up to `flows` (and so to Prefect), imported here, when asked for: a
-    cluster job is a flow run, with its tasks on the cluster's workers.
-
-    Raises:
-        ValueError: prefect-dask is not installed, no Prefect server is configured or the one at
-            PREFECT_API_URL does not answer (`flows.batch_generate.check_prefect_api`), or what the flow raises.
-        JobInterrupted: SIGINT or SIGTERM stopped the flow run once it held the output (its booked
-            report on it), as `run_job` raises it.
-    """
-    try:
-        import prefect_dask  # noqa: F401
-    except ImportError:
-        raise ValueError("--cluster needs prefect-dask and distributed (pip install prefect-dask distributed)") \
-            from None
-    from flows.batch_generate import batch_generate, check_prefect_api, interruption
-
-    check_prefect_api(spec)
-    print(f"tokenmill: running on the Dask cluster {spec.cluster} through the Prefect flow batch-generate",
-          file=sys.stderr)
-    try:
-        return batch_generate(spec)
-    except BaseException as exc:
-        stopped = interruption(exc)  # SIGTERM: Prefect's TerminationSignal, then our handler's Interrupted
-        if stopped is None:
-            raise
-        raise stopped from None
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
-    return _run(spec)
+    return _run(spec, args.run_on_cluster)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -436,14 +418,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
         return EXIT_REFUSED
     if args.job == "labelling" and spec.model != default_model and not _has_chat_template(spec):
-        return _demo_few_shot(spec, default_model)
+        return _demo_few_shot(spec, default_model, args.run_on_cluster)
     from pipeline import io
     from pipeline.manifest import job_url
 
     replacing = spec.overwrite and io.exists(job_url(spec.output, "manifest.json"), spec.storage_options)
     _echo(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}"
           + (" (replacing the previous demo output there; --no-overwrite resumes it instead)" if replacing else ""))
-    rc = _run(spec)
+    rc = _run(spec, args.run_on_cluster)
     if rc == 0 and args.job == "labelling":
         _print_label_accuracy(spec.output)
     return rc
@@ -459,7 +441,7 @@ def _has_chat_template(spec: JobSpec) -> bool:
     return Tokenizer.from_model(spec.model).has_chat_template
 
 
-def _demo_few_shot(spec: JobSpec, default_model: str) -> int:
+def _demo_few_shot(spec: JobSpec, default_model: str, run_on_cluster: Optional[ClusterRunner] = None) -> int:
     """The labelling demo on a base model (`pipeline.few_shot`): few-shot prompts whose labels are
     scored (`score_choices`), then the default model on the same rows as its demo runs them (its
     chat template, zero-shot, choice constraint), and the accuracies against `reference_label`: the
@@ -479,11 +461,11 @@ def _demo_few_shot(spec: JobSpec, default_model: str) -> int:
                                         "score_choices": [LABEL_SPACE + c for c in labels]})
     _echo(f"tokenmill demo: labelling job on the base model {spec.model}: few-shot prompts ({len(shot_ids)} worked "
           f"examples, the first row of each label, left out), each label scored, {few_shot} -> {spec.output}")
-    rc = _run(base_spec)
+    rc = _run(base_spec, run_on_cluster)
     if rc != 0:
         return rc
     from engine import SamplingParams
-    from pipeline.job import get_llm
+    from pipeline.engines import get_llm
 
     cf = get_llm(base_spec).generate(content_free_prompts(spec.input),
                                      SamplingParams(score_choices=base_spec.score_choices), use_tqdm=False)
@@ -492,7 +474,7 @@ def _demo_few_shot(spec: JobSpec, default_model: str) -> int:
                                        "output": str(out.parent / f"{out.name}-{default_model}"), "choice": labels})
     _echo(f"\ntokenmill demo: the same rows on the default model {default_model} (chat template, zero-shot), "
           f"-> {ref_spec.output}")
-    rc = _run(ref_spec)
+    rc = _run(ref_spec, run_on_cluster)
     if rc != 0:
         return rc
     _print_label_accuracy(spec.output)
@@ -667,9 +649,15 @@ def _fail(message: str, verbose: bool, code: int) -> int:
     return code
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the `tokenmill` command; returns the exit code (see the module docstring)."""
+def main(argv: Optional[Sequence[str]] = None, run_on_cluster: Optional[ClusterRunner] = None) -> int:
+    """Run the `tokenmill` command; returns the exit code (see the module docstring).
+
+    Args:
+        run_on_cluster: what runs a `--cluster` job (`flows.cli.run_on_cluster`); without it, as in
+            `python -m pipeline`, `--cluster` is refused in one line.
+    """
     args = build_parser().parse_args(argv)
+    args.run_on_cluster = run_on_cluster
     if args.command == "run" and not args.spec and (args.input is None or args.output is None):
         missing = [flag for flag, value in (("--input", args.input), ("--output", args.output)) if value is None]
         args.command_parser.error(f"the following arguments are required: {', '.join(missing)} (or a --spec file "
@@ -730,7 +718,7 @@ def _fail_option(exc: InvalidOption, args: argparse.Namespace, verbose: bool) ->
         rest = exc.problem[len(field):]
         said = "--" + field.replace("_", "-") + (" " + rest[1:] if rest.startswith("=") else rest)
     elif field is not None and getattr(args, "spec", None):
-        from pipeline.job import spec_field_lines
+        from pipeline.spec import spec_field_lines
 
         line = spec_field_lines(args.spec).get(field)
         if line is None:

@@ -450,13 +450,6 @@ def read_rows(url: str, offset: int, length: int, storage_options: Optional[dict
     return _to_polars(table)
 
 
-def read_schema(url: str, storage_options: Optional[dict[str, Any]] = None) -> pl.Schema:
-    """The polars schema of one Parquet file (footer only)."""
-    fs, path = filesystem(url, storage_options)
-    with storage_call("read", url, resolve_storage_options(url, storage_options)), fs.open(path, "rb") as f:
-        return pl.from_arrow(pq.ParquetFile(f).schema_arrow.empty_table()).schema
-
-
 def join(url: str, *parts: str) -> str:
     """URL join with "/" (works for local paths and object stores)."""
     return "/".join([str(url).rstrip("/"), *parts])

@@ -110,8 +110,24 @@ def _constraint(doc: dict) -> str:
     return f"{text} [sha256 {str(key)[:12]}]"
 
 
-def read_manifest(output: str, storage_options: dict[str, Any]) -> dict | None:
-    return io.read_json(job_url(output, "manifest.json"), storage_options)
+def read_manifest(output: str, storage_options: dict[str, Any], check_version: bool = True) -> dict | None:
+    """The job's manifest at `output`, or None when there is none.
+
+    Args:
+        check_version: refuse a manifest of another version (off for a run that replaces the job).
+
+    Raises:
+        ValueError: a manifest of another version than MANIFEST_VERSION (its shard plan is laid out
+            otherwise), naming the file, both versions and the way out (`--overwrite`).
+        StorageError: the storage cannot be reached or denies access.
+    """
+    url = job_url(output, "manifest.json")
+    doc = io.read_json(url, storage_options)
+    if check_version and isinstance(doc, dict) and doc.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"{url} is a manifest of version {doc.get('version')!r}; this tokenmill reads version "
+                         f"{MANIFEST_VERSION} only, so it cannot resume that job: re-run with --overwrite to start "
+                         f"over, or choose another output")
+    return doc
 
 
 def write_manifest(output: str, manifest: dict, storage_options: dict[str, Any]) -> None:

@@ -23,11 +23,12 @@ LINES = {
     "tokenmill": "tokenmill: interrupted before the job started (nothing written); re-run the same command to start",
     "flows.deploy": "flows.deploy: stopped by {signal} before the deployment was served",
 }
-_MODULES = {"pipeline.cli": "tokenmill", "flows.deploy": "flows.deploy"}  # `python -m MODULE` -> the command
+# `python -m MODULE` -> the command
+_MODULES = {"pipeline.cli": "tokenmill", "flows.cli": "tokenmill", "flows.deploy": "flows.deploy"}
 
 
 def running_command() -> Optional[str]:
-    """The command this process runs: "tokenmill" (the console script, or `python -m pipeline.cli`),
+    """The command this process runs: "tokenmill" (the console script, `python -m flows.cli` or `pipeline.cli`),
     "flows.deploy" (`python -m flows.deploy`), or None (anything else)."""
     argv = list(getattr(sys, "orig_argv", None) or [])
     for i, arg in enumerate(argv[1:], 1):

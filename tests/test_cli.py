@@ -292,6 +292,32 @@ def test_every_run_option_is_described():
     assert "int8 | int4 | gguf" in quant.help
 
 
+def test_each_engine_option_is_written_once_on_its_engine_config_field():
+    """An engine option is declared once, on its EngineConfig field (`engine.config.option`); the job's field,
+    its --flag, the fingerprint and the engine's keyword arguments follow from it."""
+    from engine.config import declared_options
+    from pipeline.spec import ENGINE_FIELDS, FINGERPRINT_FIELDS, JobSpec
+
+    options = declared_options()
+    assert set(options) == set(ENGINE_FIELDS) and {"dtype", "max_num_seqs", "tensor_parallel_size"} <= set(options)
+    assert "block_size" not in options  # an EngineConfig field without `option`: through engine_options only
+    run = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    flags = {a.option_strings[0]: a for a in run._actions if a.option_strings}
+    for name, f in options.items():
+        assert JobSpec.model_fields[name].description.startswith(f.metadata["help"]), name
+        assert flags["--" + name.replace("_", "-")].help.startswith(f.metadata["help"]), name
+        assert (name in FINGERPRINT_FIELDS) == f.metadata["changes_outputs"], name
+    assert [n for n in ("dtype", "quantization", "max_model_len", "seed", "device", "max_num_seqs")
+            if n in FINGERPRINT_FIELDS] == ["dtype", "quantization", "max_model_len", "seed"]
+    assert flags["--speculative"].choices == ["auto", "ngram", "suffix", "draft_model", "off"]
+    assert flags["--max-num-seqs"].help == "most requests running at once (engine default 128)"
+    spec = JobSpec(input="in", output="out", max_num_seqs=4, enable_prefix_caching=False)
+    assert spec.engine_kwargs() == {"dtype": "auto", "device": "auto", "seed": 0, "max_num_seqs": 4,
+                                    "enable_prefix_caching": False}
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        JobSpec(input="in", output="out", tensor_parallel_size=0)
+
+
 def test_progress_says_what_the_job_is_doing_while_the_model_loads(tmp_path, capsys, monkeypatch):
     import engine
 
@@ -419,7 +445,7 @@ def test_cluster_run_with_an_unreachable_prefect_server_is_one_line_naming_prefe
     out = tmp_path / "out"
     api = "http://127.0.0.1:9/api"  # the discard port: nothing listens there, a connection is refused at once
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--input", str(inp), "--output", str(out),
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--input", str(inp), "--output", str(out),
                            "--cluster", "tcp://127.0.0.1:1", "--no-progress"],
                           env={**os.environ, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -430,6 +456,24 @@ def test_cluster_run_with_an_unreachable_prefect_server_is_one_line_naming_prefe
     assert "refused" in err[0] and err[0].endswith("start it (prefect server start) or set PREFECT_API_URL to the "
                                                    "server the Dask workers report to")
     assert not out.exists()
+
+
+def test_pipeline_alone_refuses_cluster_in_one_line_before_anything_is_written(tmp_path, capsys):
+    """`pipeline` never imports `flows`: `python -m pipeline` (pipeline.cli.main without a cluster runner)
+    refuses --cluster in one line, exit 1, and writes nothing; the `tokenmill` script (flows.cli) runs it."""
+    import sys
+
+    inp = tmp_path / "in.parquet"
+    pl.DataFrame({"id": [1], "prompt": ["Hi."]}).write_parquet(inp)
+    out = tmp_path / "out"
+    flows_before = {m for m in sys.modules if m == "flows" or m.startswith("flows.")}
+    assert main(["run", "--input", str(inp), "--output", str(out), "--cluster", "tcp://127.0.0.1:1",
+                 "--no-progress"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill: --cluster runs the job through the Prefect flow, which `python -m pipeline` does not import: "
+        "use the tokenmill command (or python -m flows.cli)"]
+    assert not out.exists()
+    assert {m for m in sys.modules if m == "flows" or m.startswith("flows.")} == flows_before
 
 
 def test_colliding_sampling_and_engine_options_name_both_sources_and_the_parameter(tmp_path, capsys):
@@ -806,11 +850,18 @@ sys.meta_path.insert(0, _Gate())
 # what pip writes for the `tokenmill` console script
 CONSOLE_SCRIPT = """import re
 import sys
-from pipeline.cli import main
+from flows.cli import main
 if __name__ == '__main__':
     sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
     sys.exit(main())
 """
+
+
+def default_sigint() -> None:
+    """A child's SIGINT back to the default (a KeyboardInterrupt in Python): a suite started with SIGINT
+    ignored (`nohup pytest &`, a background job) passes SIG_IGN on to its children, which would then
+    never see the Ctrl-C these tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("command,signum", [("tokenmill", signal.SIGINT), ("tokenmill", signal.SIGTERM),
@@ -835,7 +886,7 @@ def test_an_interrupt_while_the_command_imports_torch_ends_in_one_line(tmp_path,
     args = ([str(tmp_path / "tokenmill"), "run", "--input", "in.parquet", "--output", "out"]
             if command == "tokenmill" else ["-m", "flows.deploy", "job.yaml"])
     proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():  # a file the child writes: nothing to wait on but the file system

@@ -21,7 +21,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import polars as pl  # noqa: E402
 import pytest  # noqa: E402
 
-import pipeline.job  # noqa: E402
+import pipeline.bookkeeping  # noqa: E402
+import pipeline.engines  # noqa: E402
 from pipeline import JobSpec, JobSpecChanged, io, read_metrics  # noqa: E402
 
 try:
@@ -77,7 +78,7 @@ def test_flow_s3_to_s3(prefect_api, job_llm, s3_bucket, tmp_path, monkeypatch):
                    price_per_hour=3.0)
 
     # the first read of each of shards 1 and 3 fails: the task retries and succeeds
-    real_read, failed = pipeline.job.io.read_rows, set()
+    real_read, failed = io.read_rows, set()
 
     def flaky_read(url, offset, length, storage_options=None):
         key = (url, offset)
@@ -87,7 +88,7 @@ def test_flow_s3_to_s3(prefect_api, job_llm, s3_bucket, tmp_path, monkeypatch):
             raise ConnectionError("injected S3 hiccup")
         return real_read(url, offset, length, storage_options)
 
-    monkeypatch.setattr(pipeline.job.io, "read_rows", flaky_read)
+    monkeypatch.setattr(io, "read_rows", flaky_read)
     report = batch_generate(spec, shard_retries=2, retry_delay_s=0)
     assert len(failed) == 2
 
@@ -165,21 +166,21 @@ def test_flow_resume_after_failed_shard(prefect_api, job_llm, s3_bucket, tmp_pat
     # reads of shards 1 and 2 leave shard 0's window untouched
     spec = JobSpec(input=inp, output=f"s3://{s3_bucket}/out", max_tokens=4, shard_size=3, shards_in_flight=1,
                    plan="input", progress=False)
-    real_read = pipeline.job.io.read_rows
+    real_read = io.read_rows
 
     def broken_after_first(url, offset, length, storage_options=None):
         if not url.endswith("part0.parquet"):
             raise ConnectionError("injected: the job dies after its first shard")
         return real_read(url, offset, length, storage_options)
 
-    monkeypatch.setattr(pipeline.job.io, "read_rows", broken_after_first)
+    monkeypatch.setattr(io, "read_rows", broken_after_first)
     with pytest.raises(ConnectionError):
         batch_generate(spec, shard_retries=0)
     assert [n for n in io.list_names(spec.output) if n.startswith("part-")] == ["part-00000.parquet"]
     first = part_bytes(spec.output, "part-00000.parquet")
 
     computed = []
-    monkeypatch.setattr(pipeline.job.io, "read_rows",
+    monkeypatch.setattr(io, "read_rows",
                         lambda url, o, n, so=None: computed.append(url) or real_read(url, o, n, so))
     report = batch_generate(spec, shard_retries=0)
     assert sorted(computed) == [f"{inp}part1.parquet", f"{inp}part2.parquet"]  # shard 0 is not recomputed
@@ -291,7 +292,13 @@ def test_deploy_stopped_before_it_serves_says_so_in_one_line(tmp_path, capsys, m
 
     monkeypatch.setattr(deploy, "serve", registering)
     before = signal.getsignal(signal.SIGTERM)
-    assert deploy.main([str(tmp_path / "job.yaml")]) == 128 + signum
+    # a suite started with SIGINT ignored (`nohup pytest &`) would never see this test's SIGINT: Python's own
+    # handler for the test, as the command has it when started from a terminal
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert deploy.main([str(tmp_path / "job.yaml")]) == 128 + signum
+    finally:
+        signal.signal(signal.SIGINT, sigint)
     assert capsys.readouterr().err.splitlines() == [
         f"flows.deploy: stopped by {signal.Signals(signum).name} before the deployment was served"]
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is the caller's again
@@ -362,14 +369,14 @@ def test_flow_refuses_negative_shard_retries_before_anything_is_written(prefect_
 def _fake_engine_job(tmp_path, monkeypatch, on_output, seed: int) -> JobSpec:
     """9 rows in tmp_path/in.parquet, 3 shards of 3, one shard per window (3 window tasks in plan order),
     run by a FakeLLM registered for this spec only (its own seed: no other test gets it)."""
-    import pipeline.job as job
+    import pipeline.engines as engines
     from pipeline.testing import FakeLLM
 
     pl.DataFrame({"id": [f"q{i}" for i in range(9)], "prompt": [f"Name thing {i}." for i in range(9)]}).write_parquet(
         tmp_path / "in.parquet")
     spec = JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), max_tokens=2 + seed % 3,
                    shard_size=3, shards_in_flight=1, plan="input", progress=False, seed=seed)
-    monkeypatch.setitem(job._ENGINES, job._engine_key(spec), FakeLLM(on_output=on_output))
+    monkeypatch.setitem(engines._ENGINES, engines._engine_key(spec), FakeLLM(on_output=on_output))
     return spec
 
 
@@ -515,7 +522,7 @@ def test_a_signal_stops_tokenmill_run_cluster_as_it_stops_tokenmill_run(prefect_
     on SIGTERM). It ends as `tokenmill run` does: the partial cost report on stdout, one line on stderr
     naming the shards done, exit 128 + the signal. (The flow's windows run on this process's thread
     runner here: the cluster's connection is stood in for.)"""
-    from pipeline.cli import main
+    from flows.cli import main
 
     flow_module = sys.modules["flows.batch_generate"]
     settling = threading.Event()
@@ -591,7 +598,7 @@ def test_ctrl_c_on_a_dask_cluster_waits_for_the_window_running_there_and_books_i
         read_back.set()
         return real_committed_by_run(*args, **kw)
 
-    real_mark_done, real_finish = manifest.mark_done, pipeline.job.finish_job
+    real_mark_done, real_finish = manifest.mark_done, pipeline.bookkeeping.finish_job
 
     def mark_done(output, name, *args, **kw):
         result = real_mark_done(output, name, *args, **kw)
@@ -599,14 +606,14 @@ def test_ctrl_c_on_a_dask_cluster_waits_for_the_window_running_there_and_books_i
             window2_committed.set()
         return result
 
-    def slow_booking(*args, **kw):  # (abort_job books through pipeline.job.finish_job)
+    def slow_booking(*args, **kw):  # (abort_job books through pipeline.bookkeeping.finish_job)
         window2_committed.wait(20)
         return real_finish(*args, **kw)
 
     spec = _fake_engine_job(tmp_path, monkeypatch, ctrl_c_in_window_2, seed=7310)
-    llm = pipeline.job._ENGINES[pipeline.job._engine_key(spec)]
+    llm = pipeline.engines._ENGINES[pipeline.engines._engine_key(spec)]
     monkeypatch.setattr(manifest, "mark_done", mark_done)
-    monkeypatch.setattr(pipeline.job, "finish_job", slow_booking)
+    monkeypatch.setattr(pipeline.bookkeeping, "finish_job", slow_booking)
     monkeypatch.setattr(flow_module, "committed_by_run", committed_by_run)
     with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
                                   dashboard_address=":0") as cluster:
@@ -616,7 +623,7 @@ def test_ctrl_c_on_a_dask_cluster_waits_for_the_window_running_there_and_books_i
         assert (llm.calls, llm.prompts_seen) == (2, 6)
         _assert_booked_interrupted(spec, parts, rows=6)
 
-        monkeypatch.setattr(pipeline.job, "finish_job", real_finish)
+        monkeypatch.setattr(pipeline.bookkeeping, "finish_job", real_finish)
         report = batch_generate(spec, shard_retries=0)  # the resume computes and books only window 3
         assert (report["status"], report["rows_skipped"], report["rows_ok"]) == ("ok", 6, 3)
         m = read_metrics(spec.output)

@@ -169,9 +169,9 @@ def block_mid_shard(flag: str, after_rows: int):
         import pathlib
         import time as _time
 
-        import pipeline.job as job
+        import pipeline.engines as engines
 
-        real, calls = job._output_row, [0]
+        real, calls = engines._output_row, [0]
 
         def output_row(*args, **kwargs):
             calls[0] += 1
@@ -180,7 +180,7 @@ def block_mid_shard(flag: str, after_rows: int):
                 _time.sleep(3600)
             return real(*args, **kwargs)
 
-        job._output_row = output_row
+        engines._output_row = output_row
 
     return install
 
@@ -205,7 +205,7 @@ def in_thread(fn, *args, **kwargs):
 def test_two_workers_give_the_single_process_rows_and_a_rerun_computes_nothing(cluster, job_llm, s3_bucket,
                                                                               tmp_path):
     from flows import batch_generate
-    from pipeline.cli import main
+    from flows.cli import main
 
     c, client = cluster
     inp = upload(s3_bucket, tmp_path)
@@ -229,7 +229,7 @@ def test_two_workers_give_the_single_process_rows_and_a_rerun_computes_nothing(c
     workers = workers_of(client)
     ran = {r.worker for r in done_shards(spec.output, {}).values()}
     assert ran == set(workers) and len(ran) == 2
-    from pipeline.job import engine_loads
+    from pipeline.engines import engine_loads
 
     assert client.run(engine_loads) == {w: 1 for w in workers}
     m = read_metrics(spec.output).row(0, named=True)

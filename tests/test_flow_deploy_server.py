@@ -140,6 +140,13 @@ runpy.run_module("flows.deploy", run_name="__main__", alter_sys=True)
 """
 
 
+def default_sigint() -> None:
+    """A child's SIGINT back to the default (a KeyboardInterrupt in Python): a suite started with SIGINT
+    ignored (`nohup pytest &`, a background job) passes SIG_IGN on to its children, which would then
+    never see the Ctrl-C these tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_the_temporary_server_starts_stops_it_and_exits_in_one_line(tmp_path):
     """Without PREFECT_API_URL, `flow.serve` started Prefect's temporary server from Prefect's event-loop
     thread: a Ctrl-C then waited for the start's 90 s timeout (a second one was ignored too). The command
@@ -155,7 +162,7 @@ def test_ctrl_c_while_the_temporary_server_starts_stops_it_and_exits_in_one_line
     env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "SERVER_PID_FILE": str(pid_file),
                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     proc = subprocess.Popen([sys.executable, "-c", NEVER_ANSWERS, str(spec_file)], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         _wait("the temporary server's start", pid_file.exists, 120, [proc])
         server = psutil.Process(int(pid_file.read_text()))

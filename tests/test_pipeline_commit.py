@@ -14,7 +14,9 @@ import polars as pl
 import pytest
 
 from pipeline import LeaseLost, io, prepare_job
-from pipeline.job import JobSpec, plan_windows, run_shards, run_window
+from pipeline.engines import run_shards, run_window
+from pipeline.plan import plan_windows
+from pipeline.spec import JobSpec
 from pipeline.manifest import done_shards, marker_url, read_marker
 from pipeline.testing import FakeLLM
 

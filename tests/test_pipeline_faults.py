@@ -22,7 +22,7 @@ import polars as pl
 import pytest
 
 from pipeline import JobSpec, booked_report, done_shards, io, read_metrics, run_job
-from pipeline.job import JobInterrupted
+from pipeline.bookkeeping import JobInterrupted
 from pipeline.lease import JobLocked, Lease, lease_dir
 from pipeline.testing import FakeLLM
 
@@ -251,7 +251,7 @@ def _run_cli_with_a_failing_model_load(tmp_path, monkeypatch, exc: BaseException
     """`tokenmill run` over 4 rows of tmp_path/in.parquet into tmp_path/out, `engine.LLM` raising `exc`
     (planning with a fake tokenizer); a seed no other test's engine has, 3600 USD/h (1 USD/s). Its exit code."""
     import engine
-    import pipeline.job as job
+    import pipeline.plan as plan
     from pipeline.cli import main
     from pipeline.testing import FakeTokenizer
 
@@ -259,7 +259,7 @@ def _run_cli_with_a_failing_model_load(tmp_path, monkeypatch, exc: BaseException
         raise exc
 
     monkeypatch.setattr(engine, "LLM", load)
-    monkeypatch.setattr(job, "job_tokenizer", lambda spec: FakeTokenizer())  # planning without the real one
+    monkeypatch.setattr(plan, "job_tokenizer", lambda spec: FakeTokenizer())  # planning without the real one
     write_input(tmp_path / "in.parquet", 4)
     return main(["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), "--no-progress",
                  "--seed", seed, "--price-per-hour", "3600"])
@@ -311,6 +311,7 @@ def test_ctrl_c_while_planning_books_its_cost_and_one_before_the_lease_writes_no
     tokenizer loads, prompts are tokenised); an interruption before that (checking the options and
     input) writes nothing, so the output stays free for the same command."""
     import pipeline.job as job
+    import pipeline.plan as plan
     from pipeline.cli import main
 
     write_input(tmp_path / "in.parquet", 4)
@@ -320,7 +321,7 @@ def test_ctrl_c_while_planning_books_its_cost_and_one_before_the_lease_writes_no
         raise KeyboardInterrupt
 
     with monkeypatch.context() as mp:
-        mp.setattr(job, "job_tokenizer", interrupt)
+        mp.setattr(plan, "job_tokenizer", interrupt)
         with pytest.raises(KeyboardInterrupt) as exc:  # not JobInterrupted: a bare one must fail here, not stop pytest
             run_job(spec)
         assert main(["run", "--input", spec.input, "--output", spec.output, "--no-progress", "--plan", "prefix",

@@ -293,7 +293,8 @@ def test_job_level_mistakes_are_refused_before_anything_is_written(tmp_path):
     """A bad default sampling option or an output that is a file fails at once and leaves no manifest."""
     import polars as pl
 
-    from pipeline.job import JobSpec, prepare_job
+    from pipeline.job import prepare_job
+    from pipeline.spec import JobSpec
 
     src = tmp_path / "in.parquet"
     pl.DataFrame({"id": ["a"], "prompt": ["hello"]}).write_parquet(src)
@@ -380,7 +381,7 @@ def test_a_nan_id_is_a_missing_id_not_a_value(tmp_path):
 
 def test_null_and_repeated_ids_warn_and_null_ids_become_error_rows(tmp_path):
     """Rows are numbered across the files in order: a.parquet holds rows 0-2, b.parquet rows 3-7."""
-    from pipeline.job import check_ids
+    from pipeline.plan import check_ids
 
     inp = tmp_path / "in"
     inp.mkdir()
@@ -731,7 +732,7 @@ def test_the_manifest_and_cost_report_record_the_resolved_dtype_and_a_resume_kee
     import json
 
     from engine.host import describe
-    from pipeline import job
+    from pipeline import engines, job
 
     built = []
 
@@ -742,7 +743,7 @@ def test_the_manifest_and_cost_report_record_the_resolved_dtype_and_a_resume_kee
     monkeypatch.setattr(job, "get_llm", fake_get_llm)
     out = tmp_path / "out"
     spec = spec_for(local_input, out, shards_in_flight=1)
-    here = job.host_dtype(spec)
+    here = engines.host_dtype(spec)
     assert here in ("float32", "bfloat16")
 
     class Killed(Exception):
@@ -775,3 +776,30 @@ def test_the_manifest_and_cost_report_record_the_resolved_dtype_and_a_resume_kee
     run_job(spec_for(local_input, tmp_path / "out2", dtype="float32"))
     assert built[-1] == "float32"
     assert json.loads((tmp_path / "out2" / "_job" / "manifest.json").read_text())["dtype"] == "float32"
+
+
+def test_a_manifest_of_another_version_is_refused_by_name_and_overwrite_replaces_it(local_input, tmp_path):
+    """The manifest records MANIFEST_VERSION (2: shards as row lists); a resume of a manifest of another
+    version (or none) is refused in one message naming the file and both versions, before any shard
+    runs; --overwrite replaces that job."""
+    import json
+
+    from pipeline.manifest import MANIFEST_VERSION
+
+    out = tmp_path / "out"
+    spec = spec_for(local_input, out)
+    run_job(spec, FakeLLM())
+    path = out / "_job" / "manifest.json"
+    doc = json.loads(path.read_text())
+    assert doc["version"] == MANIFEST_VERSION == 2
+    for version in (1, None):
+        doc["version"] = version
+        path.write_text(json.dumps(doc))
+        with pytest.raises(ValueError) as exc:
+            run_job(spec, FakeLLM())
+        assert str(exc.value) == (f"{path} is a manifest of version {version!r}; this tokenmill reads version 2 "
+                                  f"only, so it cannot resume that job: re-run with --overwrite to start over, or "
+                                  f"choose another output")
+    assert read_metrics(str(out)).height == 1  # refused before the run booked anything
+    report = run_job(spec.model_copy(update={"overwrite": True}), FakeLLM())
+    assert report.rows_ok == 12 and json.loads(path.read_text())["version"] == 2

@@ -326,7 +326,7 @@ def test_a_kv_cache_budget_past_the_machines_memory_is_refused_before_anything_i
 def test_negative_seeds_are_seeds_and_minus_one_is_no_seed_of_its_own_as_in_vllm(tmp_path):
     """A job's --seed and a row's seed take any integer; a row seed of -1 (vLLM's "unseeded") is a null
     seed: the row gets the one derived from --seed and its index, as a row without a seed does."""
-    from pipeline.job import row_seed
+    from pipeline.engines import row_seed
 
     class Recording(FakeLLM):
         def iter_outputs(self, prompts, sampling_params=None, use_tqdm=True):
@@ -497,7 +497,7 @@ def test_more_threads_than_cpus_is_refused_for_a_local_job_not_for_a_cluster(tmp
     """This machine's CPU count bounds num_threads only where the job runs here: a cluster's workers
     may have more CPUs than the process that plans (they check their own when the engine starts)."""
     from engine.threads import available_cpus
-    from pipeline.job import validate_spec
+    from pipeline.spec import validate_spec
 
     cpus = available_cpus()
     fields = {"input": write_input(tmp_path / "in.parquet"), "output": str(tmp_path / "out"), "num_threads": cpus + 1}

@@ -289,7 +289,7 @@ def test_planned_order_beats_input_order_on_the_real_model(llm, tmp_path):
     """A KV pool of 7 blocks (a row needs 6) and one sequence at a time: in input order each instruction's blocks are
     evicted by the other's before they are used again; planned, each is computed about once."""
     from engine import LLM
-    from pipeline.job import planned_context_length
+    from pipeline.plan import planned_context_length
 
     block_bytes = llm.kv_bytes_per_token * 16  # the default cache's block (fp16 K and V)
     inp = tmp_path / "in.parquet"
@@ -326,7 +326,7 @@ def test_a_plan_made_before_the_engine_loads_knows_the_models_context(tmp_path):
     Good rows: 42 tokens, the first block (16) shared, the second (16) and the last 10 their own; a
     1,022-token row shares nothing; two rows of 2,122 tokens do not fit.
     """
-    from pipeline.job import plan_job, planned_context_length
+    from pipeline.plan import plan_job, planned_context_length
     from pipeline.testing import FakeTokenizer
 
     inp = tmp_path / "in.parquet"

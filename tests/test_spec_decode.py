@@ -379,7 +379,7 @@ def test_speculation_options_are_checked_before_a_job_writes_anything(tmp_path):
     import yaml
 
     from pipeline import JobSpec
-    from pipeline.job import validate_spec
+    from pipeline.spec import validate_spec
 
     base = {"input": str(tmp_path / "in.parquet"), "output": str(tmp_path / "out")}
     spec = JobSpec.model_validate({**base, **yaml.safe_load("speculative: off")})

@@ -543,7 +543,7 @@ def test_job_refuses_a_tp_size_the_model_cannot_split(tmp_path):
     """A job's spec with --tensor-parallel-size 2 on SmolLM2 (3 KV heads) fails before anything
     is written or started."""
     from pipeline import JobSpec
-    from pipeline.job import validate_spec
+    from pipeline.spec import validate_spec
 
     spec = JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"invalid engine option: tensor_parallel_size=2 does not divide the "
