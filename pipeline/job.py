@@ -628,11 +628,11 @@ def _engine_key(spec: JobSpec) -> str:
 
 def host_dtype(spec: JobSpec) -> str:
     """The weights dtype the spec's engine runs with on this machine: `spec.dtype`, or for "auto" what
-    the engine resolves it to here (`engine.llm.resolve_settings`: bf16 on CUDA and on CPUs with a bf16
+    the engine resolves it to here (`engine.loader.resolve_settings`: bf16 on CUDA and on CPUs with a bf16
     matrix unit, else float32). "auto" when the engine options are invalid (validation names them)."""
     if spec.dtype != "auto":
         return spec.dtype
-    from engine.llm import resolve_settings
+    from engine.loader import resolve_settings
 
     try:
         _, dtype, _ = resolve_settings(EngineConfig(model=spec.model, **spec.engine_kwargs()))
@@ -798,14 +798,14 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
 
 
 def planned_context_length(spec: JobSpec) -> Optional[int]:
-    """The context length in tokens the spec's engine will have, before one is loaded: `engine.llm.
+    """The context length in tokens the spec's engine will have, before one is loaded: `engine.loader.
     context_length` over the model's metadata (no weights read): `max_model_len` if given, at most the
     model's own context, at most what an explicit `kv_cache_memory_bytes` holds. Not counted: a KV cache
     sized from free memory, which only the loaded engine knows (and a cluster's budget when its workers
     pick the device: their dtype decides a block's size). `spec.max_model_len` when the metadata cannot
     be read; the engine checks every prompt again either way.
     """
-    from engine.llm import context_length
+    from engine.loader import context_length
     from engine.weights import model_config, resolve_model
 
     kw = spec.engine_kwargs()
@@ -957,7 +957,7 @@ def validate_spec(spec: JobSpec) -> None:
     if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
         _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
     if spec.cluster is None:  # (a cluster's workers have memories of their own)
-        from engine.llm import kv_budget_memory_error
+        from engine.loader import kv_budget_memory_error
 
         problem = kv_budget_memory_error(config, resolved)
         if problem is not None:
@@ -984,7 +984,7 @@ def validate_spec(spec: JobSpec) -> None:
         except (ValueError, OSError, KeyError) as exc:
             raise InvalidOption("invalid engine option", str(exc)) from None
     if kw.get("quantization") == "w8a8" and not (spec.cluster is not None and device == "auto"):
-        from engine.llm import resolve_settings, w8a8_unservable
+        from engine.loader import resolve_settings, w8a8_unservable
 
         dev, dtype, _ = resolve_settings(config)
         problem = w8a8_unservable(config.cpu_kernels, str(dev), dtype)
@@ -996,15 +996,15 @@ def validate_spec(spec: JobSpec) -> None:
 
 
 def _check_block_size(config: EngineConfig, source: Any) -> None:
-    """Refuse a `max_model_len` past the model's context (`engine.llm.max_model_len_error`) and a KV block
+    """Refuse a `max_model_len` past the model's context (`engine.loader.max_model_len_error`) and a KV block
     larger than the context (`--max-model-len 8` with block_size 16) before anything is written, in the
-    engine's words (`engine.llm.block_size_error`, from the model's metadata); the engine would refuse
+    engine's words (`engine.loader.block_size_error`, from the model's metadata); the engine would refuse
     them only at load, after the run's manifest.
 
     Raises:
         ValueError: naming max_model_len, or block_size and the context.
     """
-    from engine.llm import block_size_error, max_model_len_error
+    from engine.loader import block_size_error, max_model_len_error
     from engine.weights import model_config
 
     try:
@@ -1018,13 +1018,13 @@ def _check_block_size(config: EngineConfig, source: Any) -> None:
 
 def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:
     """Refuse a `kv_cache_memory_bytes` below one KV block of the model, the least the engine's KV cache
-    holds (`engine.llm.min_kv_cache_memory_bytes`, from the model's metadata: no weights read), before
+    holds (`engine.loader.min_kv_cache_memory_bytes`, from the model's metadata: no weights read), before
     anything is written; the engine would refuse it only after the run's manifest.
 
     Raises:
         ValueError: naming the option, the value given and the minimum in bytes.
     """
-    from engine.llm import min_kv_cache_memory_bytes
+    from engine.loader import min_kv_cache_memory_bytes
     from engine.weights import model_config
 
     try:
@@ -1172,7 +1172,7 @@ def recorded_dtype(spec: JobSpec, manifest_doc: dict) -> str:
         return spec.dtype
     if manifest_doc.get("dtype"):
         return str(manifest_doc["dtype"])
-    from engine.llm import resolve_settings
+    from engine.loader import resolve_settings
 
     try:
         device, _, _ = resolve_settings(EngineConfig(model=spec.model, **spec.engine_kwargs()))

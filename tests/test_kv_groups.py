@@ -110,7 +110,7 @@ def test_window_views_alias_exactly_their_pool_block(shape_of):
 
 
 def test_block_bytes_match_the_tensors_and_the_budget():
-    from engine.llm import kv_block_bytes
+    from engine.loader import kv_block_bytes
 
     cfg = _gemma3_270m()
     backend = TorchAttentionBackend()
@@ -465,11 +465,13 @@ def test_engine_with_window_groups_equals_engine_keeping_every_block(monkeypatch
     groups (blocks given back, a prefix hit, preemption) equal an engine whose cache keeps every block
     of every layer in one table (the model still masks each layer to its window)."""
     import engine.llm as llm_mod
+    import engine.loader as loader_mod
     from engine.config import EngineConfig
-    from engine.llm import LLM, min_kv_cache_memory_bytes
+    from engine.llm import LLM
+    from engine.loader import min_kv_cache_memory_bytes
 
     if backend == "reference":
-        monkeypatch.setattr(llm_mod, "get_backend", lambda name: _WindowReference(cpu_kernel=False))
+        monkeypatch.setattr(loader_mod, "get_backend", lambda name: _WindowReference(cpu_kernel=False))
     elif not _torch_backend_honours_windows():
         pytest.skip("the PyTorch attention backend does not honour window= yet")
     name = "llama-tiny-swa-" + "-".join(map(str, windows))  # (loaded models are cached by name)
@@ -494,7 +496,9 @@ def test_engine_with_window_groups_equals_engine_keeping_every_block(monkeypatch
     tight, preempted = run(20)
     assert tight.stats.num_preemptions > 0
     n = len(windows)
-    monkeypatch.setattr(llm_mod, "kv_layout", lambda c, bs: KVLayout(bs, n, tuple(range(n)), (), 0, 1, n))
+    one_table = lambda c, bs: KVLayout(bs, n, tuple(range(n)), (), 0, 1, n)  # noqa: E731
+    monkeypatch.setattr(llm_mod, "kv_layout", one_table)
+    monkeypatch.setattr(loader_mod, "kv_layout", one_table)
     plain, want = run(400)
     assert not plain.scheduler.kv.layout.window
     assert got == want and preempted == want
