@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .weights import ModelConfig
+from .model_config import ModelConfig
 
 
 BlockKey = tuple  # (parent block's hash, token ids of the block)

@@ -28,7 +28,8 @@ from .kv_cache import kv_layout
 from .models.llama import LlamaModel
 from .parallel.sharding import SINGLE, TPShard
 from .tokenizer import Tokenizer
-from .weights import ModelConfig, load_model_weights
+from .model_config import ModelConfig
+from .weights import load_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_DEFAULT_CAP = 2 << 30  # bytes: a CPU engine's default KV budget is at most this
@@ -367,7 +368,7 @@ def _load_model(source_key, dtype: torch.dtype, device: str, seed: int, quantiza
                 group_size: int, cpu_kernels: bool, shard: TPShard, with_tokenizer: bool,
                 calibration_engine: Optional[type]) -> tuple[LlamaModel, Optional[Tokenizer]]:
     """`load_model`, cached on its normalised argument tuple."""
-    from .kernels.cpu.layers import use_cpu_kernels
+    from .models.cpu_layers import use_cpu_kernels
     from .models.ops import TorchOps
 
     source = source_key

@@ -96,6 +96,14 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
         k_cache.index_copy_(1, meta.slot_mapping, self.encode(k))
         v_cache.index_copy_(1, meta.slot_mapping, self.encode(v))
 
+    def fused_decoder_plan(self, q, k_cache, meta):
+        """The C kernel's plan where it serves the step over an int8 cache (rows of codes and a scale go
+        through the same C kernels); None for fp8 and otherwise."""
+        if (type(self).forward is not TorchQuantKVAttentionBackend.forward or self.kv_cache_dtype != "int8"
+                or k_cache.dtype != torch.int8 or not self._kernel_serves(q, k_cache, meta)):
+            return None
+        return self._kernel_plan(meta, q, k_cache)
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, window=0):
         window = check_window(window)
         self._write_kv(k, v, k_cache, v_cache, meta)

@@ -335,6 +335,14 @@ class TorchAttentionBackend(AttentionBackend):
                                                 and cpu_kernel.supports(q, k_cache, meta.block_size))
         return ok
 
+    def fused_decoder_plan(self, q, k_cache, meta):
+        """The C kernel's plan where it serves the step over an fp32 or fp16 cache (the C decoder computes
+        this class's attention); None otherwise, and for a subclass with a `forward` of its own."""
+        if (type(self).forward is not TorchAttentionBackend.forward
+                or k_cache.dtype not in (torch.float32, torch.float16) or not self._kernel_serves(q, k_cache, meta)):
+            return None
+        return self._kernel_plan(meta, q, k_cache)
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, window=0):
         window = check_window(window)
         self._write_kv(k, v, k_cache, v_cache, meta)
