@@ -130,8 +130,8 @@ class KVLayout:
 
 
 def kv_layout(cfg: ModelConfig, block_size: int) -> KVLayout:
-    """The `KVLayout` of a model: one group when every layer has full attention (today's cache)
-    or every layer slides (Mistral v0.1); a main and a window group when they are mixed."""
+    """The `KVLayout` of a model: one group when every layer has full attention or every layer
+    slides (Mistral v0.1); a main and a window group when they are mixed."""
     n = cfg.num_layers
     wins = [cfg.window(i) for i in range(n)]
     full = tuple(i for i, w in enumerate(wins) if w <= 0)
@@ -369,14 +369,6 @@ class KVCache:
             for t in (k, v):
                 t.index_copy_(self.slot_axis, d, t.index_select(self.slot_axis, s))
 
-    @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one pool block, K and V (one page of every layer without sliding-window
-        layers; `KVLayout.pages_per_block` pages of one layer in general)."""
-        lay = kv_layout(cfg, block_size)
-        per_layer_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) // cfg.num_layers
-        return per_layer_token * block_size * lay.pages_per_block
-
 
 @dataclass(frozen=True)
 class KVGroup:
@@ -409,7 +401,7 @@ class KVCacheManager:
     query of its next chunk), so a long sequence holds at most ceil(window / block_size) + 1
     window blocks in a decode step.
 
-    Prefix caching: the main group's full blocks are indexed as before (keys are the block keys,
+    Prefix caching: the main group's full blocks are indexed under their block keys (`block_key`,
     of the last block_size block a pool block holds); the window group's under ("w", key). A
     cached prefix of T tokens is usable when the main group has all its blocks and a sliding
     group has the blocks of the window before the next query (vLLM's rule); the longest such T

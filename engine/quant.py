@@ -42,7 +42,6 @@ import torch.nn.functional as F
 
 from .kernels.int4 import pack_int4, unpack_int4  # noqa: F401 - the layers' packing (re-exported)
 
-SCHEMES = ("int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 # GGUF type -> how it maps onto QuantLinear; "exact" means the stored blocks map 1:1

@@ -46,7 +46,6 @@ class SchedulerOutput:
 
     decodes: list[ScheduledChunk]
     prefills: list[ScheduledChunk]
-    num_preempted: int = 0
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -236,7 +235,7 @@ class Scheduler:
             plain = [c for c in decodes if c.num_tokens == 1 and not c.seq.is_prefill]
             self.spec.attach_drafts(plain, budget, self.max_num_batched_tokens - budget, self._grow,
                                     queue_empty=not self.waiting)
-        return SchedulerOutput(decodes, prefills, preempted)
+        return SchedulerOutput(decodes, prefills)
 
     def rollback(self, seq: Sequence) -> None:
         """After a verification: free the blocks past the sequence's computed tokens (they held

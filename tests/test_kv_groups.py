@@ -116,7 +116,7 @@ def test_block_bytes_match_the_tensors_and_the_budget():
     backend = TorchAttentionBackend()
     lay = kv_layout(cfg, 16)
     per_block = kv_block_bytes(backend, torch.float16, lay.pages_per_block, cfg.num_kv_heads, cfg.head_dim, 16)
-    assert per_block == 15 * 16 * 2 * 256 * 2 == KVCache.bytes_per_block(cfg, 16, torch.float16)
+    assert per_block == 15 * 16 * 2 * 256 * 2 == lay.pages_per_block * 16 * cfg.kv_bytes_per_token(2) // cfg.num_layers
     budget = 3 * per_block + per_block // 2
     num_blocks = budget // per_block
     kv = KVCache(cfg, num_blocks, 16, torch.float16, torch.device("cpu"),
@@ -137,7 +137,7 @@ def test_kv_bytes_per_sequence_counts_the_blocks_the_manager_holds():
     held = sum(mgr.num_held_blocks(seq))
     ours, full = kv_bytes_per_sequence(cfg, 8192, 16, 2)
     assert full == 8192 * 18 * 2 * 256 * 2
-    assert ours == held * KVCache.bytes_per_block(cfg, 16, torch.float16)
+    assert ours == held * 15 * 16 * 2 * 256 * 2  # 15 pages (layers) of 16 tokens per block, K and V in fp16
     assert mgr.num_held_blocks(seq) == [math.ceil(8192 / 80), 512 // 16]
     assert ours < full / 4
 

@@ -67,6 +67,7 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     use_cpu_kernel = True
+    decoder_cache_dtypes = (torch.float32, torch.float16)  # the caches the C decoder reads (`fused_decoder_plan`)
 
     def __init__(self, cpu_kernel: bool | None = None) -> None:
         self.use_cpu_kernel = cpu_kernel is not False
@@ -336,10 +337,11 @@ class TorchAttentionBackend(AttentionBackend):
         return ok
 
     def fused_decoder_plan(self, q, k_cache, meta):
-        """The C kernel's plan where it serves the step over an fp32 or fp16 cache (the C decoder computes
-        this class's attention); None otherwise, and for a subclass with a `forward` of its own."""
+        """The C kernel's plan where it serves the step over a cache of `decoder_cache_dtypes` (the C
+        decoder computes this class's attention); None otherwise, and for a subclass with a `forward`
+        of its own."""
         if (type(self).forward is not TorchAttentionBackend.forward
-                or k_cache.dtype not in (torch.float32, torch.float16) or not self._kernel_serves(q, k_cache, meta)):
+                or k_cache.dtype not in self.decoder_cache_dtypes or not self._kernel_serves(q, k_cache, meta)):
             return None
         return self._kernel_plan(meta, q, k_cache)
 
