@@ -59,8 +59,8 @@ class LLM:
     With `tensor_parallel_size=N > 1` the model is split over this process and N - 1
     worker processes (`engine.parallel`); call `close()` (or use `with LLM(...) as llm:`) to
     stop them now, else they stop when the LLM is garbage collected or the interpreter
-    exits. The workers are started with multiprocessing's "spawn", so a script that creates
-    one must guard its entry point with `if __name__ == "__main__":` (as with vLLM).
+    exits. The workers are started with multiprocessing's "spawn" without re-running the
+    caller's script, so a plain script with no `if __name__ == "__main__":` guard works too.
 
     Raises:
         ValueError: unknown model, unknown or invalid engine kwargs (a tensor_parallel_size

@@ -32,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import sys
 import tempfile
 import threading
 import time
+import types
 import weakref
 from multiprocessing.connection import wait
 from typing import Callable, Iterator, Optional
@@ -120,6 +122,22 @@ def _monitor(procs: list, conns: list, state: _State, wake) -> None:
     _stop_processes([q for q in procs if q is not p], [])
 
 
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """While worker processes start: a stand-in `__main__` module (no file, no spec), so that "spawn"
+    does not re-run the user's script in each worker. A script without an `if __name__ ==
+    "__main__":` guard would otherwise build the engine again inside every worker (and fail there,
+    starting processes during bootstrap). The workers need nothing from the script: their target
+    and arguments are engine objects, imported by module name."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 class WorkerGroup:
     """Ranks 1..N-1 of a tensor-parallel engine, seen from the driver.
 
@@ -153,7 +171,8 @@ class WorkerGroup:
         for rank in range(1, spec.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=target, args=(rank, spec, child), daemon=True, name=f"tokenmill-tp-rank{rank}")
-            p.start()
+            with _main_not_rerun():
+                p.start()
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
