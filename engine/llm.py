@@ -22,7 +22,8 @@ import torch
 from .config import EngineConfig, SamplingParams, SpeculativeConfig
 from .core import EngineCore
 from .input_processor import InputProcessor, PromptType, params_list, prompt_list
-from .kv_cache import BlockPool, KVCache, KVCacheManager, kv_layout
+from .kv_cache import BlockPool, KVCache, kv_layout
+from .kv_cache_manager import KVCacheManager
 from .loader import (
     cpu_kernels_serve, finish_sharded_quantization, kv_block_bytes, load_model, make_attention_backend, num_kv_blocks,
     context_length, resolve_settings,
@@ -122,8 +123,8 @@ class LLM:
         mcfg = self.model_config = self.model.cfg
         self.load_time_s = time.perf_counter() - t0
 
-        # KV cache sized from the memory budget (per rank: each holds num_kv_heads / N heads of every block)
-        # the activations' dtype picks the cache's (fp32 rows also under bf16 weights on the CPU kernels)
+        # KV cache sized from the memory budget (per rank: num_kv_heads / N heads of every block); the
+        # activations' dtype picks the cache's (fp32 rows also under bf16 weights on the CPU kernels)
         self.backend, kv_dtype = make_attention_backend(self.attention_backend, cfg.kv_cache_dtype, cfg.cpu_kernels,
                                                         self.model.dtype)
         kv_heads = self.model.local.num_kv_heads
@@ -135,8 +136,7 @@ class LLM:
         self.max_model_len = context_length(cfg, mcfg, num_blocks)  # (a job plans with the same function)
         shape = self.backend.cache_shape(num_blocks, bs, kv_heads, mcfg.head_dim)
         self.kv_cache = KVCache(mcfg, num_blocks, bs, kv_dtype, self.device, shape, layout)
-        # K and V, all layers, scales included (one rank's share); with sliding-window layers, of the
-        # full-attention layers (per main-group token of a pool block)
+        # K and V of all layers, scales included, one rank's share (hybrid models: per main-group token)
         self.kv_bytes_per_token = per_block // layout.main_block_tokens
         self.kv_capacity_tokens = num_blocks * layout.main_block_tokens
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
@@ -218,12 +218,12 @@ class LLM:
     @property
     def num_free_blocks(self) -> int:
         """KV blocks not held by any sequence."""
-        return self.block_pool.num_free_blocks
+        return self.kv_manager.num_free_blocks
 
     @property
     def num_total_blocks(self) -> int:
         """KV blocks in the pool."""
-        return self.block_pool.num_blocks
+        return self.kv_manager.num_blocks
 
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer the engine encodes with (a `transformers` fast tokenizer), as

@@ -3,7 +3,7 @@
 `Scorer` is what `LLM.score`, `LLM.score_choices(_batch)`, `LLM.compute_logits` and a request's
 `prompt_logprobs` / `score_choices` run on: prefills of scratch KV blocks (never prefix-cached) with
 logits at every position, and for choices the prompt's full blocks shared through the prefix cache
-under the scheduler's block keys (`engine.kv_cache.block_key`). Every forward pass is padded so a
+under the scheduler's block keys (`engine.kv_cache.chain_block_keys`). Every forward pass is padded so a
 row's figures never depend on its neighbours (`Scorer._run_invariant`).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence as Seq, Union
 
 import torch
 
-from .kv_cache import BlockKey, block_key
+from .kv_cache import BlockKey, chain_block_keys
 from .model_runner import ChunkSpec
 from .request import Request, SequenceStatus
 
@@ -127,7 +127,7 @@ class Scorer:
     Args:
         scheduler: the engine's scheduler (scoring needs it idle).
         runner: the engine's `ModelRunner`.
-        kv_manager: the engine's `KVCacheManager` (scratch tables, the pool and its prefix cache).
+        kv_manager: the engine's `KVCacheManager` (scratch tables, blocks, the prefix cache).
         tokenizer: the engine's `Tokenizer`.
         block_size: tokens per KV block.
         max_num_batched_tokens: the token budget of one forward pass.
@@ -141,7 +141,6 @@ class Scorer:
         self.scheduler = scheduler
         self.runner = runner
         self.kv_manager = kv_manager
-        self.block_pool = kv_manager.pool
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -150,7 +149,7 @@ class Scorer:
     @property
     def num_free_blocks(self) -> int:
         """KV blocks not held by any sequence."""
-        return self.block_pool.num_free_blocks
+        return self.kv_manager.num_free_blocks
 
     def compute_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """Last-position logits of a prompt, [vocab_size] float32 on the CPU.
@@ -344,7 +343,7 @@ class Scorer:
         """
         if self.scheduler.has_unfinished():
             raise RuntimeError("score_choices needs an idle engine")
-        bs, pool = self.block_size, self.block_pool
+        bs, kv = self.block_size, self.kv_manager
         hybrid = self.kv_manager.layout.hybrid
         results: list[Union[dict[str, float], str, None]] = [None] * len(items)
         jobs: list[ScoringJob] = []
@@ -373,17 +372,13 @@ class Scorer:
                               f"max_model_len={self.max_model_len}")
                 continue
             n_shared = (len(P) - 1) // bs  # full blocks before the prompt's last token
-            keys, parent = [], None
-            for b in range(n_shared):
-                key = block_key(parent, P[b * bs:(b + 1) * bs])
-                parent = hash(key)
-                keys.append(key)
+            keys = [key for _, key in chain_block_keys(P, bs, n_shared)]
             tails = [-(-(len(P) + len(t)) // bs) - n_shared for t in toks]
             # a hybrid model scores each choice over its own scratch tables (`_score_job_plain`)
             need = (max(self.kv_manager.scratch_blocks(len(P) + len(t)) for t in toks) if hybrid
                     else n_shared + sum(tails) + 2)
-            if need > pool.num_blocks:
-                results[i] = f"score_choices: needs {need} KV blocks, the pool holds {pool.num_blocks}"
+            if need > kv.num_blocks:
+                results[i] = f"score_choices: needs {need} KV blocks, the pool holds {kv.num_blocks}"
                 continue
             jobs.append(ScoringJob(i, P, list(choices), toks, n_shared, keys, tails))
         budget = self.max_num_batched_tokens
@@ -398,7 +393,7 @@ class Scorer:
                 end, need = start, 0
                 while end < len(jobs):
                     n = jobs[end].num_blocks
-                    if end > start and need + n > pool.num_free_blocks - 1:  # 1: the padding chunk's block
+                    if end > start and need + n > kv.num_free_blocks - 1:  # 1: the padding chunk's block
                         break
                     need += n
                     end += 1
@@ -458,7 +453,7 @@ class Scorer:
 
     def _score_group(self, group: list[ScoringJob], results: list, bs: int, budget: int) -> None:
         """Prefix blocks, then choice tails, of a group of scoring jobs (see `score_choices_batch`)."""
-        pool = self.block_pool
+        kv = self.kv_manager
         shared: dict[int, list[int]] = {}
         owned: list[list[int]] = []
         try:
@@ -472,7 +467,7 @@ class Scorer:
                     self._run_invariant([c for c, _, _ in batch])
                     for c, keys, hits in batch:
                         for b in range(hits, len(keys)):
-                            pool.register(c.block_table[b], keys[b])
+                            kv.register_block(c.block_table[b], keys[b])
                     batch.clear()
                     pending.clear()
 
@@ -480,17 +475,11 @@ class Scorer:
                 i, P, n_shared, keys = job.index, job.prompt, job.num_shared_blocks, job.block_keys
                 if any(k in pending for k in keys):
                     flush()
-                table = []
-                for key in keys:
-                    b = pool.lookup(key)
-                    if b is None:
-                        break
-                    pool.acquire(b)
-                    table.append(b)
+                table = kv.take_cached(keys)
                 hits = len(table)
-                if pool.num_free_blocks < n_shared - hits:
+                if kv.num_free_blocks < n_shared - hits:
                     flush()
-                table += pool.allocate(n_shared - hits)
+                table += kv.allocate_blocks(n_shared - hits)
                 shared[i] = table
                 if hits < n_shared:
                     n = (n_shared - hits) * bs
@@ -507,7 +496,7 @@ class Scorer:
             heads: list[tuple[int, ChunkSpec]] = []
             for job in group:
                 i, P, n_shared = job.index, job.prompt, job.num_shared_blocks
-                last[i] = pool.allocate(1)
+                last[i] = kv.allocate_blocks(1)
                 owned.append(last[i])
                 S = n_shared * bs
                 heads.append((i, ChunkSpec(P, S, len(P) - S, shared[i] + last[i], "last")))
@@ -525,7 +514,7 @@ class Scorer:
                 for c, t, k in zip(job.choices, job.choice_tokens, job.tail_blocks):
                     if len(t) < 2:
                         continue
-                    table = shared[i] + pool.allocate(k)
+                    table = shared[i] + kv.allocate_blocks(k)
                     owned.append(table[n_shared:])
                     self.runner.copy_blocks(last[i], table[n_shared:n_shared + 1])
                     tails.append((i, c, t, ChunkSpec(P + t, len(P), len(t) - 1, table, "all")))
@@ -540,9 +529,9 @@ class Scorer:
                 results[job.index] = scores[job.index]
         finally:
             for t in owned:
-                pool.free(t)
+                kv.free_blocks(t)
             for t in shared.values():
-                pool.free(t)
+                kv.free_blocks(t)
 
     def score_requests(self, reqs: list[Request]) -> None:
         """Score the `score_choices` requests now (one whose choices cannot be scored gets the reason

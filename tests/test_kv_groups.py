@@ -26,8 +26,9 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.config import SamplingParams
-from engine.kv_cache import (NULL_BLOCK, BlockPool, KVCache, KVCacheManager, KVLayout, kv_bytes_per_sequence,
+from engine.kv_cache import (NULL_BLOCK, BlockPool, KVCache, KVLayout, kv_bytes_per_sequence,
                              kv_layout)
+from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ChunkSpec, ModelRunner, StepInputs
 from engine.outputs import RequestMetrics
 from engine.request import Request, Sequence, SequenceStatus
