@@ -691,15 +691,15 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     section("speculation", lambda: run_speculation(log, args))
     gc.collect()
-    from engine.llm import _load_model
+    from engine.loader import load_model
 
-    _load_model.cache_clear()  # drop the engine's weights before building the peer
+    load_model.cache_clear()  # drop the engine's weights before building the peer
     gc.collect()
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
     left = args.budget_s - log.elapsed
     section("hf_peer", lambda: run_hf_peer(log, args, budget_s=max(20.0, left - 30)))
-    _load_model.cache_clear()
+    load_model.cache_clear()
     gc.collect()
     if args.device.type == "cuda":
         torch.cuda.empty_cache()

@@ -19,7 +19,7 @@ from .structured.params import StructuredOutputsParams
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 SEED_RANGE = "[-2**63, 2**63 - 1] (a 64-bit integer)"
 """The seeds the engine takes, an engine's (`EngineConfig.seed`), a request's (`SamplingParams.seed`)
-and a job's alike: the sampler mixes a seed modulo 2**64 (`engine.llm._mix_seed`) and torch's
+and a job's alike: the sampler mixes a seed modulo 2**64 (`engine.input_processor.mix_seed`) and torch's
 generators take 64 bits, so a larger seed would draw the same numbers as a smaller one."""
 
 
@@ -101,7 +101,7 @@ class EngineConfig:
             kernels only). See `engine.quant`.
         quant_group_size: int4 group size, 32 | 64 | 128.
         kv_cache_dtype: "auto" (the model dtype, except fp16 for an fp32
-            model, as on the CPU: `engine.llm.auto_kv_dtype` says why) |
+            model, as on the CPU: `engine.loader.auto_kv_dtype` says why) |
             "fp16" (IEEE half: half the bytes of an fp32 cache, read and
             widened to fp32 by the CPU kernels; llama.cpp's default KV type) |
             "fp32" (exact: greedy parity with transformers in fp32) | "int8"

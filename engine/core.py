@@ -113,14 +113,13 @@ class EngineCore:
 
         The scratch K/V are garbage; the blocks go back to the pool unregistered."""
         kv = self.scheduler.kv
-        pool = kv.pool
         hybrid = kv.layout.hybrid
         tables = []
         try:
             if num_seqs is not None and 0 < num_seqs < num_tokens:
                 q = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
                 per_seq = [kv.scratch_blocks(context + qi) for qi in q]
-                if sum(per_seq) > pool.num_free_blocks // 2:
+                if sum(per_seq) > kv.num_free_blocks // 2:
                     return 0.0
                 tables = [kv.allocate_scratch(context + qi) for qi in q]
                 chunks = [ChunkSpec([1 + (j % 997) for j in range(context + qi)], context, qi, t[0], "all",
@@ -129,8 +128,8 @@ class EngineCore:
                 inputs = self.runner.prepare([], chunks)  # multi-token chunks, as verifications run
             else:
                 per_row = kv.scratch_blocks(context + 1)
-                rows = num_tokens if num_tokens * per_row <= pool.num_free_blocks // 2 else 1
-                if per_row > pool.num_free_blocks:
+                rows = num_tokens if num_tokens * per_row <= kv.num_free_blocks // 2 else 1
+                if per_row > kv.num_free_blocks:
                     return 0.0
                 tables = [kv.allocate_scratch(context + 1) for _ in range(rows)]
                 ids = [1 + (i % 997) for i in range(context + 1)]
@@ -311,7 +310,7 @@ class EngineCore:
             return
         seq = sch.pop_waiting()
         req = seq.request
-        whole = sch.pool.num_blocks * sch.kv.layout.main_block_tokens  # (the pool's blocks all in one table)
+        whole = sch.kv.num_blocks * sch.kv.layout.main_block_tokens  # (the pool's blocks all in one table)
         holds = sch.kv.max_tokens(sch.max_num_batched_tokens, max(whole, seq.num_tokens))
         req.error = f"prompt: needs {seq.num_tokens} tokens of KV cache but the pool holds {holds}"
         for s in req.seqs:

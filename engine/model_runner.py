@@ -16,7 +16,6 @@ int64 tensor, broadcast once; each worker's runner rebuilds the same `StepInputs
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -170,7 +169,6 @@ class ModelRunner:
         self.workers = workers
         self.device = model.device
         self.block_size = kv_cache.block_size
-        self.time_model = 0.0  # seconds inside the forward pass, cumulative
         self.cuda_graphs = None  # an engine.cuda_graph.DecodeCudaGraphs for decode-only steps, if set
 
     def _to(self, arr: np.ndarray) -> torch.Tensor:
@@ -320,7 +318,6 @@ class ModelRunner:
         return self._run(inputs, argmax)
 
     def _run(self, inputs: StepInputs, argmax=None) -> Optional[torch.Tensor]:
-        t0 = time.perf_counter()
         meta = inputs.meta
         if (self.cuda_graphs is not None and inputs.num_decodes == inputs.num_tokens
                 and self.cuda_graphs.fits(inputs.num_decodes, meta.decode_block_tables.shape[1])):
@@ -336,7 +333,6 @@ class ModelRunner:
                                         self.backend, inputs.logits_indices, self.tp, **kw)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.time_model += time.perf_counter() - t0
         return logits if inputs.num_logits else None
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SCHEMES = ("int8", "int4", "gguf")
+from .kernels.int4 import pack_int4, unpack_int4  # noqa: F401 - the layers' packing (re-exported)
+
 INT4_GROUP_SIZES = (32, 64, 128)
 
 # GGUF type -> how it maps onto QuantLinear; "exact" means the stored blocks map 1:1
@@ -56,22 +57,6 @@ GGUF_MAPPING = {
     "Q5_K": "converted: 5-bit codes widened to int8, group 32; s = d*sc, m = -dmin*mn",
     "Q6_K": "converted: 6-bit codes widened to signed int8 (q-32), group 16; s = d*sc",
 }
-
-
-# ---------------------------------------------------------------- packing
-
-def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Pack codes 0..15 [out, in] (any int dtype) into uint8 [out, in // 2], GGUF Q4_0 layout per group."""
-    out, n = q.shape
-    g = q.to(torch.uint8).view(out, n // group_size, 2, group_size // 2)
-    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(out, n // 2)
-
-
-def unpack_int4(p: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Inverse of `pack_int4`: uint8 [out, in // 2] -> uint8 codes [out, in]."""
-    out, half = p.shape
-    g = p.view(out, half * 2 // group_size, group_size // 2)
-    return torch.stack((g & 15, g >> 4), dim=2).reshape(out, half * 2)
 
 
 # ---------------------------------------------------------------- the layer

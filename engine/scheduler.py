@@ -17,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .kv_cache import BlockPool, KVCacheManager
+from .kv_cache import BlockPool
+from .kv_cache_manager import KVCacheManager
 from .request import Sequence, SequenceStatus
 
 
@@ -46,7 +47,6 @@ class SchedulerOutput:
 
     decodes: list[ScheduledChunk]
     prefills: list[ScheduledChunk]
-    num_preempted: int = 0
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -86,7 +86,6 @@ class Scheduler:
         if isinstance(kv, BlockPool):
             kv = KVCacheManager.full_attention(kv, block_size)
         self.kv: KVCacheManager = kv
-        self.pool = kv.pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -124,14 +123,14 @@ class Scheduler:
     def _want(self, seq: Sequence) -> None:
         """Tell the pool which cached blocks this waiting sequence will read, so
         eviction keeps them over blocks nobody waits for."""
-        if self.pool.enable_prefix_caching:
+        if self.kv.enable_prefix_caching:
             self._update_hashes(seq, seq.num_tokens)
             seq.num_wanted_blocks = len(seq.block_keys)
-            self.pool.want([k for _, k in seq.block_keys])
+            self.kv.want([k for _, k in seq.block_keys])
 
     def _unwant(self, seq: Sequence) -> None:
         if seq.num_wanted_blocks:
-            self.pool.unwant([k for _, k in seq.block_keys[:seq.num_wanted_blocks]])
+            self.kv.unwant([k for _, k in seq.block_keys[:seq.num_wanted_blocks]])
             seq.num_wanted_blocks = 0
 
     def has_unfinished(self) -> bool:
@@ -236,7 +235,7 @@ class Scheduler:
             plain = [c for c in decodes if c.num_tokens == 1 and not c.seq.is_prefill]
             self.spec.attach_drafts(plain, budget, self.max_num_batched_tokens - budget, self._grow,
                                     queue_empty=not self.waiting)
-        return SchedulerOutput(decodes, prefills, preempted)
+        return SchedulerOutput(decodes, prefills)
 
     def rollback(self, seq: Sequence) -> None:
         """After a verification: free the blocks past the sequence's computed tokens (they held
@@ -246,7 +245,7 @@ class Scheduler:
     # ------------------------------------------------------------ prefix cache
     def _add_pending(self, seq: Sequence) -> None:
         """Mark the keys of the full blocks seq will compute as in flight."""
-        if self.pool.enable_prefix_caching:
+        if self.kv.enable_prefix_caching:
             seq.pending_range = (seq.num_registered_blocks, len(seq.block_keys))
             for _, key in seq.block_keys[seq.pending_range[0]:seq.pending_range[1]]:
                 self.pending[key] = self.pending.get(key, 0) + 1

@@ -49,11 +49,11 @@ def _engine_key(spec: JobSpec) -> str:
 
 def host_dtype(spec: JobSpec) -> str:
     """The weights dtype the spec's engine runs with on this machine: `spec.dtype`, or for "auto" what
-    the engine resolves it to here (`engine.llm.resolve_settings`: bf16 on CUDA and on CPUs with a bf16
+    the engine resolves it to here (`engine.loader.resolve_settings`: bf16 on CUDA and on CPUs with a bf16
     matrix unit, else float32). "auto" when the engine options are invalid (validation names them)."""
     if spec.dtype != "auto":
         return spec.dtype
-    from engine.llm import resolve_settings
+    from engine.loader import resolve_settings
 
     try:
         _, dtype, _ = resolve_settings(EngineConfig(model=spec.model, **spec.engine_kwargs()))

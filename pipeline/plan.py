@@ -105,14 +105,14 @@ def plan_job(spec: JobSpec, files: list[io.InputFile], tokenizer: Any = None,
 
 
 def planned_context_length(spec: JobSpec) -> Optional[int]:
-    """The context length in tokens the spec's engine will have, before one is loaded: `engine.llm.
+    """The context length in tokens the spec's engine will have, before one is loaded: `engine.loader.
     context_length` over the model's metadata (no weights read): `max_model_len` if given, at most the
     model's own context, at most what an explicit `kv_cache_memory_bytes` holds. Not counted: a KV cache
     sized from free memory, which only the loaded engine knows (and a cluster's budget when its workers
     pick the device: their dtype decides a block's size). `spec.max_model_len` when the metadata cannot
     be read; the engine checks every prompt again either way.
     """
-    from engine.llm import context_length
+    from engine.loader import context_length
     from engine.weights import model_config, resolve_model
 
     kw = spec.engine_kwargs()
@@ -229,7 +229,7 @@ def recorded_dtype(spec: JobSpec, manifest_doc: dict) -> str:
         return spec.dtype
     if manifest_doc.get("dtype"):
         return str(manifest_doc["dtype"])
-    from engine.llm import resolve_settings
+    from engine.loader import resolve_settings
 
     try:
         device, _, _ = resolve_settings(EngineConfig(model=spec.model, **spec.engine_kwargs()))

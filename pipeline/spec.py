@@ -661,7 +661,7 @@ def validate_spec(spec: JobSpec) -> None:
     if config.kv_cache_memory_bytes is not None and not (spec.cluster is not None and device == "auto"):
         _check_kv_budget(spec, config, source)  # (a cluster's workers resolve "auto" to their own device)
     if spec.cluster is None:  # (a cluster's workers have memories of their own)
-        from engine.llm import kv_budget_memory_error
+        from engine.loader import kv_budget_memory_error
 
         problem = kv_budget_memory_error(config, resolved)
         if problem is not None:
@@ -688,7 +688,7 @@ def validate_spec(spec: JobSpec) -> None:
         except (ValueError, OSError, KeyError) as exc:
             raise InvalidOption("invalid engine option", str(exc)) from None
     if kw.get("quantization") == "w8a8" and not (spec.cluster is not None and device == "auto"):
-        from engine.llm import resolve_settings, w8a8_unservable
+        from engine.loader import resolve_settings, w8a8_unservable
 
         dev, dtype, _ = resolve_settings(config)
         problem = w8a8_unservable(config.cpu_kernels, str(dev), dtype)
@@ -700,15 +700,15 @@ def validate_spec(spec: JobSpec) -> None:
 
 
 def _check_block_size(config: EngineConfig, source: Any) -> None:
-    """Refuse a `max_model_len` past the model's context (`engine.llm.max_model_len_error`) and a KV block
+    """Refuse a `max_model_len` past the model's context (`engine.loader.max_model_len_error`) and a KV block
     larger than the context (`--max-model-len 8` with block_size 16) before anything is written, in the
-    engine's words (`engine.llm.block_size_error`, from the model's metadata); the engine would refuse
+    engine's words (`engine.loader.block_size_error`, from the model's metadata); the engine would refuse
     them only at load, after the run's manifest.
 
     Raises:
         ValueError: naming max_model_len, or block_size and the context.
     """
-    from engine.llm import block_size_error, max_model_len_error
+    from engine.loader import block_size_error, max_model_len_error
     from engine.weights import model_config
 
     try:
@@ -722,13 +722,13 @@ def _check_block_size(config: EngineConfig, source: Any) -> None:
 
 def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:
     """Refuse a `kv_cache_memory_bytes` below one KV block of the model, the least the engine's KV cache
-    holds (`engine.llm.min_kv_cache_memory_bytes`, from the model's metadata: no weights read), before
+    holds (`engine.loader.min_kv_cache_memory_bytes`, from the model's metadata: no weights read), before
     anything is written; the engine would refuse it only after the run's manifest.
 
     Raises:
         ValueError: naming the option, the value given and the minimum in bytes.
     """
-    from engine.llm import min_kv_cache_memory_bytes
+    from engine.loader import min_kv_cache_memory_bytes
     from engine.weights import model_config
 
     try:

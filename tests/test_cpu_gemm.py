@@ -20,8 +20,9 @@ from engine.host import Host
 from engine.kernels import cpu
 from engine.kernels.cpu import build
 from engine.kernels.cpu.layers import (
-    CpuBf16Linear, CpuLinear, CpuQuantLinear, W8A8Linear, quantize_w8a8, use_cpu_kernels,
+    CpuBf16Linear, CpuLinear, CpuQuantLinear, W8A8Linear, quantize_w8a8,
 )
+from engine.models.cpu_layers import use_cpu_kernels
 from engine.quant import QuantLinear, quantize_int4, quantize_int8, unpack_int4
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no CPU kernels: {cpu.why_unavailable()}")

@@ -110,7 +110,7 @@ def test_max_tokens_past_the_context_runs_to_its_end_and_warns_once_per_llm(smal
     import warnings
 
     llm = small_llm
-    llm._warned_max_tokens = False  # the module's engine may have warned already in another test
+    llm.input_processor.warned_max_tokens = False  # the module's engine may have warned already in another test
     ids = llm.tokenizer.encode("Four score and seven years ago our fathers brought forth on this continent " * 8)
     prompt = ids[: MAX_MODEL_LEN - 5]
     assert len(prompt) == MAX_MODEL_LEN - 5

@@ -92,7 +92,7 @@ def test_int8_starts_from_the_dequantized_kquant_weights(kquant_gguf):
 def test_w8a8_starts_from_the_dequantized_kquant_weights(kquant_gguf):
     from engine import LLM
     from engine.kernels.cpu.layers import quantize_w8a8
-    from engine.llm import _w8a8_calibration
+    from engine.loader import w8a8_calibration
     from engine.smoothquant import smoothed_copy
     from engine.weights import resolve_model
 
@@ -101,7 +101,7 @@ def test_w8a8_starts_from_the_dequantized_kquant_weights(kquant_gguf):
     want = _file_weights(kquant_gguf)
     assert all(torch.equal(l.weight.float(), want[n]) for n, l in fp32.model.linear_layers() if n != "lm_head")
     # the same calibration statistics (cached per source and settings), folded exactly in float
-    stats = _w8a8_calibration(resolve_model(kquant_gguf), torch.float32, "cpu", fp32.config.seed, True)
+    stats = w8a8_calibration(resolve_model(kquant_gguf), torch.float32, "cpu", fp32.config.seed, True, LLM)
     smooth = smoothed_copy(fp32.model, stats, lambda w, b: _Holder(w))
     for (name, lin), (_, ref) in zip(w8.model.linear_layers(), smooth.linear_layers()):
         if name == "lm_head":

@@ -50,7 +50,7 @@ def test_this_host_agrees_with_the_kernel_build():
 
 @pytest.mark.parametrize("text", [XEON_AMX, ZEN_BF16, ZEN3])
 def test_auto_dtype_on_the_cpu_follows_the_host_for_unquantized_weights_only(text, monkeypatch):
-    from engine import llm as llm_mod
+    from engine import loader
 
     host = Host.from_cpuinfo(text)
     monkeypatch.setattr(Host, "current", staticmethod(lambda: host))
@@ -58,11 +58,11 @@ def test_auto_dtype_on_the_cpu_follows_the_host_for_unquantized_weights_only(tex
     want = "bfloat16" if host.bf16_unit and serve else "float32"
 
     def resolved(**kw):
-        return llm_mod.resolve_settings(EngineConfig(model="m", device="cpu", **kw))[1]
+        return loader.resolve_settings(EngineConfig(model="m", device="cpu", **kw))[1]
 
     assert resolved() == getattr(torch, want)
     assert resolved(quantization="int8") == torch.float32  # quantized kernels compute in fp32
     assert resolved(quantization="w8a8") == torch.float32
     assert resolved(cpu_kernels=False) == torch.float32  # bf16 on the fast unit needs the C kernels
     assert resolved(dtype="float32") == torch.float32 and resolved(dtype="bfloat16") == torch.bfloat16
-    assert llm_mod.auto_dtype(torch.device("cuda"), None, True) == "bfloat16"
+    assert loader.auto_dtype(torch.device("cuda"), None, True) == "bfloat16"

@@ -26,8 +26,9 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.config import SamplingParams
-from engine.kv_cache import (NULL_BLOCK, BlockPool, KVCache, KVCacheManager, KVLayout, kv_bytes_per_sequence,
+from engine.kv_cache import (NULL_BLOCK, BlockPool, KVCache, KVLayout, kv_bytes_per_sequence,
                              kv_layout)
+from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ChunkSpec, ModelRunner, StepInputs
 from engine.outputs import RequestMetrics
 from engine.request import Request, Sequence, SequenceStatus
@@ -110,13 +111,13 @@ def test_window_views_alias_exactly_their_pool_block(shape_of):
 
 
 def test_block_bytes_match_the_tensors_and_the_budget():
-    from engine.llm import kv_block_bytes
+    from engine.loader import kv_block_bytes
 
     cfg = _gemma3_270m()
     backend = TorchAttentionBackend()
     lay = kv_layout(cfg, 16)
     per_block = kv_block_bytes(backend, torch.float16, lay.pages_per_block, cfg.num_kv_heads, cfg.head_dim, 16)
-    assert per_block == 15 * 16 * 2 * 256 * 2 == KVCache.bytes_per_block(cfg, 16, torch.float16)
+    assert per_block == 15 * 16 * 2 * 256 * 2 == lay.pages_per_block * 16 * cfg.kv_bytes_per_token(2) // cfg.num_layers
     budget = 3 * per_block + per_block // 2
     num_blocks = budget // per_block
     kv = KVCache(cfg, num_blocks, 16, torch.float16, torch.device("cpu"),
@@ -137,7 +138,7 @@ def test_kv_bytes_per_sequence_counts_the_blocks_the_manager_holds():
     held = sum(mgr.num_held_blocks(seq))
     ours, full = kv_bytes_per_sequence(cfg, 8192, 16, 2)
     assert full == 8192 * 18 * 2 * 256 * 2
-    assert ours == held * KVCache.bytes_per_block(cfg, 16, torch.float16)
+    assert ours == held * 15 * 16 * 2 * 256 * 2  # 15 pages (layers) of 16 tokens per block, K and V in fp16
     assert mgr.num_held_blocks(seq) == [math.ceil(8192 / 80), 512 // 16]
     assert ours < full / 4
 
@@ -465,11 +466,13 @@ def test_engine_with_window_groups_equals_engine_keeping_every_block(monkeypatch
     groups (blocks given back, a prefix hit, preemption) equal an engine whose cache keeps every block
     of every layer in one table (the model still masks each layer to its window)."""
     import engine.llm as llm_mod
+    import engine.loader as loader_mod
     from engine.config import EngineConfig
-    from engine.llm import LLM, min_kv_cache_memory_bytes
+    from engine.llm import LLM
+    from engine.loader import min_kv_cache_memory_bytes
 
     if backend == "reference":
-        monkeypatch.setattr(llm_mod, "get_backend", lambda name: _WindowReference(cpu_kernel=False))
+        monkeypatch.setattr(loader_mod, "get_backend", lambda name: _WindowReference(cpu_kernel=False))
     elif not _torch_backend_honours_windows():
         pytest.skip("the PyTorch attention backend does not honour window= yet")
     name = "llama-tiny-swa-" + "-".join(map(str, windows))  # (loaded models are cached by name)
@@ -494,7 +497,9 @@ def test_engine_with_window_groups_equals_engine_keeping_every_block(monkeypatch
     tight, preempted = run(20)
     assert tight.stats.num_preemptions > 0
     n = len(windows)
-    monkeypatch.setattr(llm_mod, "kv_layout", lambda c, bs: KVLayout(bs, n, tuple(range(n)), (), 0, 1, n))
+    one_table = lambda c, bs: KVLayout(bs, n, tuple(range(n)), (), 0, 1, n)  # noqa: E731
+    monkeypatch.setattr(llm_mod, "kv_layout", one_table)
+    monkeypatch.setattr(loader_mod, "kv_layout", one_table)
     plain, want = run(400)
     assert not plain.scheduler.kv.layout.window
     assert got == want and preempted == want

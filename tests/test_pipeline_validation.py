@@ -295,12 +295,12 @@ def test_a_kv_cache_budget_past_the_machines_memory_is_refused_before_anything_i
     zero-filled the cache until the kernel's OOM killer ended the process (exit 137). It is refused up front,
     naming the option, the value and the machine's available and total memory; the engine refuses it too,
     before it allocates. (The machine's memory is a stand-in here: nothing is allocated.)"""
-    import engine.llm
+    import engine.loader
     from engine import LLM
     from pipeline.cli import main
 
     gib = 2 ** 30
-    monkeypatch.setattr(engine.llm, "memory_bytes", lambda: (3 * gib, 8 * gib))
+    monkeypatch.setattr(engine.loader, "memory_bytes", lambda: (3 * gib, 8 * gib))
     inp = write_input(tmp_path / "in.parquet")
     out = tmp_path / "out"
     why = (f"kv_cache_memory_bytes={4 * gib} bytes (4.0 GiB) is more than this machine's available memory, "

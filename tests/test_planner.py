@@ -346,7 +346,7 @@ def test_a_plan_made_before_the_engine_loads_knows_the_models_context(tmp_path):
     assert plan_job(shorter, files, FakeTokenizer())[1].prompt_tokens == 4 * 42
     assert planned_context_length(spec.model_copy(update={"max_model_len": 4096})) == 2048  # capped by the model
     from engine.config import EngineConfig
-    from engine.llm import min_kv_cache_memory_bytes
+    from engine.loader import min_kv_cache_memory_bytes
     from engine.weights import dummy_config
 
     block = min_kv_cache_memory_bytes(EngineConfig(model=spec.model), dummy_config("llama-tiny-4kv"))

@@ -245,11 +245,11 @@ def test_engines_really_hold_quantized_layers(llm, engines):
 
 
 def test_the_default_cache_is_fp16_under_fp32_weights_and_scores_as_the_fp16_scheme(engines, windows):
-    """kv_cache_dtype="auto" (the default) under the fp32 model stores fp16 halves (engine.llm.auto_kv_dtype):
+    """kv_cache_dtype="auto" (the default) under the fp32 model stores fp16 halves (engine.loader.auto_kv_dtype):
     the same bytes per token and the same scores, bit for bit, as kv_cache_dtype="fp16". (So does the
     default bf16 weights' fp32 activations: tests/test_engine_dtype.py.)"""
     from engine import LLM
-    from engine.llm import auto_kv_dtype
+    from engine.loader import auto_kv_dtype
 
     assert auto_kv_dtype(torch.float32) == torch.float16
     assert auto_kv_dtype(torch.bfloat16) == torch.bfloat16 and auto_kv_dtype(torch.float16) == torch.float16

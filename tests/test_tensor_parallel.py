@@ -539,6 +539,33 @@ def test_killing_the_driver_leaves_no_worker():
     assert _gone(pids, 5.0), "the worker outlived its killed driver"
 
 
+def test_a_script_without_a_main_guard_runs_tensor_parallel(tmp_path):
+    """A plain script, no `if __name__ == "__main__":`, that builds a TP = 2 engine: its workers do not
+    re-run the script (spawn would start the engine again in each, during bootstrap), and its greedy
+    ids are a one-device engine's."""
+    prompt = [1, 50, 300, 7, 9000, 12]
+    script = tmp_path / "plain_tp.py"
+    script.write_text(textwrap.dedent(f"""
+        from engine import LLM, SamplingParams
+        print("script body ran", flush=True)
+        llm = LLM({TINY!r}, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20, num_threads=1,
+                  speculative=None, dtype="float32")
+        out = llm.generate([{prompt!r}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+        print("ids", *out[0].outputs[0].token_ids, flush=True)
+        llm.close()
+    """))
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines.count("script body ran") == 1  # the workers never ran the script
+    got = [int(x) for x in next(line for line in lines if line.startswith("ids ")).split()[1:]]
+    one = _tiny()
+    want = one.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    _assert_greedy_equal(one, [prompt], [want], [got])
+
+
 def test_job_refuses_a_tp_size_the_model_cannot_split(tmp_path):
     """A job's spec with --tensor-parallel-size 2 on SmolLM2 (3 KV heads) fails before anything
     is written or started."""

@@ -74,6 +74,19 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute, once per step, whatever all layers reuse (gather indices, masks)."""
 
+    def fused_decoder_plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata):
+        """Whether the CPU C decoder (`engine.kernels.cpu.decoder`), which runs a step's layers and
+        their attention in C, may stand in for this backend's `forward` on this step: the kernel's
+        plan it takes (block tables, row -> sequence, KV lengths, tiles), or None where it may not.
+        None here: a backend whose attention the C kernel does not compute.
+
+        Args:
+            q: [T, num_heads, head_dim], the step's queries (their dtype and layout).
+            k_cache: layer 0's K cache (its dtype: the row format the kernel reads).
+            meta: the step's attention metadata (already `prepare`d).
+        """
+        return None
+
     @abstractmethod
     def forward(
         self,

@@ -11,17 +11,17 @@ per-head scale). The KVCache and block pool need no extra tensors.
     fp8_e4m3: scale = max|x| / 448, code = float8_e4m3fn(x / scale)
 
 Every attention read goes through the stored (quantized) K/V, prefill chunks
-included, so a sequence's logits do not depend on how its prompt was chunked
-or batched.
+included (`prepare` gives every chunk its blocks; `TorchAttentionBackend.forward` reads
+them through `_read`, which decodes), so a sequence's logits do not depend on how its
+prompt was chunked or batched.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels import cpu as _cpu
 from . import cpu_kernel
-from .base import AttentionMetadata, check_window
-from .torch_ref import TorchAttentionBackend, _kv_write_fast, _sdpa
+from .base import AttentionMetadata
+from .torch_ref import TorchAttentionBackend, _kv_write_fast
 
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 _SCALE_BYTES = 4
@@ -37,6 +37,7 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
     """
 
     storage_dtype = torch.int8
+    decoder_cache_dtypes = (torch.int8,)  # (`fused_decoder_plan`: the C decoder reads int8 rows in place)
 
     def __init__(self, kv_cache_dtype: str = "int8") -> None:
         if kv_cache_dtype not in _QMAX:
@@ -96,26 +97,6 @@ class TorchQuantKVAttentionBackend(TorchAttentionBackend):
         k_cache.index_copy_(1, meta.slot_mapping, self.encode(k))
         v_cache.index_copy_(1, meta.slot_mapping, self.encode(v))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, window=0):
-        window = check_window(window)
-        self._write_kv(k, v, k_cache, v_cache, meta)
-        if out is None:
-            out = torch.empty_like(q)
-        if self.kv_cache_dtype == "int8" and self._kernel_serves(q, k_cache, meta):
-            tables, row_seq, kv_len, tiles = self._kernel_plan(meta, q, k_cache)
-            return _cpu.paged_attention(q, k_cache, v_cache, tables, row_seq, kv_len, tiles, meta.block_size,
-                                        scale, out, window=window)
-        if window:  # (reads every row's keys back through the cache, as below)
-            self._window_attention(q, k_cache, v_cache, meta, scale, out, window)
-            return out
-        c = meta.cache
-        bd = meta.num_decode_tokens
-        if bd > 0:
-            self._decode_attention(q, k_cache, v_cache, meta, scale, out)
-        for start, qlen, blocks, slen, mask in c["prefill"]:
-            qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
-            ks = self.decode(self._gather_blocks(k_cache, blocks, meta.block_size)[:, :slen], q.dtype)
-            vs = self.decode(self._gather_blocks(v_cache, blocks, meta.block_size)[:, :slen], q.dtype)
-            o = _sdpa(qs, ks, vs, mask, scale)
-            out[start : start + qlen] = o.transpose(0, 1)
-        return out
+    def _kernel_serves(self, q, k_cache, meta) -> bool:
+        """As for the float cache, for int8 rows only (the C kernels read no fp8 codes)."""
+        return self.kv_cache_dtype == "int8" and super()._kernel_serves(q, k_cache, meta)

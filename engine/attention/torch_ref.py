@@ -67,6 +67,7 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     use_cpu_kernel = True
+    decoder_cache_dtypes = (torch.float32, torch.float16)  # the caches the C decoder reads (`fused_decoder_plan`)
 
     def __init__(self, cpu_kernel: bool | None = None) -> None:
         self.use_cpu_kernel = cpu_kernel is not False
@@ -334,6 +335,15 @@ class TorchAttentionBackend(AttentionBackend):
             ok = meta.cache["kernel_serves"] = (self.use_cpu_kernel and meta.slot_mapping.device.type == "cpu"
                                                 and cpu_kernel.supports(q, k_cache, meta.block_size))
         return ok
+
+    def fused_decoder_plan(self, q, k_cache, meta):
+        """The C kernel's plan where it serves the step over a cache of `decoder_cache_dtypes` (the C
+        decoder computes this class's attention); None otherwise, and for a subclass with a `forward`
+        of its own."""
+        if (type(self).forward is not TorchAttentionBackend.forward
+                or k_cache.dtype not in self.decoder_cache_dtypes or not self._kernel_serves(q, k_cache, meta)):
+            return None
+        return self._kernel_plan(meta, q, k_cache)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, window=0):
         window = check_window(window)

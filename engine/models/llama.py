@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..attention import AttentionBackend, AttentionMetadata
 from ..parallel.sharding import SINGLE, TPShard, local_shape, shard_fused, shard_tensor
-from ..weights import ModelConfig
+from ..model_config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: Optional[float] = None, scaled: bool = True) -> torch.Tensor:
@@ -447,23 +447,15 @@ class LlamaModel(nn.Module):
 
     def _c_decoder_plan(self, q: torch.Tensor, kv_caches, backend: AttentionBackend, meta: AttentionMetadata):
         """The attention backend's kernel plan when `engine.kernels.cpu.decoder` can run this
-        step's layers (C small ops and linear layers, fp32, fp16 or int8 KV caches, the torch
-        backend's C kernel serving the step), else None. The model's description is made on first use and
+        step's layers (C small ops and linear layers, and a backend whose `fused_decoder_plan` says the
+        C kernel serves its attention this step), else None. The model's description is made on first use and
         remade after a layer swap."""
         if (not self.use_c_decoder or not self.plain_layers or getattr(self.ops, "name", "") != "cpu"
                 or not kv_caches or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()
                 or meta.window_meta is not None):  # two KV groups (full and sliding layers): the loop
             return None
-        from ..attention.torch_quant_kv import TorchQuantKVAttentionBackend
-        from ..attention.torch_ref import TorchAttentionBackend
-
-        kc = kv_caches[0][0]
-        kind = type(backend)
-        if kind is TorchAttentionBackend:
-            ok = kc.dtype in (torch.float32, torch.float16)
-        else:  # the int8 cache (rows of codes and a scale) goes through the same C kernels
-            ok = kind is TorchQuantKVAttentionBackend and backend.kv_cache_dtype == "int8" and kc.dtype == torch.int8
-        if not (ok and backend.use_cpu_kernel and backend._kernel_serves(q, kc, meta)):
+        plan = backend.fused_decoder_plan(q, kv_caches[0][0], meta)  # None: the backend's own forward runs
+        if plan is None:
             return None
         from ..kernels.cpu.decoder import CpuDecoder
 
@@ -475,7 +467,7 @@ class LlamaModel(nn.Module):
             self._c_decoder = drv
             if drv is None:
                 return None
-        return backend._kernel_plan(meta, q, kc)
+        return plan
 
     @torch.inference_mode()
     def forward(

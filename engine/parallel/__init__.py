@@ -8,9 +8,10 @@
 The scheduler, KV block manager, sampler and tokenizer stay in the driver (rank 0); the
 model runner hands each step to the workers and runs its own shard of the same forward.
 """
-from .executor import WorkerError, WorkerGroup
+from .executor import WorkerError, WorkerGroup, start_workers
 from .group import TPGroup
 from .sharding import TPShard, check_tp_options, check_tp_size
 from .worker import WorkerSpec
 
-__all__ = ["TPGroup", "TPShard", "WorkerError", "WorkerGroup", "WorkerSpec", "check_tp_options", "check_tp_size"]
+__all__ = ["TPGroup", "TPShard", "WorkerError", "WorkerGroup", "WorkerSpec", "check_tp_options", "check_tp_size",
+           "start_workers"]

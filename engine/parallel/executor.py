@@ -32,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import sys
 import tempfile
 import threading
 import time
+import types
 import weakref
 from multiprocessing.connection import wait
 from typing import Callable, Iterator, Optional
@@ -120,6 +122,22 @@ def _monitor(procs: list, conns: list, state: _State, wake) -> None:
     _stop_processes([q for q in procs if q is not p], [])
 
 
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """While worker processes start: a stand-in `__main__` module (no file, no spec), so that "spawn"
+    does not re-run the user's script in each worker. A script without an `if __name__ ==
+    "__main__":` guard would otherwise build the engine again inside every worker (and fail there,
+    starting processes during bootstrap). The workers need nothing from the script: their target
+    and arguments are engine objects, imported by module name."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 class WorkerGroup:
     """Ranks 1..N-1 of a tensor-parallel engine, seen from the driver.
 
@@ -153,7 +171,8 @@ class WorkerGroup:
         for rank in range(1, spec.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=target, args=(rank, spec, child), daemon=True, name=f"tokenmill-tp-rank{rank}")
-            p.start()
+            with _main_not_rerun():
+                p.start()
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
@@ -298,3 +317,35 @@ class WorkerGroup:
         if self.group is not None:
             self.group.shutdown()
         self.store = None
+
+
+def start_workers(cfg, source, device: torch.device, dtype: torch.dtype, attention_backend: str,
+                  quantization: Optional[str], group_size: int, spec_method: Optional[str],
+                  num_threads: int) -> WorkerGroup:
+    """Check that the model `source` splits over `cfg.tensor_parallel_size` ranks, then start ranks
+    1..N-1 (they load their shards while the caller loads rank 0's). `cfg` is the `EngineConfig`;
+    device, dtype and attention_backend are its resolved settings (`engine.loader.resolve_settings`).
+
+    Raises:
+        ValueError: N does not divide the heads (naming both), too few CUDA devices, or an
+            option that does not run with tensor parallelism (w8a8, a draft model).
+        WorkerError: a worker failed to start.
+    """
+    from ..weights import model_config
+    from .sharding import check_tp_options, check_tp_size
+
+    tp = cfg.tensor_parallel_size
+    check_tp_size(model_config(source), tp)
+    check_tp_options(tp, quantization, spec_method)
+    where = str(device)
+    if device.type == "cuda":
+        base = device.index or 0
+        if torch.cuda.device_count() < base + tp:
+            raise ValueError(f"tensor_parallel_size={tp} needs CUDA devices {base}..{base + tp - 1}; "
+                             f"{torch.cuda.device_count()} are visible")
+        where = f"cuda:{base}"
+        torch.cuda.set_device(base)  # NCCL works on the current device of each rank
+    return WorkerGroup(WorkerSpec(
+        source=source, dtype=dtype, device=where, seed=cfg.seed, quantization=quantization, group_size=group_size,
+        cpu_kernels=cfg.cpu_kernels, attention_backend=attention_backend, kv_cache_dtype=cfg.kv_cache_dtype,
+        block_size=cfg.block_size, num_threads=num_threads, world_size=tp, timeout_s=cfg.distributed_timeout_s))

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..weights import ModelConfig
+from ..model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,14 @@
 A worker is started once per engine by `engine.parallel.WorkerGroup` (torch.multiprocessing,
 "spawn") and lives as long as the engine. Its life:
 
-1. load: build its shard of the model (`engine.llm._load_model` with its `TPShard`: only its
+1. load: build its shard of the model (`engine.loader.load_model` with its `TPShard`: only its
    slices are read from GGUF or safetensors, or drawn for dummy weights; quantization, if
    any, is applied to its slices), then send ("ready", {"free_memory": bytes}) on its pipe,
    or ("error", traceback) and exit 1;
 2. init: receive ("init", num_blocks, max_model_len) from the driver, allocate its paged KV
    cache (its num_kv_heads / N heads, the driver's block count, so the driver's block tables
    address it), join the process group (and, for int8, agree on the row-parallel scales:
-   `engine.llm.finish_sharded_quantization`);
+   `engine.loader.finish_sharded_quantization`);
 3. loop: receive a header [command, payload length] broadcast by the driver (waiting as
    long as the engine is idle: the group's timeout applies within a step), then the
    payload: RUN (a packed `StepInputs`: the same forward as the driver's, whose collectives
@@ -42,7 +42,7 @@ class WorkerSpec:
     Attributes:
         source: the resolved model (`engine.weights.ModelSource`).
         dtype: a torch dtype; device: "cpu" or "cuda:<index of rank 0>" (rank r uses index + r).
-        seed, quantization, group_size, cpu_kernels: as `engine.llm._load_model` takes them.
+        seed, quantization, group_size, cpu_kernels: as `engine.loader.load_model` takes them.
         attention_backend, kv_cache_dtype: as `EngineConfig` has them (resolved).
         block_size: tokens per KV block.
         num_threads: CPU threads of each rank (PyTorch's pool and the C kernels').
@@ -91,13 +91,13 @@ def build_shard(spec: WorkerSpec, rank: int):
     """(model shard, attention backend, KV storage dtype) of `rank`."""
     import torch
 
-    from ..llm import _load_model, make_attention_backend
+    from ..loader import load_model, make_attention_backend
     from .sharding import TPShard
 
     device = spec.rank_device(rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    model, _ = _load_model(spec.source, spec.dtype, device, spec.seed, spec.quantization, spec.group_size,
+    model, _ = load_model(spec.source, spec.dtype, device, spec.seed, spec.quantization, spec.group_size,
                            spec.cpu_kernels, TPShard(rank, spec.world_size), False)
     backend, kv_dtype = make_attention_backend(spec.attention_backend, spec.kv_cache_dtype, spec.cpu_kernels,
                                                spec.dtype)
@@ -112,7 +112,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         import torch
 
         from ..kv_cache import KVCache
-        from ..llm import finish_sharded_quantization
+        from ..loader import finish_sharded_quantization
         from ..model_runner import ModelRunner, StepInputs
         from .sharding import TPShard
         from ..threads import apply_num_threads

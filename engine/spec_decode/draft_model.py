@@ -59,10 +59,10 @@ class DraftModelProposer(Proposer):
                                                                        target.lm_head, target.ops)
             model.layers = nn.ModuleList(list(target.layers[:m]))
         else:
-            from ..llm import _load_model
+            from ..loader import load_model
             from ..weights import resolve_model
 
-            model, _ = _load_model(resolve_model(spec), target.dtype, str(target.device), 0)
+            model, _ = load_model(resolve_model(spec), target.dtype, str(target.device), 0)
             if model.cfg.vocab_size != target.cfg.vocab_size:
                 raise ValueError(f"draft model {spec!r} has vocabulary {model.cfg.vocab_size}, the target "
                                  f"{target.cfg.vocab_size}: they must share a tokenizer")

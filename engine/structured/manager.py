@@ -96,6 +96,32 @@ class StructuredOutputManager:
         self.stats = StructuredStats()
         self._pool: Optional[ThreadPoolExecutor] = None
 
+    @classmethod
+    def for_backend(cls, name: str, tokenizer) -> "StructuredOutputManager":
+        """A manager whose grammar backend ("llguidance" or "xgrammar", the engine's
+        `structured_outputs_backend`) is built over `tokenizer` on first use.
+
+        Raises:
+            ValueError: "xgrammar" when xgrammar is not installed.
+        """
+        if name == "xgrammar":
+            from . import xgrammar_backend
+
+            if not xgrammar_backend.available():
+                raise ValueError("structured_outputs_backend='xgrammar': xgrammar is not installed "
+                                 "(pip install 'tokenmill[xgrammar]')")
+
+        def factory() -> GrammarBackend:  # holds the tokenizer only (no reference back to the engine)
+            if name == "xgrammar":
+                from .xgrammar_backend import XGrammarBackend
+
+                return XGrammarBackend(tokenizer)
+            from .llguidance_backend import LLGuidanceBackend
+
+            return LLGuidanceBackend(tokenizer)
+
+        return cls(factory)
+
     @property
     def backend(self) -> GrammarBackend:
         """The grammar backend (built on first use)."""

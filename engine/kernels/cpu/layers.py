@@ -1,4 +1,5 @@
-"""Linear layers backed by the CPU kernel library, swapped in for `Linear` / `QuantLinear` at load time.
+"""Linear layers backed by the CPU kernel library, swapped in for `Linear` / `QuantLinear` at load time
+(the swap itself: `engine.models.cpu_layers.use_cpu_kernels`).
 
 Quantization and kernel choice are module swaps (as in gpt-fast): the model's
 forward calls `layer(x, out=..., residual=...)` and never knows which layer it
@@ -33,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from . import (W8A8_GROUP, W_Q4, W_Q8, _lib, gemm_bf16, gemm_bf16_argmax, gemm_bf16_silu, gemm_f32,
-               gemm_f32_argmax, gemm_f32_silu, gemm_q, gemm_q_argmax, gemm_q_error, gemm_q_silu, gemm_w8a8, library,
+               gemm_f32_argmax, gemm_f32_silu, gemm_q, gemm_q_argmax, gemm_q_error, gemm_q_silu, gemm_w8a8,
                pack_bf16, pack_f32, pack_q, pack_w8a8, quantize_act)
 
 _F32 = torch.float32
@@ -168,7 +169,7 @@ class CpuQuantLinear(nn.Module):
 
     def __init__(self, q: nn.Module, lib: Optional[ctypes.CDLL] = None) -> None:
         super().__init__()
-        from ...quant import unpack_int4
+        from ..int4 import unpack_int4
 
         self.lib = lib
         self.bits, self.group_size = q.bits, q.group_size
@@ -324,44 +325,3 @@ class W8A8Linear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes read per forward pass (packed codes, scales, column sums, bias)."""
         return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
-
-
-def available_for(model: nn.Module) -> bool:
-    """Whether the CPU layers can serve `model`: on the CPU, fp32, and the library builds."""
-    return model.device.type == "cpu" and model.dtype == torch.float32 and library() is not None
-
-
-def use_cpu_kernels(model: nn.Module, lib: Optional[ctypes.CDLL] = None,
-                    weight_dtype: torch.dtype = torch.float32) -> dict[str, str]:
-    """Swap every linear layer of `model` (`model.linear_layers()`) for its CPU-kernel
-    counterpart, in place: `Linear` -> `CpuLinear` (`CpuBf16Linear` with weight_dtype
-    torch.bfloat16: the weights rounded to bf16, activations kept fp32), `QuantLinear` ->
-    `CpuQuantLinear`; layers already served by the library are kept. Returns {layer name: new
-    class name}.
-
-    Raises:
-        RuntimeError: if the library is unavailable.
-        ValueError: weight_dtype is neither float32 nor bfloat16.
-    """
-    if weight_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the CPU kernels take float32 or bfloat16 weights, got {weight_dtype}")
-    from ...models.llama import Linear
-    from ...quant import QuantLinear, _swap
-
-    if (lib or library()) is None:
-        raise RuntimeError("the CPU kernel library is unavailable")
-    done = {}
-    for name, lin in model.linear_layers():
-        if isinstance(lin, (CpuLinear, CpuBf16Linear, CpuQuantLinear, W8A8Linear)):
-            continue
-        if isinstance(lin, QuantLinear):
-            new: nn.Module = CpuQuantLinear(lin, lib=lib)
-        elif isinstance(lin, Linear) and weight_dtype == torch.bfloat16:
-            new = CpuBf16Linear(lin.weight.data, None if lin.bias is None else lin.bias.data, lib=lib)
-        elif isinstance(lin, Linear):
-            new = CpuLinear(lin.weight.data, None if lin.bias is None else lin.bias.data, lib=lib)
-        else:
-            continue
-        _swap(model, name, new)
-        done[name] = type(new).__name__
-    return done
