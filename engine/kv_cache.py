@@ -11,6 +11,7 @@ Block ownership is reference counted so that the prefix cache can share blocks.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -25,6 +26,61 @@ from .model_config import ModelConfig
 BlockKey = tuple  # (parent block's hash, token ids of the block)
 
 
+_MASK = (1 << 64) - 1
+_P = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
+_P_INV = pow(_P, -1, 1 << 64)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_weights(block_size: int) -> np.ndarray:
+    """Fixed odd 64-bit weights per token position of a block (a fixed seed: the same hashes in
+    every process), uint64 [block_size]."""
+    w = np.random.default_rng(20241203).integers(1, 1 << 63, size=block_size, dtype=np.uint64)
+    return w * np.uint64(2) + np.uint64(1)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (Steele et al. 2014), elementwise on uint64 (wraps mod 2**64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def block_hashes(rows: Sequence[Sequence[int]], block_size: int) -> list[np.ndarray]:
+    """The chained hash of every full block of each row: uint64 [len(row) // block_size] per row.
+
+    H_k = H_{k-1} * P + mix(sum_i t_i * w_i) (mod 2**64), H_{-1} = 0, over the block's token ids
+    t and fixed odd weights w: a polynomial hash of mixed block hashes, so equal hashes mean
+    equal prefixes up to 64-bit collisions. All rows at once (H_k = P**k * sum_{j<=k} b_j * P**-j,
+    a cumulative sum): the planner hashes whole datasets with it, and the engine's
+    `chain_block_keys` extends one sequence a block at a time with the same values.
+    """
+    bs = block_size
+    counts = np.fromiter((len(r) // bs for r in rows), dtype=np.int64, count=len(rows))
+    out = [np.zeros(0, np.uint64)] * len(rows)
+    full = [i for i, n in enumerate(counts.tolist()) if n]
+    if not full:
+        return out
+    flat = np.concatenate([np.asarray(rows[i][:counts[i] * bs], dtype=np.int64) for i in full])
+    b = _mix((flat.reshape(-1, bs).astype(np.uint64) * _token_weights(bs)).sum(axis=1, dtype=np.uint64))
+    n = counts[full]
+    start = np.repeat(np.cumsum(n) - n, n)  # per block: index of its row's first block
+    local = np.arange(len(b), dtype=np.int64) - start
+    kmax = int(n.max())
+    pows = np.empty(kmax, dtype=np.uint64)
+    invs = np.empty(kmax, dtype=np.uint64)
+    p = q = 1
+    for k in range(kmax):
+        pows[k], invs[k] = p, q
+        p, q = (p * _P) & _MASK, (q * _P_INV) & _MASK
+    c = np.cumsum(b * invs[local], dtype=np.uint64)
+    before = np.where(start > 0, c[np.maximum(start - 1, 0)], np.uint64(0))
+    h = (c - before) * pows[local]
+    for i, (lo, k) in zip(full, zip((np.cumsum(n) - n).tolist(), n.tolist())):
+        out[i] = h[lo:lo + k]
+    return out
+
+
 def block_key(parent_hash: Optional[int], token_ids: Sequence[int]) -> BlockKey:
     """Prefix-cache key of a full block: chained over the parent block's hash, so equal
     keys mean equal token prefixes (the token tuple is compared exactly on lookup)."""
@@ -33,16 +89,24 @@ def block_key(parent_hash: Optional[int], token_ids: Sequence[int]) -> BlockKey:
 
 def chain_block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
                      known: Sequence[tuple[int, BlockKey]] = ()) -> list[tuple[int, BlockKey]]:
-    """(hash, key) of full blocks len(known) .. num_blocks - 1 of `token_ids`, each key chained on the
-    previous block's hash (`block_key`): the one rule by which the scheduler, scoring and the
-    prefix cache name a block. `known` holds the pairs of the blocks before (continued, not
-    returned); the token ids must cover num_blocks * block_size tokens."""
+    """(hash, key) of full blocks len(known) .. num_blocks - 1 of `token_ids`: the hash is the
+    block's `block_hashes` value (what the planner groups rows by), the key (`block_key`) is
+    chained on the previous block's hash. The one rule by which the scheduler, scoring, the
+    prefix cache and the job's planner name a block. `known` holds the pairs of the blocks
+    before (continued, not returned); the token ids must cover num_blocks * block_size tokens."""
+    lo = len(known)
+    if num_blocks <= lo:
+        return []
+    bs = block_size
+    parent = known[-1][0] if known else 0
+    w = _token_weights(bs)
+    blocks = np.asarray(token_ids[lo * bs:num_blocks * bs], dtype=np.int64).reshape(-1, bs).astype(np.uint64)
+    mixed = _mix((blocks * w).sum(axis=1, dtype=np.uint64)).tolist()
     out = []
-    parent = known[-1][0] if known else None
-    for i in range(len(known), num_blocks):
-        key = block_key(parent, token_ids[i * block_size:(i + 1) * block_size])
-        parent = hash(key)
-        out.append((parent, key))
+    for i, b in enumerate(mixed):
+        h = (parent * _P + b) & _MASK
+        out.append((h, block_key(parent if lo + i else None, token_ids[(lo + i) * bs:(lo + i + 1) * bs])))
+        parent = h
     return out
 
 

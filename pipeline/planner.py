@@ -11,8 +11,8 @@ stay referenced by running rows until the group's last row is admitted
 (BatchLLM, Zheng et al. 2024, arXiv 2412.03594, "global prefix sharing").
 
 The tree is at KV-block granularity (the engine caches only full blocks of
-`block_size` tokens), keyed by a hash chained over the parent's hash and the
-block's token ids, exactly the engine's prefix-cache key. A *group* is the
+`block_size` tokens), keyed by the engine's chained block hash
+(`engine.kv_cache.block_hashes`), the hash its prefix cache keeps a block under. A *group* is the
 set of rows under one child of the root: rows sharing at least one block.
 
 Order: a depth-first walk; at every node, rows that end there and child
@@ -45,6 +45,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from engine.kv_cache import block_hashes
 from pipeline.io import InputFile
 
 DEFAULT_BLOCK_SIZE = 16
@@ -152,23 +153,6 @@ class PlanStats:
         return asdict(self)
 
 
-_MASK = (1 << 64) - 1
-_P = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
-_P_INV = pow(_P, -1, 1 << 64)
-
-
-def _block_weights(block_size: int) -> np.ndarray:
-    """Fixed odd 64-bit weights per token position (a fixed seed: the same hashes in every process)."""
-    return np.random.default_rng(20241203).integers(1, 1 << 63, size=block_size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise on uint64 (wraps mod 2**64)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 class PrefixTree:
     """The block-level prefix tree of a dataset's prompts.
 
@@ -176,9 +160,9 @@ class PrefixTree:
     per full block per row (token ids are not kept), plus a node per block that
     at least two rows share.
 
-    A block's key is a 64-bit hash chained over the row's earlier blocks (a
-    polynomial hash of mixed block hashes, computed with numpy for a batch of
-    rows at once); two rows share k blocks when their k-th keys are equal.
+    A block's key is the engine's chained block hash (`engine.kv_cache.block_hashes`,
+    the hash under which the prefix cache keeps the block), computed for a batch of
+    rows at once; two rows share k blocks when their k-th keys are equal.
 
     Args:
         block_size: tokens per KV block (the engine's `block_size`).
@@ -190,7 +174,6 @@ class PrefixTree:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self._weights = _block_weights(block_size)
         self._pending: list[Sequence[int]] = []
         self._hashes: list[np.ndarray] = []  # uint64 chained keys, batch by batch
         self._nblocks = array("q")  # full blocks per row
@@ -222,29 +205,11 @@ class PrefixTree:
         return len(self._lens) - 1
 
     def _flush(self) -> None:
-        """Hash the full blocks of the pending rows, all at once."""
-        bs = self.block_size
-        rows = [(ids, len(ids) // bs) for ids in self._pending if len(ids) >= bs]
+        """Hash the full blocks of the pending rows, all at once (`engine.kv_cache.block_hashes`)."""
+        rows = [ids for ids in self._pending if len(ids) >= self.block_size]
         self._pending = []
-        if not rows:
-            return
-        counts = np.fromiter((n for _, n in rows), dtype=np.int64, count=len(rows))
-        flat = np.concatenate([np.asarray(ids[:n * bs], dtype=np.int64) for ids, n in rows])
-        blocks = flat.reshape(-1, bs).astype(np.uint64)
-        b = _mix((blocks * self._weights).sum(axis=1, dtype=np.uint64))
-        # chain: H_k = H_{k-1} * P + b_k (mod 2**64) = P**k * sum_{j<=k} b_j * P**-j, per row
-        start = np.repeat(np.cumsum(counts) - counts, counts)  # per block: index of its row's first block
-        local = np.arange(len(b), dtype=np.int64) - start
-        kmax = int(counts.max())
-        pows = np.empty(kmax, dtype=np.uint64)
-        invs = np.empty(kmax, dtype=np.uint64)
-        p = q = 1
-        for k in range(kmax):
-            pows[k], invs[k] = p, q
-            p, q = (p * _P) & _MASK, (q * _P_INV) & _MASK
-        c = np.cumsum(b * invs[local], dtype=np.uint64)
-        before = np.where(start > 0, c[np.maximum(start - 1, 0)], np.uint64(0))
-        self._hashes.append(_mix((c - before) * pows[local]))
+        if rows:
+            self._hashes.append(np.concatenate(block_hashes(rows, self.block_size)))
 
     # -- build
     def _build(self) -> None:

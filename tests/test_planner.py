@@ -377,3 +377,26 @@ def test_ideal_hit_rate_leaves_out_error_rows(tmp_path):
     assert report.ideal_prefix_hit_rate == pytest.approx(96 / 196)
     m = io.read_json(str(tmp_path / "out" / "_job" / "manifest.json"))["plan"]
     assert (m["prompt_tokens"], m["distinct_tokens"], m["rows"]) == (196, 100, 8)
+
+
+def test_the_planner_groups_rows_by_the_engines_block_hashes():
+    """The planner's block keys are the hashes under which the engine's prefix cache keeps the
+    blocks (`engine.kv_cache.chain_block_keys`): one rule, whether a sequence grows a block at a
+    time or a dataset is hashed at once; rows that differ in one token of block 1 share block 0 only."""
+    from engine.kv_cache import block_hashes, chain_block_keys
+
+    bs = 4
+    a = [5, 9, 2, 7, 1, 1, 3, 8, 4, 6, 0]
+    b = a[:5] + [2] + a[6:]
+    rows = block_hashes([a, b, a[:3]], bs)
+    assert [len(r) for r in rows] == [2, 2, 0]
+    engine_a = chain_block_keys(a, bs, 1)
+    engine_a += chain_block_keys(a, bs, 2, engine_a)  # extended a block at a time
+    assert rows[0].tolist() == [h for h, _ in engine_a]
+    assert engine_a[0][1] == (None, tuple(a[:4])) and engine_a[1][1] == (engine_a[0][0], tuple(a[4:8]))
+    assert rows[1][0] == rows[0][0] and rows[1][1] != rows[0][1]
+    tree = PrefixTree(bs)
+    for r in (a, b):
+        tree.add(r)
+    tree._ensure()
+    assert tree._allh.tolist() == rows[0].tolist() + rows[1].tolist()
