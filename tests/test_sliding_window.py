@@ -190,11 +190,13 @@ def _tiny_sw_llm(monkeypatch, windows=WINDOWS_PER_LAYER):
     import dataclasses
 
     from engine import LLM
+    from engine.loader import load_model
     from engine.weights import PRESETS, ModelConfig
 
     base = ModelConfig(256, 512, 4, 4, 2, 49152, rope_theta=10000.0, max_position_embeddings=512,
                        tie_word_embeddings=True, name="tiny-sw")
     monkeypatch.setitem(PRESETS, "tiny-sw", dataclasses.replace(base, layer_windows=windows))
+    load_model.cache_clear()  # the loaded model is cached by name: another test's windows must not be reused
     llm = LLM("dummy:tiny-sw", speculative=None, enable_prefix_caching=False, max_num_batched_tokens=40,
               dtype="float32", kv_cache_dtype="fp32", kv_cache_memory_bytes=16 << 20)
     assert llm.model.cfg.layer_windows == windows

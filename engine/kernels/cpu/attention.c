@@ -157,20 +157,9 @@ TM_INLINE vf keep_first(vf v, int64_t n, float fill) {
     const __mmask16 m = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
     return _mm512_mask_mov_ps(_mm512_set1_ps(fill), m, v);
 }
-TM_INLINE vf vexp(vf x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const vf t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vf r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-    vf p = _mm512_set1_ps(0.0013888889f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0083333338f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.041666668f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16666667f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+/* p * 2**n for integral n */
+#define V_SCALE2(p, n) _mm512_scalef_ps(p, n)
+#define V_ROUND(t) _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #else
 #define VL 8
 typedef __m256 vf;
@@ -215,22 +204,30 @@ TM_INLINE vf keep_first(vf v, int64_t n, float fill) {
     const __m256 keep = _mm256_cmp_ps(idx, _mm256_set1_ps((float)n), _CMP_LT_OQ);
     return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
 }
-TM_INLINE vf vexp(vf x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const vf t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const vf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vf r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
-    vf p = _mm256_set1_ps(0.0013888889f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.0083333338f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.041666668f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.16666667f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+TM_INLINE vf scale2_avx2(vf p, vf n) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+#define V_SCALE2(p, n) scale2_avx2(p, n)
+#define V_ROUND(t) _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #endif
+/* e**x, x >= -87: 2**n * e**r with n = round(x / ln 2), r = x - n ln 2, e**r by its degree-6 Taylor polynomial
+   (Horner) */
+TM_INLINE vf vexp(vf x) {
+    x = _mm_max_helper(x, V_SET1(-87.0f));
+    const vf t = V_MUL(x, V_SET1(1.44269504088896341f));
+    const vf n = V_ROUND(t);
+    const vf r = V_MUL(V_SUB(t, n), V_SET1(0.69314718055994531f));
+    vf p = V_SET1(0.0013888889f);
+    p = V_FMA(p, r, V_SET1(0.0083333338f));
+    p = V_FMA(p, r, V_SET1(0.041666668f));
+    p = V_FMA(p, r, V_SET1(0.16666667f));
+    p = V_FMA(p, r, V_SET1(0.5f));
+    p = V_FMA(p, r, V_SET1(1.0f));
+    p = V_FMA(p, r, V_SET1(1.0f));
+    return V_SCALE2(p, n);
+}
+
 
 /* Horizontal sums of 8 vectors of 8 lanes: lane u = sum of the lanes of v[u]. */
 static inline __m256 reduce8(const __m256 v[8]) {

@@ -794,6 +794,19 @@ typedef struct {
     int64_t ldxb;
 } gemm_ctx;
 
+/* one `case` per micro-kernel height 1 .. TM_MR (CASE(MR) expands to a case label and its call) */
+#if TM_MR > 4
+#define TM_MR_CASES_5_6(CASE) CASE(5) CASE(6)
+#else
+#define TM_MR_CASES_5_6(CASE)
+#endif
+#if TM_MR > 6
+#define TM_MR_CASES_7_12(CASE) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#else
+#define TM_MR_CASES_7_12(CASE)
+#endif
+#define TM_MR_CASES(CASE) CASE(1) CASE(2) CASE(3) CASE(4) TM_MR_CASES_5_6(CASE) TM_MR_CASES_7_12(CASE)
+
 #define UKR_CASE(MR)                                                                                   \
     case MR:                                                                                           \
         if (c->kind == TM_W_Q8 && c->has_min)                                                          \
@@ -814,22 +827,7 @@ static void run_tile(const gemm_ctx *c, int mr, int64_t r, const char *bp, float
     const int8_t *qa = c->qa ? c->qa + r * c->ldq : NULL;
     const float *sa = c->sa ? c->sa + r * c->ng : NULL, *sx = c->sx ? c->sx + r * c->ng : NULL;
     switch (mr) {
-        UKR_CASE(1)
-        UKR_CASE(2)
-        UKR_CASE(3)
-        UKR_CASE(4)
-#if TM_MR > 4
-        UKR_CASE(5)
-        UKR_CASE(6)
-#endif
-#if TM_MR > 6
-        UKR_CASE(7)
-        UKR_CASE(8)
-        UKR_CASE(9)
-        UKR_CASE(10)
-        UKR_CASE(11)
-        UKR_CASE(12)
-#endif
+        TM_MR_CASES(UKR_CASE)
         default:
             break;
     }
@@ -880,22 +878,7 @@ static inline int64_t lane_group(int64_t j, int64_t groups, int64_t lanes) {
 static void bf16_tile(int mr, int64_t kc, const uint32_t *a, int64_t lda, const uint16_t *b, float *tile, int load,
                       const char *pf, int64_t pf_len) {
     switch (mr) {
-        BF16_CASE(1)
-        BF16_CASE(2)
-        BF16_CASE(3)
-        BF16_CASE(4)
-#if TM_MR > 4
-        BF16_CASE(5)
-        BF16_CASE(6)
-#endif
-#if TM_MR > 6
-        BF16_CASE(7)
-        BF16_CASE(8)
-        BF16_CASE(9)
-        BF16_CASE(10)
-        BF16_CASE(11)
-        BF16_CASE(12)
-#endif
+        TM_MR_CASES(BF16_CASE)
         default:
             break;
     }
@@ -904,22 +887,7 @@ static void bf16_tile(int mr, int64_t kc, const uint32_t *a, int64_t lda, const 
 static void f32_tile(int mr, int64_t kc, const float *a, int64_t lda, const float *b, float *tile, int load,
                      const char *pf, int64_t pf_len) {
     switch (mr) {
-        F32_CASE(1)
-        F32_CASE(2)
-        F32_CASE(3)
-        F32_CASE(4)
-#if TM_MR > 4
-        F32_CASE(5)
-        F32_CASE(6)
-#endif
-#if TM_MR > 6
-        F32_CASE(7)
-        F32_CASE(8)
-        F32_CASE(9)
-        F32_CASE(10)
-        F32_CASE(11)
-        F32_CASE(12)
-#endif
+        TM_MR_CASES(F32_CASE)
         default:
             break;
     }
