@@ -37,7 +37,8 @@ from pipeline.openai_batch import (
 REQUEST_SCHEMA = pa.schema([
     ("custom_id", pa.string()), ("line", pa.int64()), ("url", pa.string()), ("model", pa.string()),
     ("prompt", pa.string()), ("messages", pa.string()), ("prompt_token_ids", pa.list_(pa.int64())),
-    ("sampling_params", pa.string()), ("request_error", pa.string()), ("error_code", pa.string()),
+    ("sampling_params", pa.string()), ("chat_template", pa.bool_()), ("request_error", pa.string()),
+    ("error_code", pa.string()),
 ])
 assert tuple(REQUEST_SCHEMA.names) == REQUEST_COLUMNS
 

@@ -37,11 +37,12 @@ REQUEST_SUFFIXES = (".jsonl", ".jsonl.gz")
 """The file names a job reads as OpenAI Batch request files."""
 
 # The job row of one request line: name -> Arrow type name (the staged Parquet's schema, `batch_files`).
-# `custom_id` is the id column; `prompt` / `messages` / `prompt_token_ids` the prompt; `sampling_params`
-# and `request_error` are read by `pipeline.schema.build_request`; `line`, `url`, `model` and `error_code`
+# `custom_id` is the id column; `prompt` / `messages` / `prompt_token_ids` the prompt; `sampling_params`,
+# `chat_template` (false for /v1/completions: the prompt as given) and `request_error` are read by
+# `pipeline.schema.build_request`; `line`, `url`, `model` and `error_code`
 # pass through to the output (the result and error lines are written from them).
 REQUEST_COLUMNS = ("custom_id", "line", "url", "model", "prompt", "messages", "prompt_token_ids",
-                   "sampling_params", "request_error", "error_code")
+                   "sampling_params", "chat_template", "request_error", "error_code")
 
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
                       "stream", "stream_options", "logit_bias", "prediction", "web_search_options", "suffix",
@@ -251,6 +252,7 @@ def parse_request(obj: Any, models: Optional[set[str]] = None) -> dict[str, Any]
         row["messages"] = json.dumps(chat_messages(body.get("messages")), ensure_ascii=False)
     else:
         row["prompt"], row["prompt_token_ids"] = _prompt(body)
+        row["chat_template"] = False  # a completions prompt is the text the model continues
     row["sampling_params"] = json.dumps(sampling_fields(body, chat), ensure_ascii=False, sort_keys=True)
     return row
 

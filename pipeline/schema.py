@@ -10,7 +10,8 @@ Input (one Parquet file or a folder of them):
       (JSON Schema text or a struct), ``regex``, ``choice`` (a list, a JSON list, or
       comma-separated text) or ``grammar`` (Lark / GBNF text); ``sampling_params`` (JSON
       text of any `engine.SamplingParams` fields, applied after the others);
-      ``prompt_token_ids`` (a list of token ids: the prompt as given, no template); null means
+      ``prompt_token_ids`` (a list of token ids: the prompt as given, no template); ``chat_template``
+      (false: this row's prompt is given as is, as OpenAI's /v1/completions takes it); null means
       the job's default;
     - ``request_error``: when not null, the row is an error row with this message (a reader's
       verdict on the line it came from, `pipeline.openai_batch`);
@@ -42,7 +43,7 @@ PROMPT_COLUMN = "prompt"
 MESSAGES_COLUMN = "messages"
 CONSTRAINT_COLUMNS = ("json_schema", "regex", "choice", "grammar")  # -> StructuredOutputsParams json/regex/...
 OVERRIDE_COLUMNS = ("system", "max_tokens", "temperature", "top_p", "seed", "stop", *CONSTRAINT_COLUMNS,
-                    "sampling_params", "prompt_token_ids", "request_error")
+                    "sampling_params", "prompt_token_ids", "chat_template", "request_error")
 MESSAGE_ROLES = (*CHAT_ROLES, TOOL_ROLE)  # a tokenizer's `chat_roles` narrows them to what its template handles
 
 # Output columns added after the id and pass-through columns, in this order.
@@ -192,6 +193,10 @@ def _override(name: str, value: Any) -> Any:
         return parse_choices(value, "choice")
     if name == "sampling_params":
         return _sampling_cell(value)
+    if name == "chat_template":
+        if not isinstance(value, bool):
+            raise ValueError(f"chat_template must be true or false, got {value!r}")
+        return value
     if name == "prompt_token_ids":
         if not isinstance(value, (list, tuple)) or not value or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
@@ -361,6 +366,7 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
             overrides[name] = _override(name, _text_cell(name, value))
     system = overrides.pop("system", system_prompt)
     token_ids = overrides.pop("prompt_token_ids", None)
+    use_chat_template = overrides.pop("chat_template", use_chat_template)
     constraint = row_constraint(overrides, defaults)
     if constraint is not None:
         overrides["structured_outputs"] = constraint
