@@ -35,6 +35,12 @@ def seed_problem(name: str, value: Any, none_ok: bool = False) -> Optional[str]:
     return None
 
 
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (argmax), as vLLM's `_SAMPLING_EPS`: batch files send 0 or a tiny
+value such as 1e-6 for "deterministic", and in that limit the distribution is the argmax; a draw at the
+sampler's floor (`engine.sampler.MIN_TEMPERATURE`) would differ from greedy on near ties."""
+
+
 # completions per prompt: n = 10**9 was accepted and built a Sequence per completion until memory ran out
 MAX_N = 4096
 
@@ -320,9 +326,9 @@ class SamplingParams:
 
     Attributes:
         n: number of completions for the prompt, 1 to MAX_N (4096).
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it,
-            raised to 0.01 when it is smaller (as vLLM does: logits divided by
-            1e-39 overflow fp32; `engine.sampler.MIN_TEMPERATURE`).
+        temperature: below `SAMPLING_EPS` (1e-5; 0 included) means greedy (argmax), token for
+            token; otherwise logits are divided by it, raised to 0.01 when it is smaller (as vLLM
+            does: logits divided by 1e-39 overflow fp32; `engine.sampler.MIN_TEMPERATURE`).
         top_p: nucleus sampling mass in (0, 1] (Holtzman et al. 2019, arXiv 1904.09751).
         top_k: keep the k most likely tokens; -1 or 0 keeps all.
         min_p: drop tokens whose probability is below min_p x the top probability.
@@ -394,8 +400,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding is argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when decoding is argmax (temperature below `SAMPLING_EPS`, 0 included, or top_k 1)."""
+        t = self.temperature
+        return (isinstance(t, (int, float)) and 0 <= t < SAMPLING_EPS) or self.top_k == 1
 
     def validate(self, vocab_size: Optional[int] = None) -> Optional[str]:
         """Check every field; return None if valid, else a message naming the parameter.

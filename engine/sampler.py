@@ -44,8 +44,9 @@ from .request import Sequence
 from .structured.bitmask import apply_token_bitmask_
 
 MIN_TEMPERATURE = 0.01
-"""The smallest temperature a draw divides the logits by: a request's temperature in (0, 0.01) is raised
-to it (as vLLM does), so that the scaled logits stay finite in fp32."""
+"""The smallest temperature a draw divides the logits by: a request's temperature in [1e-5, 0.01) is raised
+to it (as vLLM does), so that the scaled logits stay finite in fp32 (below `engine.config.SAMPLING_EPS`,
+1e-5, a request is greedy and never drawn)."""
 
 
 @dataclass

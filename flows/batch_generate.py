@@ -78,6 +78,7 @@ from pipeline import (
 from pipeline.bookkeeping import abort_job, job_device
 from pipeline.commit import default_worker
 from pipeline.engines import add_steps, engine_lock, engine_spec, run_window
+from pipeline.job import as_planned
 from pipeline.plan import plan_windows
 from pipeline.lease import LeaseToken
 from pipeline.manifest import committed_by_run, read_marker
@@ -516,7 +517,7 @@ def batch_generate(spec: JobSpec, shard_retries: int = 3, retry_delay_s: float =
                 with _resources(spec, runner):
                     for window in windows:
                         # "auto" as the manifest recorded it: every window computes with the job's dtype
-                        params = dict(spec=engine_spec(spec, plan.dtype), window=window, run_id=plan.run_id, lease=token,
+                        params = dict(spec=engine_spec(as_planned(spec, plan), plan.dtype), window=window, run_id=plan.run_id, lease=token,
                                       storage_secret=storage_secret, columns=plan.columns,
                                       structured=plan.structured)
                         futures.append(runner.submit(window_task, parameters=params) if runner is not None

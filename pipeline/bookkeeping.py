@@ -4,6 +4,7 @@ run ends (`finish_job`, `abort_job`), and read back for `tokenmill report` (`rea
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from datetime import datetime, timezone
 from typing import Any, Optional
@@ -13,6 +14,7 @@ import polars as pl
 from pipeline import io, manifest
 from pipeline.cost import CostReport, TokenCounts, cost_report
 from pipeline.manifest import ShardResult
+from pipeline.openai_batch import request_counts
 from pipeline.plan import JobPlan, done_shards
 from pipeline.storage import StorageError, quick_options, storage_call
 
@@ -85,6 +87,9 @@ def finish_job(plan: JobPlan, results: list[ShardResult], *, model: str, quantiz
         discarded_completion_tokens=discarded_completion_tokens, engine_steps=engine_steps,
         structured=plan.structured, dtype=plan.dtype or spec.dtype, host=_host_line(),
     )
+    if spec.output_format is not None and spec.id_column == "custom_id":  # a job over request files
+        done = plan.done_before + counts
+        report.request_counts = json.dumps(request_counts(plan.rows_total, done.rows_ok, done.rows_error))
     name = f"run-{plan.started_at.strftime('%Y%m%dT%H%M%S%fZ')}-{plan.run_id}.parquet"
     io.write_parquet_atomic(report.as_frame(), manifest.job_url(spec.output, RUNS_DIR, name),
                             storage_options if storage_options is not None else spec.storage_options)

@@ -41,6 +41,7 @@ from typing import Optional, Union
 import polars as pl
 
 from pipeline import io, manifest
+from pipeline.batch_files import PARTS_DIR, write_batch_parts
 from pipeline.cost import TokenCounts
 from pipeline.lease import Lease, LeaseToken
 from pipeline.manifest import ShardResult
@@ -60,6 +61,7 @@ class ShardState:
     started: float
     structured: bool = False
     scored: bool = False
+    choices: bool = False
 
 
 def default_worker() -> str:
@@ -141,13 +143,14 @@ def commit_shard(spec: JobSpec, state: ShardState, device: str, run_id: str,
     else:
         ids = pl.Series(layout.id_column, shard.dataset_rows(), pl.Int64)
     passthrough = {c: df.schema[c] for c in layout.passthrough}
-    schema = output_schema(layout.id_column, ids.dtype, passthrough, spec.n, state.structured, state.scored)
+    schema = output_schema(layout.id_column, ids.dtype, passthrough, spec.n, state.structured, state.scored,
+                           state.choices)
     gen_cols = [c for c in schema if c != layout.id_column and c not in passthrough]
     gen = pl.DataFrame({c: [r.get(c) for r in state.results] for c in gen_cols},
                        schema={c: schema[c] for c in gen_cols})
     out = pl.concat([pl.DataFrame([ids.alias(layout.id_column)]), df.select(layout.passthrough), gen],
                     how="horizontal")
-    url = io.join(spec.output, shard.name)
+    url = part_url(spec, shard.name)
     worker = worker or default_worker()
     buf = BytesIO()
     out.write_parquet(buf, compression="zstd", metadata={PART_WORKER_KEY: worker})
@@ -159,6 +162,8 @@ def commit_shard(spec: JobSpec, state: ShardState, device: str, run_id: str,
         gen = out.select([c for c in gen_cols if c in out.columns])
     else:
         labels = [r.get("_label") for r in state.results if r is not None and r.get("_label") is not None]
+    if "jsonl" in spec.output_formats():  # from the committed part file's rows, before the marker
+        write_batch_parts(spec.output, shard.name, out, spec.model, so)
     result = ShardResult(index=shard.index, rows=shard.length, counts=_counts(gen, labels), device=device,
                          seconds=time.perf_counter() - state.started, worker=writer)
     return manifest.mark_done(spec.output, shard.name, result,
@@ -166,12 +171,20 @@ def commit_shard(spec: JobSpec, state: ShardState, device: str, run_id: str,
                                "adopted_part": adopted, "committed_by": worker}, so)
 
 
+def part_url(spec: JobSpec, name: str) -> str:
+    """Where a part file `name` goes: the output folder, or `_job/parts/` for a job that writes no Parquet
+    output (`--output-format jsonl`: the part file is then only the record of the commit)."""
+    if "parquet" in spec.output_formats():
+        return io.join(spec.output, name) if name else spec.output
+    return manifest.job_url(spec.output, PARTS_DIR, *([name] if name else []))
+
+
 def drop_markers_of_lost_parts(spec: JobSpec, shards: list[Shard], done: dict[int, ShardResult]
                                 ) -> dict[int, ShardResult]:
     """`done` without the shards whose part file is gone (deleted after its commit): their done markers
     are removed, with a warning naming them, so this run computes them again. Called by the run that
     holds the output's lease, before any shard runs; one listing of the output folder."""
-    present = set(io.list_names(spec.output, spec.storage_options))
+    present = set(io.list_names(part_url(spec, ""), spec.storage_options))
     lost = [s for s in shards if s.index in done and s.name not in present]
     if not lost:
         return done

@@ -82,6 +82,8 @@ class CostReport:
     (the acceptance rate), and, from the engine's counters over the run when it ran in
     this process, accepted tokens per verified draft and the share of steps that verified
     drafts (None when not known).
+    `request_counts` (jobs over OpenAI Batch request files; None otherwise): the job's requests as
+    OpenAI's Batch API counts them, JSON {"total", "completed", "failed"}, over every run so far.
     """
 
     job_id: str
@@ -130,6 +132,7 @@ class CostReport:
     label_distribution: Optional[str] = None
     dtype: Optional[str] = None
     host: Optional[str] = None
+    request_counts: Optional[str] = None
 
     def as_row(self) -> dict:
         return asdict(self)

@@ -24,6 +24,7 @@ from pipeline.commit import ShardState, commit_shard, default_worker
 from pipeline.lease import Lease, LeaseToken
 from pipeline.manifest import ShardResult
 from pipeline.planner import Shard
+from pipeline.openai_batch import choices_cell
 from pipeline.schema import CONSTRAINT_COLUMNS, InputLayout, build_request
 from pipeline.spec import JobSpec
 
@@ -297,12 +298,13 @@ def run_shards(
     if structured is None:
         structured = spec.constrained or any(c in df.columns for _, df, _ in frames for c in CONSTRAINT_COLUMNS)
     scored = spec.score_choices is not None
+    choices = "jsonl" in spec.output_formats()  # OpenAI Batch result lines: every completion, with logprobs
     for shard, df, t0 in frames:
         seeds = shard.dataset_rows()
         bad_text = df.get_column(io.INVALID_UTF8_COLUMN) if io.INVALID_UTF8_COLUMN in df.columns else None
         df = df.drop(io.INVALID_UTF8_COLUMN, strict=False)  # it names a row's bad text; never an output column
         layout = InputLayout.from_schema(df.columns, spec.id_column)
-        state = ShardState(shard, df, layout, [None] * df.height, 0, t0, structured, scored)
+        state = ShardState(shard, df, layout, [None] * df.height, 0, t0, structured, scored, choices)
         row_cols = [c for c in (spec.id_column, "prompt", "messages", *layout.overrides) if c in df.columns]
         rows = df.select(row_cols) if bad_text is None else df.select(row_cols).with_columns(bad_text)
         for i, row in enumerate(rows.iter_rows(named=True)):
@@ -335,6 +337,8 @@ def run_shards(
             si, ri = owners[int(out.request_id)]
             state = states[si]
             row = _output_row(out, spec.n, params[int(out.request_id)])
+            if choices and row["error"] is None:
+                row["choices"] = choices_cell(out, tokenizer, params[int(out.request_id)].logprobs or 0)
             state.results[ri] = row
             state.remaining -= 1
             if on_rows:

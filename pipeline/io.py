@@ -241,6 +241,31 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
             the server answered HTTP 404 (Not Found)`), or another storage failure.
         ValueError: a file that is not Parquet (the message names it).
     """
+    so = resolve_storage_options(url, storage_options)
+    fs, _ = filesystem(url, storage_options)
+    files = []
+    for full, info in find_files(url, (".parquet",), "Parquet", storage_options):
+        with storage_call("read", full, so), fs.open(info["name"], "rb") as f:
+            try:
+                pf = pq.ParquetFile(f)
+            except pa.ArrowInvalid as exc:  # e.g. "Parquet magic bytes not found", without the file's name
+                raise ValueError(f"{full} is not a Parquet file ({printable(exc)})") from None
+            num_rows, columns = pf.metadata.num_rows, tuple(pf.schema_arrow.names)
+            schema = pf.schema_arrow
+        files.append(InputFile(path=full, size=int(info["size"]), etag=_etag(info),
+                               num_rows=num_rows, columns=columns, schema=schema))
+    return files
+
+
+def find_files(url: str, suffixes: tuple[str, ...], kind: str,
+               storage_options: Optional[dict[str, Any]] = None) -> list[tuple[str, dict[str, Any]]]:
+    """(full URL, fsspec info) of the files at `url` whose names end with one of `suffixes`, sorted: one
+    file, those under a folder/prefix, or those a glob pattern matches (see `list_input_files`; `kind`
+    names them in messages: "Parquet").
+
+    Raises:
+        FileNotFoundError, StorageError: as `list_input_files`.
+    """
     fs, path = filesystem(url, storage_options)
     so = resolve_storage_options(url, storage_options)
     path = path.rstrip("/")
@@ -254,35 +279,28 @@ def list_input_files(url: str, storage_options: Optional[dict[str, Any]] = None)
             if pattern:
                 found = fs.glob(path, detail=True)
                 infos = [info for p, info in sorted(found.items())
-                         if info.get("type") == "file" and p.endswith(".parquet") and not _hidden_under(p, base)]
+                         if info.get("type") == "file" and p.endswith(suffixes) and not _hidden_under(p, base)]
             elif fs.isfile(path):
                 infos = [fs.info(path)]
             else:
                 found = fs.find(path, detail=True)
                 infos = [info for p, info in sorted(found.items())
-                         if p.endswith(".parquet") and not _hidden_under(p, path)]
+                         if p.endswith(suffixes) and not _hidden_under(p, path)]
         except FileNotFoundError:
             infos = []
     if not infos:
         check_bucket(url, storage_options, "list")
         if pattern:
-            raise FileNotFoundError(f"no Parquet files match the pattern {url}")
+            raise FileNotFoundError(f"no {kind} files match the pattern {url}")
         if is_local(fs) and not fs.exists(path):
             raise FileNotFoundError(missing_local_input(url, path))
-        raise FileNotFoundError(f"no Parquet files at {url}")
-    files = []
-    for info in infos:
-        full = _full_url(fs, info["name"])
-        with storage_call("read", full, so), fs.open(info["name"], "rb") as f:
-            try:
-                pf = pq.ParquetFile(f)
-            except pa.ArrowInvalid as exc:  # e.g. "Parquet magic bytes not found", without the file's name
-                raise ValueError(f"{full} is not a Parquet file ({printable(exc)})") from None
-            num_rows, columns = pf.metadata.num_rows, tuple(pf.schema_arrow.names)
-            schema = pf.schema_arrow
-        files.append(InputFile(path=full, size=int(info["size"]), etag=_etag(info),
-                               num_rows=num_rows, columns=columns, schema=schema))
-    return files
+        raise FileNotFoundError(f"no {kind} files at {url}")
+    return [(_full_url(fs, info["name"]), info) for info in infos]
+
+
+def file_etag(info: dict[str, Any]) -> Optional[str]:
+    """The store's ETag of a file (S3/GCS), or for a local file its mtime in ns, from its fsspec info."""
+    return _etag(info)
 
 
 def missing_local_input(url: str, path: str) -> str:

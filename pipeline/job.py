@@ -29,9 +29,10 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 from pipeline import io, manifest
+from pipeline.batch_files import is_request_input, stage_requests
 from pipeline.bookkeeping import JobInterrupted, abort_job, finish_job, job_device
 from pipeline.commit import drop_markers_of_lost_parts
-from pipeline.cost import CostReport
+from pipeline.cost import CostReport, TokenCounts
 from pipeline.engines import (
     add_steps, engine_quantization, engine_spec, get_llm, host_dtype, loaded_llm, run_window, sampled_tokens,
 )
@@ -87,10 +88,19 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         if out_fs.isfile(out_path):
             raise ValueError(f"output {spec.output} is a file; give a folder (or prefix) URL")
         refuse_output_overlapping_input(spec, out_fs, out_path)
-    files = io.list_input_files(spec.input, so)
-    refuse_inputs_the_job_would_replace(spec, files, out_fs, out_path)
+    staged = None
+    if is_request_input(spec.input, so):  # OpenAI Batch request files: their lines become rows (`batch_files`)
+        spec = request_job_spec(spec)
+        staged = stage_requests(spec.output, spec.input, spec.model, spec.served_model_name, so)
+        sources, files = staged.sources, staged.files
+    else:
+        if "jsonl" in spec.output_formats():
+            raise ValueError(f"output_format {spec.output_format!r}: OpenAI Batch result files (jsonl) are written "
+                             f"for OpenAI Batch request files (.jsonl) only; {spec.input} holds Parquet")
+        files = sources = io.list_input_files(spec.input, so)
+    refuse_inputs_the_job_would_replace(spec, sources, out_fs, out_path)
     columns = check_inputs(spec, files)
-    digest, doc = manifest.fingerprint(files, spec.fingerprint_fields())
+    digest, doc = manifest.fingerprint(sources, spec.fingerprint_fields())
     readable = {"constraint": text} if (text := spec.constraint_text()) is not None else {}  # not hashed
     run_id = uuid.uuid4().hex[:12]
     lease = Lease.acquire(spec.output, so, run_id=run_id, ttl_s=spec.lease_ttl_s)
@@ -111,6 +121,8 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
                 f"manifest (_job/manifest.json), so they are not outputs this run can resume; re-run with "
                 f"--overwrite to delete them, or choose another output."
             )
+        if staged is not None:
+            staged.write(so)  # (a resume finds them there: the same rows)
         if spec.overwrite or previous is None:
             for message in check_ids(files, spec.id_column, spec.limit, so):
                 warnings.warn(f"{spec.input}: {message}", stacklevel=2)
@@ -138,9 +150,32 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         raise
     pending = [s for s in shards if s.index not in done]
     structured = spec.constrained or any(c in f.columns for f in files for c in CONSTRAINT_COLUMNS)
+    done_before = sum((r.counts for i, r in done.items()), TokenCounts())
     return JobPlan(spec=spec, job_id=digest[:16], run_id=run_id, shards=shards, pending=pending,
                    started_at=started_at, stats=stats, columns=columns, lease=lease, structured=structured,
-                   dtype=dtype)
+                   dtype=dtype, done_before=done_before)
+
+
+PLANNED_FIELDS = ("id_column", "output_format")
+"""JobSpec fields `prepare_job` settles for request-file inputs (`request_job_spec`); `JobPlan.spec` holds them."""
+
+
+def request_job_spec(spec: JobSpec) -> JobSpec:
+    """The spec of a job over OpenAI Batch request files: ids are the lines' `custom_id`, and the output is
+    result and error files (`output_format` jsonl) unless the spec asks for Parquet too (or instead).
+
+    Raises:
+        ValueError: an `id_column` other than custom_id (a request file's ids are its custom_ids).
+    """
+    if spec.id_column not in ("id", "custom_id"):
+        raise ValueError(f"id_column {spec.id_column!r}: the ids of OpenAI Batch request lines are their custom_id")
+    return spec.model_copy(update={"id_column": "custom_id", "output_format": spec.output_format or "jsonl"})
+
+
+def as_planned(spec: JobSpec, plan: JobPlan) -> JobSpec:
+    """`spec` with the fields `prepare_job` settled (`PLANNED_FIELDS`) as `plan` has them: what a run's
+    windows run with (the flow passes `spec` itself on, storage secrets unresolved)."""
+    return spec.model_copy(update={k: getattr(plan.spec, k) for k in PLANNED_FIELDS})
 
 
 def _say(spec: JobSpec, text: str) -> None:
@@ -180,7 +215,7 @@ def run_job(
                          f"Prefect flow (flows.batch_generate(spec), or `tokenmill run --cluster ...`)")
     plan = prepare_job(spec, tokenizer=llm.tokenizer if llm is not None else None,
                        max_model_len=getattr(llm, "max_model_len", None) if llm is not None else None)
-    spec = engine_spec(spec, plan.dtype)  # "auto" as the manifest recorded it (a resume keeps it)
+    spec = engine_spec(as_planned(spec, plan), plan.dtype)  # "auto" as the manifest recorded it (a resume keeps it)
     results: list[ShardResult] = []
     bar = None
     out_tokens = 0

@@ -137,14 +137,21 @@ def write_manifest(output: str, manifest: dict, storage_options: dict[str, Any])
 
 def part_files(output: str, storage_options: dict[str, Any]) -> list[str]:
     """Names of the part files at the output."""
-    return [n for n in io.list_names(output, storage_options) if n.startswith("part-") and n.endswith(".parquet")]
+    return [n for n in io.list_names(output, storage_options)
+            if (n.startswith("part-") and n.endswith(".parquet")) or _batch_output(n)]
+
+
+def _batch_output(name: str) -> bool:
+    """An OpenAI Batch result or error file of a job (`pipeline.batch_files`)."""
+    return name.startswith(("results-", "errors-")) and name.endswith(".jsonl")
 
 
 def clear_output(output: str, storage_options: dict[str, Any], keep: tuple[str, ...] = ("lease",)) -> None:
     """Delete a job's part files, temp files of killed writes and its `_job/` folder (nothing else),
     except the `_job/` entries named in `keep` (the lease of the run doing the clearing)."""
     for name in io.list_names(output, storage_options):
-        if (name.startswith("part-") and name.endswith(".parquet")) or name.startswith(io.TEMP_PREFIX):
+        if (name.startswith("part-") and name.endswith(".parquet")) or name.startswith(io.TEMP_PREFIX) \
+                or _batch_output(name):
             io.remove(io.join(output, name), storage_options)
     for name in io.list_names(job_url(output), storage_options):
         if name not in keep:

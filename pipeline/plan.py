@@ -13,6 +13,7 @@ import polars as pl
 from engine.config import EngineConfig
 from pipeline import io, manifest
 from pipeline.engines import job_tokenizer, loaded_llm, use_chat_template
+from pipeline.cost import TokenCounts
 from pipeline.lease import Lease
 from pipeline.manifest import ShardResult
 from pipeline.planner import PlanStats, Shard, TokenizedRows, plan_input_order, plan_prefix
@@ -36,6 +37,7 @@ class JobPlan:
         dtype: the weights dtype the job computes with ("float32", "bfloat16", ...): `spec.dtype`, or
             for "auto" the one the manifest recorded when the job was planned (a resume on another
             host keeps it); run the engine from `engine_spec(spec, plan.dtype)`.
+        done_before: the counts of the shards earlier runs committed (their done markers).
     """
 
     spec: JobSpec
@@ -49,6 +51,7 @@ class JobPlan:
     lease: Optional[Lease] = None
     structured: bool = False
     dtype: Optional[str] = None
+    done_before: TokenCounts = field(default_factory=TokenCounts)
     rows_total: int = field(init=False)
     rows_skipped: int = field(init=False)
 
@@ -258,8 +261,9 @@ def refuse_output_overlapping_input(spec: JobSpec, out_fs, out_path: str) -> Non
                 raise ValueError(f"output {spec.output} lies under {parent}, which is a file; give a folder URL")
     in_fs, in_path = io.filesystem(spec.input, spec.storage_options)
     if io.is_glob(in_path):  # a pattern: refuse an output whose part files it would match
-        part = out_path.rstrip("/") + "/part-00000.parquet"
-        if in_fs.protocol == out_fs.protocol and io.glob_matches(in_path.rstrip("/"), part):
+        parts = [out_path.rstrip("/") + name for name in ("/part-00000.parquet", "/results-00000.jsonl",
+                                                           "/errors-00000.jsonl")]
+        if in_fs.protocol == out_fs.protocol and any(io.glob_matches(in_path.rstrip("/"), p) for p in parts):
             raise ValueError(f"output {spec.output} lies where the input pattern {spec.input} matches: the part files "
                              f"written there would be read as input by the next run (a resume); choose an output "
                              f"the pattern does not match")

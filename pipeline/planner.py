@@ -523,19 +523,22 @@ class TokenizedRows:
                     df = df.head(left)
                     left -= df.height
                 texts: list[Optional[str]] = []
+                given: list[Optional[list[int]]] = []  # rows whose prompt is token ids (no text to encode)
                 max_tokens: list[int] = []
                 for row in df.iter_rows(named=True):
                     rec.text = None
                     req = build_request(row, layout, rec, self.defaults, system_prompt=self.system_prompt,
                                         use_chat_template=self.use_chat_template, vocab_size=vocab_size)
                     texts.append(rec.text if req.error is None else None)
+                    given.append(req.prompt_token_ids if req.error is None and rec.text is None else None)
                     max_tokens.append(req.params.max_tokens if req.params is not None else 0)
                 good = [t for t in texts if t is not None]
                 if encode_batch is not None:
                     enc = iter(encode_batch(good)) if good else iter(())
                 else:
                     enc = iter([self.tokenizer.encode(t) for t in good])
-                out = [(list(next(enc)) if t is not None else None, m) for t, m in zip(texts, max_tokens)]
+                out = [(g if g is not None else list(next(enc)) if t is not None else None, m)
+                       for t, g, m in zip(texts, given, max_tokens)]
                 if max_len is not None:  # build_request's length rule, on the real token counts
                     checked = []
                     for ids, m in out:

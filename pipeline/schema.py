@@ -8,7 +8,13 @@ Input (one Parquet file or a folder of them):
     - optional per-row overrides: ``system``, ``max_tokens``, ``temperature``,
       ``top_p``, ``seed``, ``stop``, and one output constraint per row, ``json_schema``
       (JSON Schema text or a struct), ``regex``, ``choice`` (a list, a JSON list, or
-      comma-separated text) or ``grammar`` (Lark / GBNF text); null means the job's default;
+      comma-separated text) or ``grammar`` (Lark / GBNF text); ``sampling_params`` (JSON
+      text of any `engine.SamplingParams` fields, applied after the others);
+      ``prompt_token_ids`` (a list of token ids: the prompt as given, no template); ``chat_template``
+      (false: this row's prompt is given as is, as OpenAI's /v1/completions takes it); null means
+      the job's default;
+    - ``request_error``: when not null, the row is an error row with this message (a reader's
+      verdict on the line it came from, `pipeline.openai_batch`);
     - every other column passes through to the output unchanged.
 
 A bad row never fails the job: `build_request` returns a `RowRequest` whose
@@ -36,7 +42,8 @@ from pipeline.io import INVALID_UTF8_COLUMN
 PROMPT_COLUMN = "prompt"
 MESSAGES_COLUMN = "messages"
 CONSTRAINT_COLUMNS = ("json_schema", "regex", "choice", "grammar")  # -> StructuredOutputsParams json/regex/...
-OVERRIDE_COLUMNS = ("system", "max_tokens", "temperature", "top_p", "seed", "stop", *CONSTRAINT_COLUMNS)
+OVERRIDE_COLUMNS = ("system", "max_tokens", "temperature", "top_p", "seed", "stop", *CONSTRAINT_COLUMNS,
+                    "sampling_params", "prompt_token_ids", "chat_template", "request_error")
 MESSAGE_ROLES = (*CHAT_ROLES, TOOL_ROLE)  # a tokenizer's `chat_roles` narrows them to what its template handles
 
 # Output columns added after the id and pass-through columns, in this order.
@@ -53,6 +60,9 @@ GENERATION_COLUMNS: dict[str, pl.DataType] = {
     "error": pl.Utf8(),
 }
 GENERATIONS_LIST_COLUMN = "generations"  # only when n > 1
+# after the others in jobs that write OpenAI Batch result lines: each completion's text, finish reason and
+# logprobs, as JSON text (`pipeline.openai_batch.choices_cell`)
+CHOICES_COLUMN = "choices"
 # after `generation` in jobs that constrain outputs (a default constraint or a constraint column)
 STRUCTURED_COLUMNS: dict[str, pl.DataType] = {"valid": pl.Boolean(), "parsed": pl.Utf8()}
 # after those in scoring jobs (`score_choices`)
@@ -104,7 +114,8 @@ class InputLayout:
                 f"(list of {{role, content}}); found columns {cols}{hint}"
             )
         def is_output(c: str) -> bool:
-            return c in GENERATION_COLUMNS or c == GENERATIONS_LIST_COLUMN or c in STRUCTURED_COLUMNS or c in SCORE_COLUMNS
+            return (c in GENERATION_COLUMNS or c in (GENERATIONS_LIST_COLUMN, CHOICES_COLUMN) or c in STRUCTURED_COLUMNS
+                    or c in SCORE_COLUMNS)
 
         role = ("the prompt" if id_column in (PROMPT_COLUMN, MESSAGES_COLUMN)
                 else "a per-row sampling option" if id_column in OVERRIDE_COLUMNS
@@ -180,7 +191,38 @@ def _override(name: str, value: Any) -> Any:
         return value
     if name == "choice":
         return parse_choices(value, "choice")
+    if name == "sampling_params":
+        return _sampling_cell(value)
+    if name == "chat_template":
+        if not isinstance(value, bool):
+            raise ValueError(f"chat_template must be true or false, got {value!r}")
+        return value
+    if name == "prompt_token_ids":
+        if not isinstance(value, (list, tuple)) or not value or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            raise ValueError(f"prompt_token_ids must be a non-empty list of token ids, got {value!r}"[:200])
+        return list(value)
     raise ValueError(f"unknown override column {name!r}")
+
+
+def _sampling_cell(value: Any) -> dict[str, Any]:
+    """A `sampling_params` cell (JSON text or a struct) as SamplingParams fields.
+
+    Raises:
+        ValueError: not a JSON object, or a key SamplingParams does not have (named).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"sampling_params is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"sampling_params must be an object of SamplingParams fields, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"sampling_params: unknown field(s) {unknown}")
+    return dict(value)
 
 
 def parse_choices(value: Any, name: str = "choice") -> list:
@@ -305,6 +347,8 @@ def build_request(
 
 def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template, max_model_len, vocab_size,
                    truncate=False):
+    if row.get("request_error") is not None:
+        raise ValueError(row["request_error"])
     bad_text = row.get(INVALID_UTF8_COLUMN)
     if bad_text:
         raise ValueError(f"{bad_text} {'is' if ',' not in bad_text else 'are'} not valid UTF-8 text (the Parquet "
@@ -321,12 +365,17 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
         if value is not None:
             overrides[name] = _override(name, _text_cell(name, value))
     system = overrides.pop("system", system_prompt)
+    token_ids = overrides.pop("prompt_token_ids", None)
+    use_chat_template = overrides.pop("chat_template", use_chat_template)
     constraint = row_constraint(overrides, defaults)
     if constraint is not None:
         overrides["structured_outputs"] = constraint
+    overrides.update(overrides.pop("sampling_params", {}))
 
     messages_value = _text_cell(MESSAGES_COLUMN, row.get(MESSAGES_COLUMN)) if layout.has_messages else None
-    if messages_value is not None or (layout.has_messages and not layout.has_prompt):  # (None: `messages is null`)
+    if token_ids is not None:  # the prompt as token ids: no template, no system prompt
+        text = None
+    elif messages_value is not None or (layout.has_messages and not layout.has_prompt):  # (None: `messages is null`)
         messages = parse_messages(messages_value, getattr(tokenizer, "chat_roles", MESSAGE_ROLES))
         if not use_chat_template:
             raise ValueError("messages rows need the chat template (chat_template is off or the model has none)")
@@ -355,7 +404,9 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
     problem = params.validate(vocab_size)
     if problem is not None:
         raise ValueError(problem)
-    ids = list(tokenizer.encode(text))
+    ids = list(tokenizer.encode(text)) if token_ids is None else token_ids
+    if token_ids is not None and vocab_size is not None and max(ids) >= vocab_size:
+        raise ValueError(f"prompt_token_ids holds token id {max(ids)}, past the vocabulary ({vocab_size} tokens)")
     if not ids:
         raise ValueError("prompt is empty after tokenization")
     problem, max_tokens = length_rule(len(ids), params.max_tokens, max_model_len, truncate)
@@ -474,13 +525,13 @@ def _type_name(t: pa.DataType) -> str:
 
 def output_schema(
     id_column: str, id_dtype: pl.DataType, passthrough: dict[str, pl.DataType], n: int,
-    structured: bool = False, scored: bool = False,
+    structured: bool = False, scored: bool = False, choices: bool = False,
 ) -> dict[str, pl.DataType]:
     """The output part schema: id, pass-through columns, then the generation columns.
 
     `generations` (list of strings, one per completion) follows `generation` when n > 1;
     then `valid` and `parsed` when the job is `structured`, and `label` and
-    `label_logprobs` when it is `scored`.
+    `label_logprobs` when it is `scored`; `choices` last when asked (OpenAI Batch output).
     """
     out: dict[str, pl.DataType] = {id_column: id_dtype, **passthrough}
     for name, dtype in GENERATION_COLUMNS.items():
@@ -492,4 +543,6 @@ def output_schema(
                 out.update(STRUCTURED_COLUMNS)
             if scored:
                 out.update(SCORE_COLUMNS)
+    if choices:
+        out[CHOICES_COLUMN] = pl.Utf8()
     return out

@@ -38,7 +38,7 @@ FINGERPRINT_FIELDS = (
     "model", *(name for name, f in declared_options().items() if f.metadata["changes_outputs"]), "engine_options",
     "max_tokens", "temperature", "top_p", "top_k", "stop", "sampling_options",
     "system_prompt", "chat_template", "n", "id_column", "shard_size", "limit", "plan", "decode_heavy_first",
-    "truncate", "structured", "score_choices",
+    "truncate", "structured", "score_choices", "output_format", "served_model_name",
 )
 
 
@@ -46,6 +46,9 @@ FINGERPRINT_FIELDS = (
 # set one again (their defaults count); nor `structured_outputs` when the job has a default constraint (one
 # of CONSTRAINT_FIELDS), nor `score_choices` when it scores.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop")
+
+
+OUTPUT_FORMATS = ("parquet", "jsonl")
 
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
@@ -168,6 +171,12 @@ class JobSpec(_JobEngineOptions):
     truncate: bool = Field(False, description="a row whose prompt + max_tokens exceeds the context stops at the end "
                                               "of the context (default: such a row is an error row)")
 
+    output_format: Optional[str] = Field(
+        None, description="what the job writes: parquet (part-*.parquet), jsonl (OpenAI Batch results-*.jsonl and "
+                          "errors-*.jsonl; request-file inputs only) or parquet,jsonl; default jsonl for OpenAI Batch "
+                          "request files (.jsonl), else parquet")
+    served_model_name: Optional[list[str]] = Field(
+        None, description="model names a request line's `model` may give besides the job's model (comma-separated)")
     id_column: str = Field("id", description="the input column holding each row's id (default id; without an id "
                                              "column, the row index; a named column must exist)")
     shard_size: int = Field(256, ge=1, description="rows per output part file")
@@ -225,7 +234,21 @@ class JobSpec(_JobEngineOptions):
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else (v or [])
 
-    @field_validator("choice", "score_choices", mode="before")
+    @field_validator("output_format")
+    @classmethod
+    def _formats(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        parts = [p.strip() for p in v.split(",") if p.strip()]
+        if not parts or any(p not in OUTPUT_FORMATS for p in parts):
+            raise ValueError(f"must be parquet, jsonl or parquet,jsonl, got {v!r}")
+        return ",".join(f for f in OUTPUT_FORMATS if f in parts)
+
+    def output_formats(self) -> tuple[str, ...]:
+        """What the job writes: ("parquet",), ("jsonl",) or both (`output_format`; unset: parquet)."""
+        return tuple((self.output_format or "parquet").split(","))
+
+    @field_validator("choice", "score_choices", "served_model_name", mode="before")
     @classmethod
     def _choice_list(cls, v: Any) -> Any:
         return parse_choices(v) if isinstance(v, str) else v
@@ -418,7 +441,7 @@ class JobSpec(_JobEngineOptions):
         fields = {k: getattr(self, k) for k in FINGERPRINT_FIELDS if k not in ("structured",)}
         so = self.structured_outputs()
         fields["structured"] = so.key() if so is not None and so.validate() is None else None
-        for k in ("truncate", "structured", "score_choices"):
+        for k in ("truncate", "structured", "score_choices", "output_format", "served_model_name"):
             if not fields[k]:
                 del fields[k]
         # speculation changes speed, never outputs (greedy: the target's tokens; seeded rows: the same

@@ -92,18 +92,30 @@ def test_top_k_1_equals_greedy(llm):
             assert got.text == want.text
 
 
-def test_a_near_zero_temperature_draws_near_greedy_not_at_random(llm):
-    """Temperatures below fp32's range (1e-39 is subnormal, 5e-324 is 0 in fp32) made the scaled
-    logits inf and their softmax NaN, which drew garbage ('ectableectable...'); they are raised to
-    MIN_TEMPERATURE (0.01, vLLM's floor) and give what greedy gives on these prompts."""
+def test_a_temperature_below_the_sampling_epsilon_is_greedy_token_for_token(llm):
+    """Batch files send temperature 0 or a tiny value (1e-6) for "deterministic". Below
+    SAMPLING_EPS (1e-5, vLLM's `_SAMPLING_EPS`) a request is greedy: the same tokens as
+    temperature=0 whatever its seed, also on near ties ("The largest planet is", where a draw at
+    the sampler's 0.01 floor left greedy within 10 tokens for most seeds). Temperatures below fp32's
+    range (1e-39, 5e-324), which once drew garbage through a NaN softmax, are greedy too. At 1e-5
+    and above a request is drawn (at no less than MIN_TEMPERATURE)."""
+    from engine.config import SAMPLING_EPS
     from engine.sampler import MIN_TEMPERATURE
 
-    assert MIN_TEMPERATURE == 0.01
-    prompts = ["The capital of France is", "for i in range(10):", "Water boils at"]
+    assert SAMPLING_EPS == 1e-5 and MIN_TEMPERATURE == 0.01
+    assert SamplingParams(temperature=1e-6).greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=0.5).greedy
+    prompts = ["The largest planet is", "The capital of France is", "for i in range(10):", "Water boils at"]
     greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    for t in (1e-39, 1e-45, 5e-324):
-        outs = llm.generate(prompts, SamplingParams(temperature=t, seed=3, max_tokens=MAX_TOKENS), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy], t
+    want = [o.outputs[0].token_ids for o in greedy]
+    assert all(len(w) == MAX_TOKENS for w in want)
+    cases = [(t, seed) for t in (1e-6, 9.9e-6, 1e-39, 5e-324) for seed in (0, 1, 2, 3, 4)]
+    outs = llm.generate(prompts * len(cases),
+                        [SamplingParams(temperature=t, seed=seed, max_tokens=MAX_TOKENS)
+                         for t, seed in cases for _ in prompts], use_tqdm=False)
+    for k, (t, seed) in enumerate(cases):
+        got = [o.outputs[0].token_ids for o in outs[k * len(prompts):(k + 1) * len(prompts)]]
+        assert got == want, (t, seed)
 
 
 # ------------------------------------------------------------------ stop strings

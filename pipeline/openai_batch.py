@@ -1,0 +1,422 @@
+"""OpenAI Batch files: request lines in, result and error lines out (the format of OpenAI's Batch API and
+of `vllm run-batch`).
+
+A request line is `{"custom_id", "method": "POST", "url", "body"}`, one JSON object per line;
+`parse_request_lines` turns each line into one job row (the columns of `REQUEST_COLUMNS`):
+
+- `/v1/chat/completions`: `body.messages` (content a string or a list of text parts) -> `messages`;
+- `/v1/completions`: `body.prompt`, a string or a list of token ids -> `prompt` / `prompt_token_ids`;
+- the sampling fields of the body -> `sampling_params` (JSON of `engine.SamplingParams` fields):
+  max_tokens (max_completion_tokens for chat), temperature, top_p, n, stop, seed, presence_penalty,
+  frequency_penalty, logprobs / top_logprobs, response_format (json_object, json_schema), and vLLM's
+  top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, structured_outputs and
+  guided_choice / guided_regex / guided_json / guided_grammar. A field the body leaves out takes
+  OpenAI's default (temperature 1, top_p 1, n 1), except max_tokens: the job's `max_tokens`.
+
+A line that cannot run becomes a row whose `request_error` names the problem and the line (not JSON, no
+`custom_id`, a repeated `custom_id`, another `model` than the job's, a field we do not support such as
+`tools`); the job writes it as an error line, never fails. Unknown fields are ignored, as OpenAI does.
+
+`result_line` / `error_line` turn a finished job row back into an output line: `{"id", "custom_id",
+"response": {"status_code": 200, "request_id", "body": <chat.completion | text_completion>}, "error":
+null}`, with `usage` (prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens), and for an
+error `{"id", "custom_id", "response": {"status_code": 400, ...}, "error": {"code", "message"}}`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)
+
+REQUEST_SUFFIXES = (".jsonl", ".jsonl.gz")
+"""The file names a job reads as OpenAI Batch request files."""
+
+# The job row of one request line: name -> Arrow type name (the staged Parquet's schema, `batch_files`).
+# `custom_id` is the id column; `prompt` / `messages` / `prompt_token_ids` the prompt; `sampling_params`,
+# `chat_template` (false for /v1/completions: the prompt as given) and `request_error` are read by
+# `pipeline.schema.build_request`; `line`, `url`, `model` and `error_code`
+# pass through to the output (the result and error lines are written from them).
+REQUEST_COLUMNS = ("custom_id", "line", "url", "model", "prompt", "messages", "prompt_token_ids",
+                   "sampling_params", "chat_template", "request_error", "error_code")
+
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                      "stream", "stream_options", "logit_bias", "prediction", "web_search_options", "suffix",
+                      "echo", "best_of")
+"""Body fields that change what a request means and that a job cannot honour: a line that sets one (to
+anything but null, false, an empty list, or best_of 1) is an error line naming it."""
+
+TEXT_PART_TYPES = ("text", "input_text")
+
+# body field -> SamplingParams field, taken as given (SamplingParams.validate judges the values)
+_DIRECT = {"temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+           "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+           "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
+
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "n": 1}
+"""What a body that leaves these fields out gets (OpenAI's defaults), whatever the job's defaults."""
+
+
+class LineError(ValueError):
+    """A request line that cannot run: `code` (OpenAI-style: invalid_json, missing_custom_id,
+    duplicate_custom_id, model_not_found, unsupported_field, invalid_request) and the message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def model_names(model: str, served: Optional[Sequence[str]] = None) -> set[str]:
+    """The `model` values a line may give for a job of `model` (lowercase): the job's model, its file or
+    folder name (without .gguf), and `served` (the job's `served_model_name`); a Hugging Face style
+    "org/name" matches on its name."""
+    names = {model.lower()}
+    base = model.rstrip("/").rsplit("/", 1)[-1].lower()
+    names |= {base, base.removesuffix(".gguf")}
+    names |= {s.lower() for s in served or ()}
+    return names
+
+
+def model_matches(value: str, names: set[str]) -> bool:
+    """Whether a line's `model` names the job's model (`model_names`)."""
+    v = value.lower()
+    return v in names or v.rsplit("/", 1)[-1] in names
+
+
+def _set(value: Any) -> bool:
+    return value is not None and value is not False and value != [] and value != {}
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts joined with newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in TEXT_PART_TYPES:
+                shown = repr(kind) if kind is not None else f"{type(part).__name__} {part!r}"[:60]
+                raise LineError("unsupported_field", f"{where}.content[{j}] is a {shown} part; only text parts "
+                                                     f"are supported")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise LineError("invalid_request", f"{where}.content[{j}].text must be a string")
+            texts.append(text)
+        return "\n".join(texts)
+    raise LineError("invalid_request", f"{where}.content must be a string or a list of text parts, got "
+                                       f"{type(content).__name__}")
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """A chat body's `messages` as [{role, content}] with text content ("developer" is "system").
+
+    Raises:
+        LineError: not a list of messages, a tool call or a part that is not text (unsupported_field).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise LineError("invalid_request", "body.messages must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"body.messages[{i}]"
+        if not isinstance(m, dict):
+            raise LineError("invalid_request", f"{where} must be an object with role and content")
+        for key in ("tool_calls", "function_call", "audio"):
+            if _set(m.get(key)):
+                raise LineError("unsupported_field", f"{where}.{key} is not supported")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role in ("tool", "function"):
+            raise LineError("unsupported_field", f"{where}.role {role!r} (tool results) is not supported")
+        out.append({"role": role, "content": _text_of(m.get("content"), where)})
+    return out
+
+
+def _prompt(body: dict) -> tuple[Optional[str], Optional[list[int]]]:
+    """A completions body's prompt: (text, None) or (None, token ids)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one prompt
+    if isinstance(p, str):
+        return p, None
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return None, list(p)
+    if isinstance(p, list) and len(p) > 1:
+        raise LineError("unsupported_field", "body.prompt holds several prompts; give one prompt per line")
+    raise LineError("invalid_request", "body.prompt must be a string or a list of token ids")
+
+
+def _response_format(rf: Any) -> Optional[dict]:
+    """`response_format` as StructuredOutputsParams fields (None for text)."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind in (None, "text") and isinstance(rf, dict):
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise LineError("invalid_request", "body.response_format.json_schema.schema must be a JSON Schema "
+                                               "object")
+        return {"json": schema}
+    raise LineError("invalid_request", f"body.response_format.type must be text, json_object or json_schema, "
+                                       f"got {kind!r}")
+
+
+def sampling_fields(body: dict, chat: bool) -> dict[str, Any]:
+    """The SamplingParams fields a body sets (OpenAI's defaults for temperature, top_p and n).
+
+    Raises:
+        LineError: a response_format or guided field that is malformed, or two constraints at once.
+    """
+    out: dict[str, Any] = dict(OPENAI_DEFAULTS)
+    for key, name in _DIRECT.items():
+        if body.get(key) is not None:
+            out[name] = body[key]
+    mt = body.get("max_completion_tokens") if chat else None
+    mt = mt if mt is not None else body.get("max_tokens")
+    if mt is not None:
+        out["max_tokens"] = mt
+    if body.get("stop") is not None:
+        out["stop"] = body["stop"]
+    if chat:
+        if body.get("logprobs"):
+            out["logprobs"] = body.get("top_logprobs") or 0
+    elif body.get("logprobs") is not None:
+        out["logprobs"] = body["logprobs"]
+    constraints = []
+    if (so := _response_format(body.get("response_format"))) is not None:
+        constraints.append(("response_format", so))
+    if isinstance(body.get("structured_outputs"), dict):
+        constraints.append(("structured_outputs", dict(body["structured_outputs"])))
+    for key, name in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if body.get(key) is not None:
+            value = body[key]
+            if key == "guided_json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise LineError("invalid_request", f"body.guided_json is not valid JSON: {exc.msg}") from None
+            constraints.append((key, {name: value}))
+    if len(constraints) > 1:
+        raise LineError("invalid_request", f"set at most one output constraint, got {[k for k, _ in constraints]}")
+    if constraints:
+        out["structured_outputs"] = constraints[0][1]
+    return out
+
+
+def parse_request(obj: Any, models: Optional[set[str]] = None) -> dict[str, Any]:
+    """One request object -> its row's prompt and sampling columns (`REQUEST_COLUMNS` less the bookkeeping).
+
+    Args:
+        obj: the line's JSON value.
+        models: the `model` values this job answers (`model_names`); None accepts any.
+
+    Raises:
+        LineError: why the line cannot run (its `code` and message, without the line number).
+    """
+    if not isinstance(obj, dict):
+        raise LineError("invalid_request", f"a request line must be a JSON object, got {type(obj).__name__}")
+    url = obj.get("url")
+    if url not in URLS:
+        raise LineError("invalid_url", f"url {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
+    method = obj.get("method", "POST")
+    if str(method).upper() != "POST":
+        raise LineError("invalid_request", f"method must be POST, got {method!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise LineError("invalid_request", "body must be a JSON object")
+    model = body.get("model")
+    if model is not None and models is not None and not (isinstance(model, str) and model_matches(model, models)):
+        raise LineError("model_not_found", f"model {model!r} is not this job's model ({sorted(models)[0]}); "
+                                           f"name it, or give the job --served-model-name {model}")
+    unsupported = [k for k in UNSUPPORTED_FIELDS if _set(body.get(k)) and not (k == "best_of" and body[k] == 1)]
+    if unsupported:
+        raise LineError("unsupported_field", f"body.{unsupported[0]} is not supported by tokenmill")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise LineError("unsupported_field", f"body.modalities {modalities!r}: only text output is supported")
+    chat = url == CHAT_URL
+    row: dict[str, Any] = {"url": url, "model": model if isinstance(model, str) else None}
+    if chat:
+        row["messages"] = json.dumps(chat_messages(body.get("messages")), ensure_ascii=False)
+    else:
+        row["prompt"], row["prompt_token_ids"] = _prompt(body)
+        row["chat_template"] = False  # a completions prompt is the text the model continues
+    row["sampling_params"] = json.dumps(sampling_fields(body, chat), ensure_ascii=False, sort_keys=True)
+    return row
+
+
+def _empty_row(line: int) -> dict[str, Any]:
+    return {c: None for c in REQUEST_COLUMNS} | {"line": line}
+
+
+def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]] = None,
+                        seen: Optional[dict[str, str]] = None, source: str = "") -> list[dict[str, Any]]:
+    """Every non-blank line of a request file -> one row (`REQUEST_COLUMNS`), in file order.
+
+    Args:
+        lines: the file's lines (bytes or text), numbered from 1.
+        models: the `model` values the job answers (`model_names`); None accepts any.
+        seen: custom_id -> where it was first seen ("line 3", "a.jsonl line 3"), shared across the files
+            of one input, so that a repeat in a later file is found too; updated.
+        source: the file's name for messages ("" for one file: messages say `line 7`).
+
+    A bad line's row has `request_error` ("line 7: custom_id 'a' repeats line 3's; ...") and
+    `error_code`; a repeated custom_id's row has no custom_id (the first line's result keeps it,
+    so an id names one output line).
+    """
+    seen = {} if seen is None else seen
+    rows = []
+    where_prefix = f"{source} line" if source else "line"
+    for number, raw in enumerate(lines, start=1):
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        if not text.strip():
+            continue
+        row = _empty_row(number)
+        where = f"{where_prefix} {number}"
+        try:
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise LineError("invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+            cid = obj.get("custom_id") if isinstance(obj, dict) else None
+            if isinstance(cid, (int, float)) and not isinstance(cid, bool):
+                cid = str(cid)
+            if not isinstance(cid, str) or not cid:
+                raise LineError("missing_custom_id", "no custom_id (each request line needs a custom_id string)")
+            if cid in seen:
+                raise LineError("duplicate_custom_id", f"custom_id {cid!r} repeats {seen[cid]}'s; each request "
+                                                       f"needs its own custom_id")
+            seen[cid] = where
+            row["custom_id"] = cid
+            row.update(parse_request(obj, models))
+        except LineError as exc:
+            row["request_error"] = f"{where}: {exc}"
+            row["error_code"] = exc.code
+            if isinstance(obj := _maybe(text), dict):
+                row["url"] = obj.get("url") if isinstance(obj.get("url"), str) else None
+        rows.append(row)
+    return rows
+
+
+def _maybe(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+# ---------------------------------------------------------------- output lines
+
+def request_id(job_id: str, custom_id: Optional[str], line: Any) -> str:
+    """A stable id for one request of a job (the same in a rerun): 24 hex digits."""
+    return hashlib.blake2b(f"{job_id}:{custom_id}:{line}".encode(), digest_size=12).hexdigest()
+
+
+def choices_cell(out: Any, tokenizer: Any, top_n: int = 0) -> str:
+    """An engine RequestOutput's completions as the JSON text of a job row's `choices` column:
+    [{"text", "finish_reason", "logprobs": [{"token", "logprob", "top": [[token, logprob], ...]}] | null}],
+    tokens as text (`tokenizer.decode` of the one token), `top` the `top_n` most likely (the request's
+    `SamplingParams.logprobs`)."""
+    def tok(i: int) -> str:
+        return tokenizer.decode([i], skip_special_tokens=False)
+
+    choices = []
+    for c in out.outputs or []:
+        lps = None
+        if c.logprobs is not None:
+            lps = []
+            for t, top in zip(c.token_ids, c.logprobs):
+                ranked = sorted(top.items(), key=lambda kv: -kv[1])
+                lps.append({"token": tok(t), "logprob": _finite(top.get(t, -9999.0)),
+                            "top": [[tok(k), _finite(v)] for k, v in ranked[:top_n]]})
+        choices.append({"text": c.text, "finish_reason": c.finish_reason, "logprobs": lps})
+    return json.dumps(choices, ensure_ascii=False)
+
+
+def _finite(v: float) -> float:
+    return float(v) if math.isfinite(v) else -9999.0  # OpenAI's floor for an impossible token
+
+
+def _chat_logprobs(lps: Optional[list]) -> Optional[dict]:
+    if lps is None:
+        return None
+    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode()),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                          for t, v in e["top"]]} for e in lps],
+            "refusal": None}
+
+
+def _text_logprobs(lps: Optional[list]) -> Optional[dict]:
+    if lps is None:
+        return None
+    offsets, at = [], 0
+    for e in lps:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps],
+            "top_logprobs": [dict(e["top"]) for e in lps], "text_offset": offsets}
+
+
+def usage(row: dict) -> dict[str, Any]:
+    """A job row's token counts as OpenAI's `usage` (cached_tokens: prompt tokens the prefix cache served)."""
+    p, c = int(row.get("prompt_tokens") or 0), int(row.get("completion_tokens") or 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)}}
+
+
+def result_line(row: dict, job_id: str, model: str, created: int) -> dict[str, Any]:
+    """A finished, good job row (the `REQUEST_COLUMNS` that pass through, the generation columns and
+    `choices`) as an OpenAI Batch output line with a chat.completion or text_completion body.
+
+    Args:
+        job_id: the job's id (ids in the line are derived from it and the row's custom_id).
+        model: the model named in the body when the line named none.
+        created: Unix seconds for the body's `created`.
+    """
+    rid = request_id(job_id, row.get("custom_id"), row.get("line"))
+    chat = row.get("url") == CHAT_URL
+    cells = json.loads(row["choices"]) if row.get("choices") else [
+        {"text": row.get("generation") or "", "finish_reason": row.get("finish_reason"), "logprobs": None}]
+    choices = []
+    for i, c in enumerate(cells):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": c["text"], "refusal": None},
+                            "finish_reason": c["finish_reason"], "logprobs": _chat_logprobs(c["logprobs"])})
+        else:
+            choices.append({"index": i, "text": c["text"], "finish_reason": c["finish_reason"],
+                            "logprobs": _text_logprobs(c["logprobs"])})
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
+            "created": int(created), "model": row.get("model") or model, "choices": choices, "usage": usage(row),
+            "system_fingerprint": f"tokenmill-{job_id}"}
+    return {"id": f"batch_req_{rid}", "custom_id": row.get("custom_id"),
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def error_line(row: dict, job_id: str) -> dict[str, Any]:
+    """A failed job row as an OpenAI Batch error line: `error` {code, message} (the row's `error_code`, else
+    invalid_request), and a `response` with status 400 whose body holds the same error."""
+    rid = request_id(job_id, row.get("custom_id"), row.get("line"))
+    code = row.get("error_code") or "invalid_request"
+    message = row.get("error") or "request failed"
+    return {"id": f"batch_req_{rid}", "custom_id": row.get("custom_id"),
+            "response": {"status_code": 400, "request_id": rid,
+                         "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                            "code": code}}},
+            "error": {"code": code, "message": message}}
+
+
+def request_counts(total: int, completed: int, failed: int) -> dict[str, int]:
+    """OpenAI's `request_counts` of a batch: requests in it, those that completed, those that failed."""
+    return {"total": total, "completed": completed, "failed": failed}
