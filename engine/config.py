@@ -169,7 +169,7 @@ class EngineConfig:
     seed: int = option(0, "engine seed: sampled runs are reproducible (a 64-bit integer, as a row's seed)",
                        changes_outputs=True)
     quantization: Optional[str] = option(None, "weight quantization: none | int8 | int4 | gguf | w8a8 (int8 x int8 "
-                                               "arithmetic, CPU) (default none)", changes_outputs=True)
+                                               "arithmetic: CPU kernels, CUDA Triton) (default none)", changes_outputs=True)
     num_threads: Optional[int] = option(None, "CPU threads of torch and the C kernels (default: the CPUs this "
                                               "process may use)")
     quant_group_size: int = 32

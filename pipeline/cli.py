@@ -354,7 +354,8 @@ def _run(spec: JobSpec, run_on_cluster: Optional[ClusterRunner] = None) -> int:
         formats = (spec.output_format or ("jsonl" if row.get("request_counts") else "parquet")).split(",")
         names = (["part-*.parquet"] if "parquet" in formats else []) + (
             ["results-*.jsonl", "errors-*.jsonl"] if "jsonl" in formats else [])
-        _echo(f"\noutputs: {'  '.join(f'{spec.output}/{n}' for n in names)}   metrics: tokenmill report {spec.output}")
+        out = spec.output.rstrip("/")
+        _echo(f"\noutputs: {'  '.join(f'{out}/{n}' for n in names)}   metrics: tokenmill report {spec.output}")
     nothing = _every_row_an_error(spec, row)
     if nothing is not None:
         print(f"tokenmill: {nothing}", file=sys.stderr)
