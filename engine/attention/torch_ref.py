@@ -293,7 +293,7 @@ class TorchAttentionBackend(AttentionBackend):
             return plan
         bd, bs = meta.num_decode_tokens, meta.block_size
         if not meta.prefill_query_lens:  # decode only: one row per sequence, longest first
-            # in numpy: the plan went from 0.35 to 0.25 ms of a batch-64 decode step (line timings)
+            # in numpy: cheaper than torch ops on tensors this small
             lens = meta.decode_seq_lens.numpy().astype(np.int64)
             tiles = np.ones((bd, 2), dtype=np.int64)
             tiles[:, 0] = np.argsort(-lens, kind="stable")
