@@ -5,6 +5,7 @@
     tokenmill demo [--job labelling|synthetic] [JobSpec options]   (replaces ./demo_output/JOB/ each time)
     tokenmill demo --model gemma-3-270m   (a base model: few-shot labelling, beside the default model's accuracy)
     tokenmill report URL [--all]
+    tokenmill convert SRC DST   (OpenAI Batch request JSONL <-> Parquet prompts; output JSONL -> Parquet: `pipeline.convert`)
 
 Every JobSpec field is an option in kebab case (`--max-tokens`,
 `--system-prompt`, `--shard-size`, `--price-per-hour`, ...); booleans take
@@ -57,6 +58,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from pydantic import ValidationError
 
+from pipeline.convert import add_parser as add_convert_parser
 from pipeline.cost import format_report
 from pipeline.bookkeeping import JobInterrupted, booked_report, read_metrics
 from pipeline.job import run_job
@@ -593,7 +595,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `tokenmill` argument parser (run, demo, report); a usage error exits 1 (SystemExit)."""
+    """The `tokenmill` argument parser (run, demo, report, convert); a usage error exits 1 (SystemExit)."""
     parser = _Parser(prog="tokenmill", description="Offline batch LLM inference: Parquet in, "
                                      "generations and a cost report out.")
     common = argparse.ArgumentParser(add_help=False)
@@ -615,6 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_rep.add_argument("--storage-option", dest="storage_options", type=_kv, action="append", metavar="KEY=VALUE",
                        help="fsspec/s3fs option, as for run")
     p_rep.set_defaults(func=cmd_report, command_parser=p_rep)
+    add_convert_parser(sub, [common], _kv)
     return parser
 
 
