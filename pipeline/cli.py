@@ -60,7 +60,9 @@ from pydantic import ValidationError
 
 from pipeline.convert import add_parser as add_convert_parser
 from pipeline.cost import format_report
+from pipeline.batch_files import result_names
 from pipeline.bookkeeping import JobInterrupted, booked_report, read_metrics
+from pipeline.commit import part_url
 from pipeline.job import run_job
 from pipeline.plan import done_shards
 from pipeline.spec import ENGINE_FIELDS, InvalidOption, JobSpec, JobSpecChanged, spec_errors
@@ -353,7 +355,7 @@ def _run(spec: JobSpec, run_on_cluster: Optional[ClusterRunner] = None) -> int:
         _echo(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
               f"metrics: tokenmill report {spec.output}")
     else:
-        formats = (spec.output_format or ("jsonl" if row.get("request_counts") else "parquet")).split(",")
+        formats = _output_formats(spec, row)
         names = (["part-*.parquet"] if "parquet" in formats else []) + (
             ["results-*.jsonl", "errors-*.jsonl"] if "jsonl" in formats else [])
         _echo(f"\noutputs: {'  '.join(f'{spec.output}/{n}' for n in names)}   metrics: tokenmill report {spec.output}")
@@ -362,6 +364,11 @@ def _run(spec: JobSpec, run_on_cluster: Optional[ClusterRunner] = None) -> int:
         print(f"tokenmill: {nothing}", file=sys.stderr)
         return EXIT_ALL_ERRORS
     return 0
+
+
+def _output_formats(spec: JobSpec, row: dict[str, Any]) -> list[str]:
+    """What the finished job wrote ("parquet", "jsonl"): its `output_format`, else jsonl for request files."""
+    return (spec.output_format or ("jsonl" if row.get("request_counts") else "parquet")).split(",")
 
 
 def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
@@ -382,25 +389,34 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
     if not done or any(r.counts.rows_ok for r in done.values()):
         return None
     rows = sum(r.counts.rows_error for r in done.values())
-    first = io.join(spec.output, f"part-{min(done):05d}.parquet")
+    formats = _output_formats(spec, row)
+    part_name = f"part-{min(done):05d}.parquet"
+    first = part_url(spec.model_copy(update={"output_format": ",".join(formats)}), part_name)
+    # a job of request files writes its failed lines to errors-*.jsonl: name those (its part files, when it
+    # writes no Parquet output, are only the commit's record under _job/parts/)
+    jsonl_only = "parquet" not in formats
+    name, unit = (result_names(part_name)[1], "line") if jsonl_only else (part_name, "row")
+    id_column = "custom_id" if row.get("request_counts") else spec.id_column
     why = ""
     try:
         part = io.read_parquet(first, spec.storage_options).filter(pl.col("error").is_not_null())
-        errors, name = part["error"], first.rsplit("/", 1)[-1]
+        errors = part["error"]
         if errors.len():
             top, count = errors.value_counts(sort=True).row(0)
-            ident = f" (id {part[spec.id_column][0]!r})" if spec.id_column in part.columns else ""
+            ident = f" (id {part[id_column][0]!r})" if id_column in part.columns else ""
             if errors.len() == 1:
-                why = f"; the error of {name}'s one row{ident}: {top}"
+                why = f"; the error of {name}'s one {unit}{ident}: {top}"
             elif count == 1:  # no error is more common than another: "1 of its 3 rows" would say nothing
-                why = (f"; the {errors.len()} rows of {name} have {errors.len()} distinct errors, the first"
+                why = (f"; the {errors.len()} {unit}s of {name} have {errors.len()} distinct errors, the first"
                        f"{ident}: {errors[0]}")
             else:
-                why = f"; the most common error of {name} ({count} of its {errors.len()} rows): {top}"
+                why = f"; the most common error of {name} ({count} of its {errors.len()} {unit}s): {top}"
     except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
         pass
-    return (f"every row of the job is an error row ({plural(rows, 'row')}, nothing generated){why}; see the "
-            f"error column of {spec.output}/part-*.parquet (exit {EXIT_ALL_ERRORS})")
+    where = [f"the error column of {spec.output}/part-*.parquet"] if "parquet" in formats else []
+    where += [f"the error lines of {spec.output}/errors-*.jsonl"] if "jsonl" in formats else []
+    return (f"every row of the job is an error row ({plural(rows, 'row')}, nothing generated){why}; see "
+            f"{' and '.join(where)} (exit {EXIT_ALL_ERRORS})")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
