@@ -66,7 +66,13 @@ def is_request_input(url: str, storage_options: Optional[dict[str, Any]] = None)
         return False
 
 
-def _read_lines(url: str, storage_options: Optional[dict[str, Any]]) -> list[bytes]:
+def read_lines(url: str, storage_options: Optional[dict[str, Any]]) -> list[bytes]:
+    """The lines of one JSONL file (gunzipped when its name ends in .gz), as bytes.
+
+    Raises:
+        StorageError: the read failed.
+        ValueError: a .gz file that is not gzip.
+    """
     fs, path = io.filesystem(url, storage_options)
     with storage_call("read", url, io.resolve_storage_options(url, storage_options)):
         data = fs.cat_file(path)
@@ -126,7 +132,7 @@ def stage_requests(output: str, input_url: str, model: str, served_model_name: O
     seen: dict[str, str] = {}
     sources, files, tables = [], [], []
     for k, (full, info) in enumerate(found):
-        lines = _read_lines(full, storage_options)
+        lines = read_lines(full, storage_options)
         label = full.rsplit("/", 1)[-1] if len(found) > 1 else ""
         rows = parse_request_lines(lines, names, seen, source=label)
         table = pa.Table.from_pylist(rows, schema=REQUEST_SCHEMA)

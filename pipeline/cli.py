@@ -5,6 +5,7 @@
     tokenmill demo [--job labelling|synthetic] [JobSpec options]   (replaces ./demo_output/JOB/ each time)
     tokenmill demo --model gemma-3-270m   (a base model: few-shot labelling, beside the default model's accuracy)
     tokenmill report URL [--all]
+    tokenmill convert SRC DST   (OpenAI Batch request JSONL <-> Parquet prompts; output JSONL -> Parquet: `pipeline.convert`)
 
 Every JobSpec field is an option in kebab case (`--max-tokens`,
 `--system-prompt`, `--shard-size`, `--price-per-hour`, ...); booleans take
@@ -57,8 +58,11 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from pydantic import ValidationError
 
+from pipeline.convert import add_parser as add_convert_parser
 from pipeline.cost import format_report
+from pipeline.batch_files import result_names
 from pipeline.bookkeeping import JobInterrupted, booked_report, read_metrics
+from pipeline.commit import part_url
 from pipeline.job import run_job
 from pipeline.plan import done_shards
 from pipeline.spec import ENGINE_FIELDS, InvalidOption, JobSpec, JobSpecChanged, spec_errors
@@ -351,7 +355,7 @@ def _run(spec: JobSpec, run_on_cluster: Optional[ClusterRunner] = None) -> int:
         _echo(f"\n0 rows in {spec.input}: nothing generated, no part files written   "
               f"metrics: tokenmill report {spec.output}")
     else:
-        formats = (spec.output_format or ("jsonl" if row.get("request_counts") else "parquet")).split(",")
+        formats = _output_formats(spec, row)
         names = (["part-*.parquet"] if "parquet" in formats else []) + (
             ["results-*.jsonl", "errors-*.jsonl"] if "jsonl" in formats else [])
         out = spec.output.rstrip("/")
@@ -361,6 +365,11 @@ def _run(spec: JobSpec, run_on_cluster: Optional[ClusterRunner] = None) -> int:
         print(f"tokenmill: {nothing}", file=sys.stderr)
         return EXIT_ALL_ERRORS
     return 0
+
+
+def _output_formats(spec: JobSpec, row: dict[str, Any]) -> list[str]:
+    """What the finished job wrote ("parquet", "jsonl"): its `output_format`, else jsonl for request files."""
+    return (spec.output_format or ("jsonl" if row.get("request_counts") else "parquet")).split(",")
 
 
 def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
@@ -381,25 +390,34 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
     if not done or any(r.counts.rows_ok for r in done.values()):
         return None
     rows = sum(r.counts.rows_error for r in done.values())
-    first = io.join(spec.output, f"part-{min(done):05d}.parquet")
+    formats = _output_formats(spec, row)
+    part_name = f"part-{min(done):05d}.parquet"
+    first = part_url(spec.model_copy(update={"output_format": ",".join(formats)}), part_name)
+    # a job of request files writes its failed lines to errors-*.jsonl: name those (its part files, when it
+    # writes no Parquet output, are only the commit's record under _job/parts/)
+    jsonl_only = "parquet" not in formats
+    name, unit = (result_names(part_name)[1], "line") if jsonl_only else (part_name, "row")
+    id_column = "custom_id" if row.get("request_counts") else spec.id_column
     why = ""
     try:
         part = io.read_parquet(first, spec.storage_options).filter(pl.col("error").is_not_null())
-        errors, name = part["error"], first.rsplit("/", 1)[-1]
+        errors = part["error"]
         if errors.len():
             top, count = errors.value_counts(sort=True).row(0)
-            ident = f" (id {part[spec.id_column][0]!r})" if spec.id_column in part.columns else ""
+            ident = f" (id {part[id_column][0]!r})" if id_column in part.columns else ""
             if errors.len() == 1:
-                why = f"; the error of {name}'s one row{ident}: {top}"
+                why = f"; the error of {name}'s one {unit}{ident}: {top}"
             elif count == 1:  # no error is more common than another: "1 of its 3 rows" would say nothing
-                why = (f"; the {errors.len()} rows of {name} have {errors.len()} distinct errors, the first"
+                why = (f"; the {errors.len()} {unit}s of {name} have {errors.len()} distinct errors, the first"
                        f"{ident}: {errors[0]}")
             else:
-                why = f"; the most common error of {name} ({count} of its {errors.len()} rows): {top}"
+                why = f"; the most common error of {name} ({count} of its {errors.len()} {unit}s): {top}"
     except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
         pass
-    return (f"every row of the job is an error row ({plural(rows, 'row')}, nothing generated){why}; see the "
-            f"error column of {spec.output}/part-*.parquet (exit {EXIT_ALL_ERRORS})")
+    where = [f"the error column of {spec.output}/part-*.parquet"] if "parquet" in formats else []
+    where += [f"the error lines of {spec.output}/errors-*.jsonl"] if "jsonl" in formats else []
+    return (f"every row of the job is an error row ({plural(rows, 'row')}, nothing generated){why}; see "
+            f"{' and '.join(where)} (exit {EXIT_ALL_ERRORS})")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -594,7 +612,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `tokenmill` argument parser (run, demo, report); a usage error exits 1 (SystemExit)."""
+    """The `tokenmill` argument parser (run, demo, report, convert); a usage error exits 1 (SystemExit)."""
     parser = _Parser(prog="tokenmill", description="Offline batch LLM inference: Parquet in, "
                                      "generations and a cost report out.")
     common = argparse.ArgumentParser(add_help=False)
@@ -616,6 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_rep.add_argument("--storage-option", dest="storage_options", type=_kv, action="append", metavar="KEY=VALUE",
                        help="fsspec/s3fs option, as for run")
     p_rep.set_defaults(func=cmd_report, command_parser=p_rep)
+    add_convert_parser(sub, [common], _kv)
     return parser
 
 

@@ -187,7 +187,7 @@ def sampling_fields(body: dict, chat: bool) -> dict[str, Any]:
     if mt is not None:
         out["max_tokens"] = mt
     if body.get("stop") is not None:
-        out["stop"] = body["stop"]
+        out["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
     if chat:
         if body.get("logprobs"):
             out["logprobs"] = body.get("top_logprobs") or 0
@@ -213,6 +213,51 @@ def sampling_fields(body: dict, chat: bool) -> dict[str, Any]:
     if constraints:
         out["structured_outputs"] = constraints[0][1]
     return out
+
+
+_BODY_ONLY = ("prompt_logprobs", "skip_special_tokens", "score_choices")  # SamplingParams fields no body field sets
+
+
+def body_fields(fields: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """SamplingParams fields as the body fields that `sampling_fields` maps back to them (its inverse):
+    `max_tokens`, `logprobs` (chat: `logprobs` true and `top_logprobs`), a structured output as
+    `response_format` (json_object; json_schema, strict) or vLLM's `structured_outputs`, the rest by name.
+
+    Raises:
+        LineError: a field no request body can carry (`prompt_logprobs`, `score_choices`, a
+            `skip_special_tokens` other than true, a name SamplingParams does not have), named.
+    """
+    inverse = {v: k for k, v in _DIRECT.items()}
+    body: dict[str, Any] = {}
+    for name, value in fields.items():
+        if value is None or (name == "skip_special_tokens" and value is True):
+            continue
+        if name in inverse:
+            body[inverse[name]] = value
+        elif name in ("max_tokens", "stop"):
+            body[name] = value
+        elif name == "logprobs":
+            if chat:
+                body["logprobs"] = True
+                if value:
+                    body["top_logprobs"] = value
+            else:
+                body["logprobs"] = value
+        elif name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise LineError("invalid_request", f"structured_outputs must be an object, got {value!r}"[:200])
+            so = dict(value)
+            if so == {"json_object": True}:
+                body["response_format"] = {"type": "json_object"}
+            elif set(so) == {"json"} and isinstance(so["json"], dict):
+                body["response_format"] = {"type": "json_schema", "json_schema": {
+                    "name": "output", "schema": so["json"], "strict": True}}
+            else:
+                body["structured_outputs"] = so
+        else:
+            why = "has no OpenAI Batch body field" if name in _BODY_ONLY else "is not a SamplingParams field"
+            raise LineError("unsupported_field", f"sampling field {name} {why}")
+    return body
 
 
 def parse_request(obj: Any, models: Optional[set[str]] = None) -> dict[str, Any]:
@@ -420,3 +465,78 @@ def error_line(row: dict, job_id: str) -> dict[str, Any]:
 def request_counts(total: int, completed: int, failed: int) -> dict[str, int]:
     """OpenAI's `request_counts` of a batch: requests in it, those that completed, those that failed."""
     return {"total": total, "completed": completed, "failed": failed}
+
+
+# ---------------------------------------------------------------- reading output lines back
+
+RESULT_FIELDS = ("custom_id", "id", "request_id", "status_code", "object", "model", "created", "content",
+                 "finish_reason", "choices", "prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens",
+                 "error_code", "error_message")
+"""The fields `parse_result_line` reads from one output or error line (`content` / `finish_reason`: the
+first choice's; `choices`: every choice as {content, finish_reason})."""
+
+
+def _int_field(value: Any, where: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise LineError("invalid_result", f"{where} must be an integer, got {value!r}"[:200])
+    return int(value)
+
+
+def _str_field(value: Any, where: str) -> Optional[str]:
+    if value is None or isinstance(value, str):
+        return value
+    raise LineError("invalid_result", f"{where} must be a string, got {value!r}"[:200])
+
+
+def parse_result_line(obj: Any) -> dict[str, Any]:
+    """One OpenAI Batch output or error line (ours, OpenAI's, `vllm run-batch`'s) -> `RESULT_FIELDS`.
+
+    A chat choice's text is its `message.content`, a completion's its `text`. The error is the line's
+    `error`, else (a status other than 200) the body's `error`.
+
+    Raises:
+        LineError: not an object, neither `response` nor `error`, or a field of the wrong type (named).
+    """
+    if not isinstance(obj, dict):
+        raise LineError("invalid_result", f"an output line must be a JSON object, got {type(obj).__name__}")
+    response, error = obj.get("response"), obj.get("error")
+    if not isinstance(response, dict) and not isinstance(error, dict):
+        raise LineError("invalid_result", "neither a response nor an error object")
+    response = response if isinstance(response, dict) else {}
+    body = response.get("body") if isinstance(response.get("body"), dict) else {}
+    status = _int_field(response.get("status_code"), "response.status_code")
+    if not isinstance(error, dict) and status not in (None, 200) and isinstance(body.get("error"), dict):
+        error = body["error"]
+    choices = []
+    for i, c in enumerate(body.get("choices") or []):
+        if not isinstance(c, dict):
+            raise LineError("invalid_result", f"response.body.choices[{i}] must be an object")
+        message = c.get("message")
+        text = message.get("content") if isinstance(message, dict) else c.get("text")
+        choices.append({"content": _str_field(text, f"response.body.choices[{i}] text"),
+                        "finish_reason": _str_field(c.get("finish_reason"), f"response.body.choices[{i}].finish_reason")})
+    use = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    details = use.get("prompt_tokens_details") if isinstance(use.get("prompt_tokens_details"), dict) else {}
+    err = error if isinstance(error, dict) else {}
+    cid = obj.get("custom_id")
+    return {
+        "custom_id": str(cid) if isinstance(cid, (int, float)) and not isinstance(cid, bool) else
+        _str_field(cid, "custom_id"),
+        "id": _str_field(obj.get("id"), "id"),
+        "request_id": _str_field(response.get("request_id"), "response.request_id"),
+        "status_code": status,
+        "object": _str_field(body.get("object"), "response.body.object"),
+        "model": _str_field(body.get("model"), "response.body.model"),
+        "created": _int_field(body.get("created"), "response.body.created"),
+        "content": choices[0]["content"] if choices else None,
+        "finish_reason": choices[0]["finish_reason"] if choices else None,
+        "choices": choices or None,
+        "prompt_tokens": _int_field(use.get("prompt_tokens"), "usage.prompt_tokens"),
+        "completion_tokens": _int_field(use.get("completion_tokens"), "usage.completion_tokens"),
+        "total_tokens": _int_field(use.get("total_tokens"), "usage.total_tokens"),
+        "cached_tokens": _int_field(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens"),
+        "error_code": None if err.get("code") is None else str(err.get("code")),
+        "error_message": None if err.get("message") is None else str(err.get("message")),
+    }

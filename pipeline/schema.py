@@ -205,6 +205,21 @@ def _override(name: str, value: Any) -> Any:
     raise ValueError(f"unknown override column {name!r}")
 
 
+def row_overrides(row: dict[str, Any], columns: Sequence[str]) -> dict[str, Any]:
+    """A row's non-null cells of the override `columns` (of `OVERRIDE_COLUMNS`), each as the row's
+    request takes it (`sampling_params` a dict of SamplingParams fields, `stop` a list, ...).
+
+    Raises:
+        ValueError: a cell that is not a valid value for its column (named).
+    """
+    out: dict[str, Any] = {}
+    for name in columns:
+        value = row.get(name)
+        if value is not None:
+            out[name] = _override(name, _text_cell(name, value))
+    return out
+
+
 def _sampling_cell(value: Any) -> dict[str, Any]:
     """A `sampling_params` cell (JSON text or a struct) as SamplingParams fields.
 
@@ -359,11 +374,7 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
             raise ValueError(f"{layout.id_column} is null")
         if isinstance(rid, float) and rid != rid:  # pandas writes a missing value of an int column as NaN
             raise ValueError(f"{layout.id_column} is NaN (a missing value)")
-    overrides: dict[str, Any] = {}
-    for name in layout.overrides:
-        value = row.get(name)
-        if value is not None:
-            overrides[name] = _override(name, _text_cell(name, value))
+    overrides = row_overrides(row, layout.overrides)
     system = overrides.pop("system", system_prompt)
     token_ids = overrides.pop("prompt_token_ids", None)
     use_chat_template = overrides.pop("chat_template", use_chat_template)

@@ -782,6 +782,31 @@ def test_exit_4_names_the_first_error_when_no_error_is_more_common_than_another(
         assert last == f"tokenmill: every row of the job is an error row {line}{end}"
 
 
+def test_exit_4_of_a_request_file_job_names_its_errors_jsonl_files(tmp_path, capsys):
+    """A request-file job that writes only jsonl has no part-*.parquet in its output: the last line names
+    the errors-*.jsonl files and the error of its first one (with its custom_id)."""
+    import json
+
+    from pipeline import JobSpec, cache_llm
+    from pipeline.testing import FakeLLM
+
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 19}), FakeLLM())  # a key no other test uses
+    inp, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps({"custom_id": c, "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}}) + "\n" for c in "ab"))
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=19"]
+    assert main(run) == 4
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"tokenmill: every row of the job is an error row (2 rows, nothing generated); the 2 lines of "
+        f"errors-00000.jsonl have 2 distinct errors, the first (id 'a'): line 1: body.tools is not supported by "
+        f"tokenmill; see the error lines of {out}/errors-*.jsonl (exit 4)")
+    assert not list(out.glob("part-*.parquet")) and (out / "errors-00000.jsonl").exists()
+    assert main(run[:-2] + ["--engine-option", "seed=19", "--output-format", "parquet,jsonl", "--overwrite"]) == 4
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"the first (id 'a'): line 1: body.tools is not supported by tokenmill; see the error column of "
+        f"{out}/part-*.parquet and the error lines of {out}/errors-*.jsonl (exit 4)")
+
+
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):
     from pipeline import JobSpec, cache_llm, read_metrics
     from pipeline.testing import FakeLLM

@@ -733,3 +733,59 @@ def test_the_wait_for_dask_windows_ends_on_a_second_ctrl_c_or_a_lost_scheduler(m
     flow_module._settle_windows([DaskWindow("w2", client)], None, log)
     assert (client.asked, log.lines) == (0, ["could not cancel this run's windows on the Dask cluster (OSError: Timed "
                                              "out trying to connect); booking what is committed"])
+
+
+def test_flow_runs_a_request_file_and_resumes_it_with_every_custom_id_once(prefect_api, job_llm, s3_bucket,
+                                                                           tmp_path, monkeypatch):
+    """An OpenAI Batch request file (good lines and bad ones) through the flow, killed after its first shard,
+    then run again: every custom_id exactly once across results-*.jsonl and errors-*.jsonl, the same lines
+    as `tokenmill run` writes."""
+    from flows import batch_generate
+    from pipeline.cli import main
+
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": p}], "max_tokens": 4, "temperature": 0}})
+             for i, p in enumerate(PROMPTS[:5])]
+    lines += ['{"custom_id": "broken", ', json.dumps({"custom_id": "r1", "url": "/v1/completions",
+                                                      "body": {"prompt": "x"}}),
+              json.dumps({"custom_id": "t", "url": "/v1/completions", "body": {"prompt": "x", "tools": [{}]}})]
+    fs, path = io.filesystem(f"s3://{s3_bucket}/in/requests.jsonl")
+    fs.pipe(path, ("\n".join(lines) + "\n").encode())
+    inp = f"s3://{s3_bucket}/in/requests.jsonl"
+    spec = JobSpec(input=inp, output=f"s3://{s3_bucket}/flow", shard_size=3, shards_in_flight=1, plan="input",
+                   progress=False)
+    real_read = io.read_rows
+
+    def broken_after_first(url, offset, length, storage_options=None):
+        if offset > 0:
+            raise ConnectionError("injected: the job dies after its first shard")
+        return real_read(url, offset, length, storage_options)
+
+    monkeypatch.setattr(io, "read_rows", broken_after_first)
+    with pytest.raises(ConnectionError):
+        batch_generate(spec, shard_retries=0)
+    names = io.list_names(spec.output)
+    assert "results-00000.jsonl" in names and "results-00001.jsonl" not in names
+    monkeypatch.setattr(io, "read_rows", real_read)
+    report = batch_generate(spec, shard_retries=0)
+    assert json.loads(report["request_counts"]) == {"total": 8, "completed": 5, "failed": 3}
+
+    def lines_of(out: str, prefix: str) -> list[dict]:
+        got = []
+        for n in sorted(n for n in io.list_names(out) if n.startswith(prefix) and n.endswith(".jsonl")):
+            got += [json.loads(x) for x in part_bytes(out, n).decode().splitlines()]
+        return got
+
+    results, errors = lines_of(spec.output, "results-"), lines_of(spec.output, "errors-")
+    ids = [r["custom_id"] for r in results] + [e["custom_id"] for e in errors]
+    assert sorted(map(str, ids)) == sorted(["r0", "r1", "r2", "r3", "r4", "t", "None", "None"])
+    assert sorted(e["error"]["code"] for e in errors) == ["duplicate_custom_id", "invalid_json", "unsupported_field"]
+    # the same lines as the CLI writes (greedy)
+    assert main(["run", "--input", inp, "--output", f"s3://{s3_bucket}/cli", "--shard-size", "3", "--plan", "input",
+                 "--no-progress"]) == 0
+
+    def texts(out: str) -> dict[str, str]:
+        return {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"]
+                for r in lines_of(out, "results-")}
+
+    assert texts(spec.output) == texts(f"s3://{s3_bucket}/cli") and all(texts(spec.output).values())

@@ -363,3 +363,41 @@ def test_cluster_options_are_checked_before_anything_runs(tmp_path, cluster):
                          "cluster: tcp://10.0.0.6:8786\ndeployment:\n  cron: '0 2 * * *'\n")
     with pytest.raises(ValueError, match=r"unknown top-level key\(s\) \['cluster'\]"):
         deploy.load_deployment(str(spec_file))
+
+
+def test_a_request_file_on_the_cluster_lands_every_custom_id_once(cluster, job_llm, s3_bucket):
+    """OpenAI Batch request lines (and a bad line) as a cluster job: the workers read the staged rows from
+    OUTPUT/_job/requests/; every custom_id exactly once across results and errors, the single-process lines."""
+    import json
+
+    from flows import batch_generate
+    from pipeline import run_job
+
+    c, client = cluster
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": p}], "temperature": 0}})
+             for i, p in enumerate(PROMPTS[:6])] + ["not json"]
+    fs, path = io.filesystem(f"s3://{s3_bucket}/in/requests.jsonl")
+    fs.pipe(path, ("\n".join(lines) + "\n").encode())
+    inp = f"s3://{s3_bucket}/in/requests.jsonl"
+    run_job(job(inp, f"s3://{s3_bucket}/single-requests"), job_llm)
+    report = batch_generate(job(inp, f"s3://{s3_bucket}/cluster-requests", cluster=c.scheduler_address),
+                            shard_retries=0)
+    assert json.loads(report["request_counts"]) == {"total": 7, "completed": 6, "failed": 1}
+
+    def lines_of(out: str, prefix: str) -> list[dict]:
+        got = []
+        for n in sorted(n for n in io.list_names(out) if n.startswith(prefix)):
+            got += [json.loads(x) for x in fs.cat_file(io.filesystem(io.join(out, n))[1]).decode().splitlines()]
+        return got
+
+    out = f"s3://{s3_bucket}/cluster-requests"
+    assert {r.worker for r in done_shards(out, {}).values()} <= set(workers_of(client))  # the workers ran them
+    results, errors = lines_of(out, "results-"), lines_of(out, "errors-")
+    assert [r["custom_id"] for r in results] == [f"r{i}" for i in range(6)]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(None, "invalid_json")]
+
+    def texts(out: str) -> list[str]:
+        return [r["response"]["body"]["choices"][0]["message"]["content"] for r in lines_of(out, "results-")]
+
+    assert texts(out) == texts(f"s3://{s3_bucket}/single-requests") and all(texts(out))

@@ -231,7 +231,7 @@ def test_parse_lines_names_each_problem_and_maps_the_body():
     assert [r["error_code"] for r in rows] == ["invalid_url", "unsupported_field", "unsupported_field", None]
     assert "line 2: body.messages[0].content[0] is a 'image_url' part" in rows[1]["request_error"]
     assert rows[2]["request_error"] == "line 3: body.stream is not supported by tokenmill"
-    assert json.loads(rows[3]["sampling_params"]) == {"logprobs": 3, "max_tokens": 7, "n": 1, "stop": "END",
+    assert json.loads(rows[3]["sampling_params"]) == {"logprobs": 3, "max_tokens": 7, "n": 1, "stop": ["END"],
                                                       "temperature": 1.0, "top_p": 1.0}
     with pytest.raises(LineError, match="at most one output constraint"):
         parse_request({"custom_id": "x", "url": CHAT, "body": {"messages": [{"role": "user", "content": "x"}],

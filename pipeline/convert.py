@@ -1,0 +1,352 @@
+"""`tokenmill convert SRC DST`: OpenAI Batch files to Parquet tables and back, on any fsspec URL.
+
+Three directions, chosen by DST's name and SRC's lines:
+
+- request lines -> a prompt table (`requests_to_prompts`; DST ends in .parquet, SRC's lines are
+  requests): one row per non-blank line, `id` = custom_id, `model`, `prompt` / `messages` /
+  `prompt_token_ids`, `chat_template` (false for /v1/completions: the prompt as given), the sampling
+  columns a job reads (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`) and `sampling_params`
+  (JSON of the other SamplingParams fields), parsed by `pipeline.openai_batch.parse_request_lines`,
+  the same parser a job of request files uses, so `tokenmill run --input prompts.parquet` gives the
+  results the request file gives. A bad line is a row whose `request_error` names it and its line
+  (the job writes it as an error row).
+- a prompt table -> request lines (`prompts_to_requests`; DST ends in .jsonl or .jsonl.gz): one line
+  per row, `/v1/chat/completions` for a `messages` row or a `prompt` row under the chat template (a
+  user message, after the row's `system`), `/v1/completions` for `prompt_token_ids` or a `prompt` row
+  with `chat_template` false; the body's fields from the row's sampling columns
+  (`openai_batch.body_fields`). A row that cannot be a request is left out and named.
+- output and error lines -> a table (`results_to_table`; DST ends in .parquet, SRC's lines are
+  results: a job's output folder, its results-*.jsonl / errors-*.jsonl, or any OpenAI Batch output
+  file): one row per line, one column per field (`openai_batch.RESULT_FIELDS`, then `file`, `line`).
+  A line that cannot be read is a row whose `error_code` / `error_message` name it and its line.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+from dataclasses import dataclass, field
+from io import BytesIO
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import io
+from pipeline.batch_files import read_lines
+from pipeline.openai_batch import (
+    CHAT_URL, COMPLETIONS_URL, REQUEST_SUFFIXES, RESULT_FIELDS, LineError, body_fields, parse_request_lines,
+    parse_result_line,
+)
+from pipeline.schema import CONSTRAINT_COLUMNS, OVERRIDE_COLUMNS, parse_messages, row_overrides
+from pipeline.storage import plural, storage_call
+
+# The sampling fields that get a column of their own in a prompt table (the job reads each), by Arrow type.
+SAMPLING_COLUMNS = {"max_tokens": pa.int64(), "temperature": pa.float64(), "top_p": pa.float64(),
+                    "seed": pa.int64(), "stop": pa.list_(pa.string())}
+MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+PROMPT_SCHEMA = pa.schema([
+    ("id", pa.string()), ("model", pa.string()), ("prompt", pa.string()), ("messages", MESSAGE_TYPE),
+    ("prompt_token_ids", pa.list_(pa.int64())), ("chat_template", pa.bool_()), *SAMPLING_COLUMNS.items(),
+    ("sampling_params", pa.string()), ("request_error", pa.string()),
+])
+RESULT_SCHEMA = pa.schema([
+    ("custom_id", pa.string()), ("id", pa.string()), ("request_id", pa.string()), ("status_code", pa.int64()),
+    ("object", pa.string()), ("model", pa.string()), ("created", pa.int64()), ("content", pa.string()),
+    ("finish_reason", pa.string()),
+    ("choices", pa.list_(pa.struct([("content", pa.string()), ("finish_reason", pa.string())]))),
+    ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("total_tokens", pa.int64()),
+    ("cached_tokens", pa.int64()), ("error_code", pa.string()), ("error_message", pa.string()),
+    ("file", pa.string()), ("line", pa.int64()),
+])
+assert tuple(RESULT_SCHEMA.names[:len(RESULT_FIELDS)]) == RESULT_FIELDS
+
+
+@dataclass
+class Converted:
+    """What `convert` did.
+
+    Attributes:
+        kind: "requests -> prompts", "prompts -> requests" or "results -> table".
+        sources: the files read.
+        rows: rows (or lines) written to DST.
+        errors: one message per bad line or row ("requests.jsonl line 7: ..."); bad request lines and
+            result lines are written as error rows, bad prompt rows are left out.
+    """
+
+    kind: str
+    sources: list[str]
+    rows: int
+    errors: list[str] = field(default_factory=list)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    buf = BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def _line_sources(src: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[str, list[bytes]]]:
+    found = io.find_files(src, REQUEST_SUFFIXES, "JSONL (.jsonl, .jsonl.gz)", storage_options)
+    return [(full, read_lines(full, storage_options)) for full, _ in found]
+
+
+def _is_result_file(lines: list[bytes]) -> Optional[bool]:
+    """Whether a file's first JSON object line is an output line (response / error) rather than a
+    request (url / body / method); None when no line tells."""
+    for raw in lines:
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict) and ({"url", "body", "method"} & set(obj)):
+            return False
+        if isinstance(obj, dict) and ({"response", "error"} & set(obj)):
+            return True
+    return None
+
+
+def _fits(value: Any, typ: pa.DataType) -> bool:
+    """Whether a sampling value goes into its typed column as it is (else it stays in sampling_params,
+    where the job's own check names it)."""
+    if typ == pa.int64():
+        return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
+    if typ == pa.float64():
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, list) and all(isinstance(s, str) for s in value)
+
+
+def _prompt_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A parsed request row (`parse_request_lines`) as a prompt table row (`PROMPT_SCHEMA`)."""
+    out = {"id": row["custom_id"], "model": row["model"], "prompt": row["prompt"],
+           "prompt_token_ids": row["prompt_token_ids"], "chat_template": row["chat_template"],
+           "messages": json.loads(row["messages"]) if row["messages"] is not None else None,
+           "request_error": row["request_error"], "sampling_params": None}
+    fields = json.loads(row["sampling_params"]) if row["sampling_params"] is not None else {}
+    for name, typ in SAMPLING_COLUMNS.items():
+        value = fields.get(name)
+        out[name] = fields.pop(name) if value is not None and _fits(value, typ) else None
+    if fields:
+        out["sampling_params"] = json.dumps(fields, ensure_ascii=False, sort_keys=True)
+    return out
+
+
+def requests_to_prompts(sources: list[tuple[str, list[bytes]]]) -> tuple[pa.Table, list[str]]:
+    """Request files' lines -> (a prompt table, `PROMPT_SCHEMA`; the bad lines' messages). Any `model` is
+    accepted (the job that runs the table does not check it); a custom_id repeated across the files is
+    an error row, as in a job."""
+    seen: dict[str, str] = {}
+    rows, errors = [], []
+    for full, lines in sources:
+        label = full.rsplit("/", 1)[-1]
+        for row in parse_request_lines(lines, None, seen, source=label):
+            rows.append(_prompt_row(row))
+            if row["request_error"] is not None:
+                errors.append(row["request_error"])
+    return pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA), errors
+
+
+def request_of_row(row: dict[str, Any], columns: set[str], custom_id: Optional[str],
+                   model: Optional[str] = None, id_column: str = "id") -> dict[str, Any]:
+    """One prompt table row as a request line's object {custom_id, method, url, body}.
+
+    Args:
+        row: the row's cells (`prompt` / `messages` / `prompt_token_ids`, the override columns of
+            `pipeline.schema`, `model`).
+        columns: the table's columns.
+        custom_id: the row's id (None: an error, named by `id_column`).
+        model: body.model when the row has no `model` cell.
+
+    Raises:
+        ValueError: a row that cannot be a request (its `request_error`, a bad cell, no prompt, two
+            constraint columns, a sampling field no body has), in words that name the cell.
+    """
+    if row.get("request_error") is not None:
+        raise ValueError(f"request_error: {row['request_error']}")
+    if custom_id is None:
+        raise ValueError(f"{id_column} is null")
+    cells = row_overrides(row, [c for c in OVERRIDE_COLUMNS if c in columns and c != "request_error"])
+    system = cells.pop("system", None)
+    token_ids = cells.pop("prompt_token_ids", None)
+    templated = cells.pop("chat_template", True)
+    constraints = [c for c in CONSTRAINT_COLUMNS if c in cells]
+    if len(constraints) > 1:
+        raise ValueError(f"set at most one constraint column per row, got {constraints}")
+    if constraints:
+        name = constraints[0]
+        cells["structured_outputs"] = {"json" if name == "json_schema" else name: cells.pop(name)}
+    cells.update(cells.pop("sampling_params", {}))
+    messages, prompt = row.get("messages"), row.get("prompt")
+    if token_ids is not None:  # the prompt as token ids (as the job reads the row): no template, no system
+        messages = None
+    elif messages is not None:
+        messages = parse_messages(messages)
+        if system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+    elif prompt is None:
+        raise ValueError("prompt and messages are both null")
+    elif templated:
+        messages = [*([{"role": "system", "content": system}] if system is not None else []),
+                    {"role": "user", "content": prompt}]
+    chat = messages is not None
+    body: dict[str, Any] = {}
+    name = row.get("model") if isinstance(row.get("model"), str) else model
+    if name is not None:
+        body["model"] = name
+    if chat:
+        body["messages"] = messages
+    elif token_ids is not None:
+        body["prompt"] = token_ids
+    else:
+        body["prompt"] = prompt if system is None else f"{system}\n\n{prompt}"  # as the job joins them
+    try:
+        body.update(body_fields(cells, chat))
+    except LineError as exc:
+        raise ValueError(str(exc)) from None
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT_URL if chat else COMPLETIONS_URL, "body": body}
+
+
+def _cell_id(value: Any) -> Optional[str]:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return str(value) if not isinstance(value, bytes) else value.decode("utf-8", "replace")
+
+
+def prompts_to_requests(src: str, id_column: str = "id", model: Optional[str] = None,
+                        storage_options: Optional[dict[str, Any]] = None) -> tuple[list[str], list[dict], list[str]]:
+    """The Parquet files at `src` -> (the files, one request object per good row in order, the bad rows'
+    messages: "prompts.parquet row 3 (id 'a'): ..."; rows counted from 0). custom_id is the row's
+    `id_column` cell (the row's index across the files when the table has no such column).
+
+    Raises:
+        FileNotFoundError, StorageError, ValueError: as `pipeline.io.list_input_files`; a table with
+            neither `prompt` nor `messages` (ValueError).
+    """
+    files = io.list_input_files(src, storage_options)
+    so = io.resolve_storage_options(src, storage_options)
+    requests, errors, index = [], [], 0
+    for f in files:
+        columns = set(f.columns)
+        if not columns & {"prompt", "messages", "prompt_token_ids"}:
+            raise ValueError(f"{f.path} has neither a prompt nor a messages column; found {sorted(columns)}")
+        fs, path = io.filesystem(f.path, storage_options)
+        with storage_call("read", f.path, so), fs.open(path, "rb") as fh:
+            table = pq.read_table(fh)
+        label = f.path.rsplit("/", 1)[-1]
+        for k, row in enumerate(table.to_pylist()):
+            cid = _cell_id(row.get(id_column)) if id_column in columns else str(index)
+            index += 1
+            where = f"{label} row {k}" + (f" (id {cid!r})" if cid is not None else "")
+            try:
+                requests.append(request_of_row(row, columns, cid, model, id_column))
+            except ValueError as exc:
+                errors.append(f"{where}: {exc}")
+    return [f.path for f in files], requests, errors
+
+
+def results_to_table(sources: list[tuple[str, list[bytes]]]) -> tuple[pa.Table, list[str]]:
+    """Output and error files' lines -> (a table, `RESULT_SCHEMA`: one row per non-blank line, in file
+    order; the unreadable lines' messages, each also a row with error_code invalid_json / invalid_result)."""
+    rows, errors = [], []
+    for full, lines in sources:
+        label = full.rsplit("/", 1)[-1]
+        for number, raw in enumerate(lines, start=1):
+            text = raw.decode("utf-8", "replace")
+            if not text.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise LineError("invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+                row = parse_result_line(obj)
+            except LineError as exc:
+                message = f"{label} line {number}: {exc}"
+                errors.append(message)
+                row = {name: None for name in RESULT_FIELDS} | {"error_code": exc.code, "error_message": message}
+            rows.append(row | {"file": label, "line": number})
+    return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA), errors
+
+
+def _jsonl_bytes(objs: list[dict], url: str) -> bytes:
+    data = "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs).encode()
+    return gzip.compress(data) if url.split("?", 1)[0].endswith(".gz") else data
+
+
+def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = None, overwrite: bool = False,
+            storage_options: Optional[dict[str, Any]] = None) -> Converted:
+    """Convert `src` into `dst` (the direction from DST's suffix and SRC's lines; see the module docstring).
+
+    Args:
+        src: request or output files (.jsonl / .jsonl.gz: a file, a folder or prefix, a glob), or a prompt
+            table (Parquet: a file, a folder, a glob); any fsspec URL.
+        dst: one file: .parquet, or .jsonl / .jsonl.gz (gzip).
+        id_column: the prompt table's id column (prompts -> requests).
+        model: body.model for rows without a `model` cell (prompts -> requests).
+        overwrite: replace an existing `dst` (otherwise refused).
+
+    Raises:
+        ValueError: a DST of another kind, an existing DST without `overwrite`, SRC lines that are
+            neither requests nor results.
+        FileNotFoundError, StorageError: nothing at SRC, a failed read or write.
+    """
+    path = dst.split("?", 1)[0]
+    if not path.endswith((".parquet", *REQUEST_SUFFIXES)):
+        raise ValueError(f"convert writes .parquet, .jsonl or .jsonl.gz files; {dst} is none of them")
+    if not overwrite and io.exists(dst, storage_options):
+        raise ValueError(f"{dst} exists; pass --overwrite to replace it")
+    if path.endswith(REQUEST_SUFFIXES):
+        files, requests, errors = prompts_to_requests(src, id_column, model, storage_options)
+        io.write_bytes(dst, _jsonl_bytes(requests, path), storage_options)
+        return Converted("prompts -> requests", files, len(requests), errors)
+    sources = _line_sources(src, storage_options)
+    kinds = {_is_result_file(lines) for _, lines in sources} - {None}
+    if len(kinds) > 1:
+        raise ValueError(f"{src} holds both request lines and output lines; convert them one kind at a time")
+    if kinds == {True}:
+        table, errors = results_to_table(sources)
+        kind = "results -> table"
+    else:
+        table, errors = requests_to_prompts(sources)
+        kind = "requests -> prompts"
+    io.write_bytes(dst, _parquet_bytes(table), storage_options)
+    return Converted(kind, [full for full, _ in sources], table.num_rows, errors)
+
+
+# ---------------------------------------------------------------- the command
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser], kv: Any) -> argparse.ArgumentParser:
+    """Add `tokenmill convert` to the `tokenmill` subparsers (`kv`: the KEY=VALUE option type)."""
+    p = sub.add_parser("convert", parents=parents,
+                       help="OpenAI Batch request JSONL <-> a Parquet prompt table; output JSONL -> a Parquet table")
+    p.add_argument("src", help="requests.jsonl(.gz), a job's output folder or results file, or a Parquet prompt table")
+    p.add_argument("dst", help="the file to write: .parquet, .jsonl or .jsonl.gz")
+    p.add_argument("--id-column", default="id", help="the prompt table's id column (Parquet -> JSONL; default id)")
+    p.add_argument("--model", help="body.model for rows without a model column (Parquet -> JSONL)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST when it exists")
+    p.add_argument("--storage-option", dest="storage_options", type=kv, action="append", metavar="KEY=VALUE",
+                   help="fsspec/s3fs option, as for run")
+    p.set_defaults(func=cmd_convert, command_parser=p)
+    return p
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Run `tokenmill convert`: print what was written, and each bad line or row on stderr; exit 0 (bad
+    lines and rows do not fail it: they are error rows, or left out and named)."""
+    import sys
+
+    so = dict(args.storage_options) if args.storage_options else None
+    done = convert(args.src, args.dst, args.id_column, args.model, args.overwrite, so)
+    back = done.kind == "prompts -> requests"
+    print(f"{done.kind}: {plural(done.rows, 'line' if back else 'row')} from {plural(len(done.sources), 'file')} "
+          f"-> {args.dst}")
+    if done.errors:
+        verdict = "left out" if back else "kept as error rows"
+        print(f"tokenmill convert: {plural(len(done.errors), 'bad row' if back else 'bad line')} ({verdict}):",
+              file=sys.stderr)
+        for message in done.errors[:20]:
+            print(f"  {message}", file=sys.stderr)
+        if len(done.errors) > 20:
+            print(f"  ... and {len(done.errors) - 20} more", file=sys.stderr)
+    return 0
