@@ -15,6 +15,11 @@ Three directions, chosen by DST's name and SRC's lines:
   user message, after the row's `system`), `/v1/completions` for `prompt_token_ids` or a `prompt` row
   with `chat_template` false; the body's fields from the row's sampling columns
   (`openai_batch.body_fields`). A row that cannot be a request is left out and named.
+- output and error lines -> one JSONL file (`merge_results`; DST ends in .jsonl or .jsonl.gz, SRC's
+  lines are results): every line of a job's result and error files, in the order of the request
+  lines (a job plans rows by shared prefix, so its part files are in input order each, not across
+  each other; the order comes from the job's staged requests under SRC/_job/requests/), lines of
+  custom_ids the job does not know after them, in the order read.
 - output and error lines -> a table (`results_to_table`; DST ends in .parquet, SRC's lines are
   results: a job's output folder, its results-*.jsonl / errors-*.jsonl, or any OpenAI Batch output
   file): one row per line, one column per field (`openai_batch.RESULT_FIELDS`, then `file`, `line`).
@@ -34,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import io
-from pipeline.batch_files import read_lines
+from pipeline.batch_files import STAGED_DIR, read_lines
 from pipeline.openai_batch import (
     CHAT_URL, COMPLETIONS_URL, REQUEST_SUFFIXES, RESULT_FIELDS, LineError, body_fields, parse_request_lines,
     parse_result_line,
@@ -68,7 +73,7 @@ class Converted:
     """What `convert` did.
 
     Attributes:
-        kind: "requests -> prompts", "prompts -> requests" or "results -> table".
+        kind: "requests -> prompts", "prompts -> requests", "results -> table" or "results -> jsonl".
         sources: the files read.
         rows: rows (or lines) written to DST.
         errors: one message per bad line or row ("requests.jsonl line 7: ..."); bad request lines and
@@ -269,6 +274,54 @@ def results_to_table(sources: list[tuple[str, list[bytes]]]) -> tuple[pa.Table, 
     return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA), errors
 
 
+def _input_order(src: str, storage_options: Optional[dict[str, Any]]) -> dict[Any, tuple[int, int]]:
+    """{custom_id: (request file index, line)} from a job output's staged requests
+    (SRC/_job/requests/*.parquet, `pipeline.batch_files.stage_requests`), and for a line without a
+    custom_id {("error", its error message): (file index, line)}; {} where SRC has none."""
+    import polars as pl
+
+    base = src.split("?", 1)[0].rstrip("/")
+    try:
+        found = io.find_files(io.join(base, "_job", STAGED_DIR), (".parquet",), "Parquet", storage_options)
+    except (FileNotFoundError, OSError, ValueError):
+        return {}
+    order: dict[Any, tuple[int, int]] = {}
+    for n, (full, _) in enumerate(found):
+        df = io.read_parquet(full, storage_options).select("custom_id", "line", "request_error")
+        for cid, line, error in df.iter_rows():
+            key = cid if cid is not None else ("error", error)
+            order.setdefault(key, (n, int(line or 0)))
+    return order
+
+
+def merge_results(src: str, sources: list[tuple[str, list[bytes]]],
+                  storage_options: Optional[dict[str, Any]] = None) -> tuple[list[dict], list[str]]:
+    """(every output and error line of `sources`, in the order of the job's request lines; the bad
+    lines, named by file and line). A line is placed by its custom_id, or without one by its error
+    message (which names its request line); lines the job's staged requests do not place come after
+    the others, in the order read."""
+    order = _input_order(src, storage_options)
+    keyed, errors = [], []
+    for n, (full, lines) in enumerate(sources):
+        for k, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                errors.append(f"{full} line {k}: not JSON ({exc})")
+                continue
+            if not isinstance(obj, dict):
+                errors.append(f"{full} line {k}: not a JSON object")
+                continue
+            cid = obj.get("custom_id")
+            message = (obj.get("error") or {}).get("message") if isinstance(obj.get("error"), dict) else None
+            where = order.get(cid) if isinstance(cid, str) else order.get(("error", message))
+            keyed.append(((0, *where, 0, 0) if where else (1, 0, 0, n, k), obj))
+    keyed.sort(key=lambda t: t[0])
+    return [obj for _, obj in keyed], errors
+
+
 def _jsonl_bytes(objs: list[dict], url: str) -> bytes:
     data = "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs).encode()
     return gzip.compress(data) if url.split("?", 1)[0].endswith(".gz") else data
@@ -296,6 +349,15 @@ def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = No
         raise ValueError(f"convert writes .parquet, .jsonl or .jsonl.gz files; {dst} is none of them")
     if not overwrite and io.exists(dst, storage_options):
         raise ValueError(f"{dst} exists; pass --overwrite to replace it")
+    if path.endswith(REQUEST_SUFFIXES) and not src.split("?", 1)[0].endswith(".parquet"):
+        try:
+            sources = _line_sources(src, storage_options)
+        except FileNotFoundError:
+            sources = []  # no JSONL at SRC: a prompt table
+        if sources and {_is_result_file(lines) for _, lines in sources} - {None} == {True}:
+            lines, errors = merge_results(src, sources, storage_options)
+            io.write_bytes(dst, _jsonl_bytes(lines, path), storage_options)
+            return Converted("results -> jsonl", [full for full, _ in sources], len(lines), errors)
     if path.endswith(REQUEST_SUFFIXES):
         files, requests, errors = prompts_to_requests(src, id_column, model, storage_options)
         io.write_bytes(dst, _jsonl_bytes(requests, path), storage_options)
@@ -338,7 +400,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     so = dict(args.storage_options) if args.storage_options else None
     done = convert(args.src, args.dst, args.id_column, args.model, args.overwrite, so)
-    back = done.kind == "prompts -> requests"
+    back = done.kind in ("prompts -> requests", "results -> jsonl")  # lines written; bad ones left out
     print(f"{done.kind}: {plural(done.rows, 'line' if back else 'row')} from {plural(len(done.sources), 'file')} "
           f"-> {args.dst}")
     if done.errors:

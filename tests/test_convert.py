@@ -214,3 +214,29 @@ def test_a_prompt_table_to_request_lines(tmp_path, capsys):
 def test_a_destination_of_another_kind_is_refused(tmp_path):
     with pytest.raises(ValueError, match="convert writes .parquet, .jsonl or .jsonl.gz files"):
         convert(str(tmp_path / "x.jsonl"), str(tmp_path / "x.csv"))
+
+
+def test_a_jobs_output_to_one_jsonl_file_in_the_order_of_the_request_lines(tmp_path, job_llm, capsys):
+    """Prefix planning puts the rows sharing a prefix together, so the part files are in input order
+    each but not across each other; `convert OUTPUT merged.jsonl` writes every output and error line
+    once, in the request lines' order."""
+    heads = {"a": "Answer as a careful geographer who checks every fact twice before writing it down: ",
+             "b": "Answer as a cheerful cook who turns every question into a recipe with three steps: "}
+    lines = []
+    for i in range(3):
+        for h in ("a", "b"):
+            lines.append(_line(f"{h}{i}", COMPLETIONS, {"prompt": heads[h] + f"question {i}?", "max_tokens": 2,
+                                                      "temperature": 0}))
+    lines.insert(3, "not json")
+    (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert main(["run", "--input", str(tmp_path / "requests.jsonl"), "--output", str(out), "--no-progress",
+                 "--shard-size", "3"]) == 0
+    parts = [r["custom_id"] for r in read_jsonl(str(out), "results-")]  # part by part
+    want = ["a0", "b0", "a1", "b1", "a2", "b2"]
+    assert sorted(parts) == sorted(want) and parts != want  # regrouped by prefix across the part files
+    assert main(["convert", str(out), str(tmp_path / "merged.jsonl")]) == 0
+    assert "results -> jsonl: 7 lines from 4 files" in capsys.readouterr().out
+    merged = [json.loads(x) for x in (tmp_path / "merged.jsonl").read_text().splitlines()]
+    assert [m["custom_id"] for m in merged] == want[:3] + [None] + want[3:]
+    assert merged[3]["error"]["code"] == "invalid_json"
