@@ -152,6 +152,22 @@ class RowRequest:
     error: Optional[str] = None
 
 
+
+def _json_object(value: Any, name: str, what: str) -> dict:
+    """A cell that holds a JSON object, given as a dict or as JSON text.
+
+    Raises:
+        ValueError: text that is not JSON, or a value that is not an object (the message names `name`).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be {what}, got {type(value).__name__}")
+    return value
+
 def _override(name: str, value: Any) -> Any:
     """One per-row override value, as the row's SamplingParams takes it; raise ValueError for a bad one.
 
@@ -177,14 +193,7 @@ def _override(name: str, value: Any) -> Any:
             raise ValueError(f"system is empty ({value!r}): leave it null for the job's system prompt, if any")
         return value
     if name == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"json_schema is not valid JSON: {exc.msg} at position {exc.pos}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"json_schema must be a JSON Schema object, got {type(value).__name__}")
-        return value
+        return _json_object(value, "json_schema", "a JSON Schema object")
     if name in ("regex", "grammar"):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
@@ -226,13 +235,7 @@ def _sampling_cell(value: Any) -> dict[str, Any]:
     Raises:
         ValueError: not a JSON object, or a key SamplingParams does not have (named).
     """
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sampling_params is not valid JSON: {exc.msg} at position {exc.pos}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"sampling_params must be an object of SamplingParams fields, got {type(value).__name__}")
+    value = _json_object(value, "sampling_params", "an object of SamplingParams fields")
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     unknown = sorted(set(value) - known)
     if unknown:
