@@ -152,7 +152,6 @@ class RowRequest:
     error: Optional[str] = None
 
 
-
 def _json_object(value: Any, name: str, what: str) -> dict:
     """A cell that holds a JSON object, given as a dict or as JSON text.
 
@@ -167,6 +166,7 @@ def _json_object(value: Any, name: str, what: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be {what}, got {type(value).__name__}")
     return value
+
 
 def _override(name: str, value: Any) -> Any:
     """One per-row override value, as the row's SamplingParams takes it; raise ValueError for a bad one.
