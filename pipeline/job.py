@@ -124,7 +124,8 @@ def prepare_job(spec: JobSpec, tokenizer: Any = None, max_model_len: Optional[in
         if staged is not None:
             staged.write(so)  # (a resume finds them there: the same rows)
         if spec.overwrite or previous is None:
-            for message in check_ids(files, spec.id_column, spec.limit, so):
+            # (request lines without a usable custom_id are error lines already, each naming its line)
+            for message in (check_ids(files, spec.id_column, spec.limit, so) if staged is None else []):
                 warnings.warn(f"{spec.input}: {message}", stacklevel=2)
             shards, stats = plan_job(spec, files, tokenizer, max_model_len)
             dtype = host_dtype(spec)
