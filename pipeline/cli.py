@@ -403,7 +403,11 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
         part = io.read_parquet(first, spec.storage_options).filter(pl.col("error").is_not_null())
         errors = part["error"]
         if errors.len():
-            top, count = errors.value_counts(sort=True).row(0)
+            # errors alike but for the value they quote ("prompt must be a string, got int 5" and "... got
+            # int 6") count as one: a column of the wrong type is one problem, not one per row
+            kinds = errors.str.replace(r"(, got \w+) .*$", "$1")
+            kind, count = kinds.value_counts(sort=True).row(0)
+            top = errors.filter(kinds == kind)[0]
             ident = f" (id {part[id_column][0]!r})" if id_column in part.columns else ""
             if errors.len() == 1:
                 why = f"; the error of {name}'s one {unit}{ident}: {top}"
