@@ -106,10 +106,11 @@ class StagedRequests:
         """
         for f, table in zip(self.files, self.tables):
             if not io.exists(f.path, storage_options):
-                io.write_bytes(f.path, _parquet_bytes(table), storage_options)
+                io.write_bytes(f.path, parquet_bytes(table), storage_options)
 
 
-def _parquet_bytes(table: pa.Table) -> bytes:
+def parquet_bytes(table: pa.Table) -> bytes:
+    """`table` as the bytes of a zstd-compressed Parquet file."""
     buf = BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
@@ -170,8 +171,10 @@ def batch_lines(rows: list[dict], output: str, model: str, created: Optional[int
     return results, errors
 
 
-def _jsonl(lines: list[dict]) -> bytes:
-    return "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
+def jsonl_bytes(lines: list[dict], gzipped: bool = False) -> bytes:
+    """`lines` as JSONL bytes (one JSON object a line, UTF-8), gzip-compressed when `gzipped`."""
+    data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
+    return gzip.compress(data) if gzipped else data
 
 
 def write_batch_parts(output: str, part_name: str, rows: pl.DataFrame, model: str,
@@ -184,9 +187,9 @@ def write_batch_parts(output: str, part_name: str, rows: pl.DataFrame, model: st
     """
     results, errors = batch_lines(rows.to_dicts(), output, model)
     res_name, err_name = result_names(part_name)
-    io.create_exclusive(io.join(output, res_name), _jsonl(results), storage_options)
+    io.create_exclusive(io.join(output, res_name), jsonl_bytes(results), storage_options)
     if errors:
-        io.create_exclusive(io.join(output, err_name), _jsonl(errors), storage_options)
+        io.create_exclusive(io.join(output, err_name), jsonl_bytes(errors), storage_options)
 
 
 def is_output_name(name: str) -> bool:

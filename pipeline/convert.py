@@ -28,18 +28,16 @@ Three directions, chosen by DST's name and SRC's lines:
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 from dataclasses import dataclass, field
-from io import BytesIO
 from typing import Any, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import io
-from pipeline.batch_files import STAGED_DIR, read_lines
+from pipeline.batch_files import STAGED_DIR, jsonl_bytes, parquet_bytes, read_lines
 from pipeline.openai_batch import (
     CHAT_URL, COMPLETIONS_URL, REQUEST_SUFFIXES, RESULT_FIELDS, LineError, body_fields, parse_request_lines,
     parse_result_line,
@@ -84,12 +82,6 @@ class Converted:
     sources: list[str]
     rows: int
     errors: list[str] = field(default_factory=list)
-
-
-def _parquet_bytes(table: pa.Table) -> bytes:
-    buf = BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    return buf.getvalue()
 
 
 def _line_sources(src: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[str, list[bytes]]]:
@@ -283,7 +275,7 @@ def _input_order(src: str, storage_options: Optional[dict[str, Any]]) -> dict[An
     base = src.split("?", 1)[0].rstrip("/")
     try:
         found = io.find_files(io.join(base, "_job", STAGED_DIR), (".parquet",), "Parquet", storage_options)
-    except (FileNotFoundError, OSError, ValueError):
+    except (OSError, ValueError):  # no staged requests there (FileNotFoundError), or not a folder
         return {}
     order: dict[Any, tuple[int, int]] = {}
     for n, (full, _) in enumerate(found):
@@ -314,17 +306,12 @@ def merge_results(src: str, sources: list[tuple[str, list[bytes]]],
             if not isinstance(obj, dict):
                 errors.append(f"{full} line {k}: not a JSON object")
                 continue
-            cid = obj.get("custom_id")
-            message = (obj.get("error") or {}).get("message") if isinstance(obj.get("error"), dict) else None
+            cid, err = obj.get("custom_id"), obj.get("error")
+            message = err.get("message") if isinstance(err, dict) else None
             where = order.get(cid) if isinstance(cid, str) else order.get(("error", message))
-            keyed.append(((0, *where, 0, 0) if where else (1, 0, 0, n, k), obj))
+            keyed.append(((0, *where) if where else (1, n, k), obj))
     keyed.sort(key=lambda t: t[0])
     return [obj for _, obj in keyed], errors
-
-
-def _jsonl_bytes(objs: list[dict], url: str) -> bytes:
-    data = "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs).encode()
-    return gzip.compress(data) if url.split("?", 1)[0].endswith(".gz") else data
 
 
 def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = None, overwrite: bool = False,
@@ -356,11 +343,11 @@ def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = No
             sources = []  # no JSONL at SRC: a prompt table
         if sources and {_is_result_file(lines) for _, lines in sources} - {None} == {True}:
             lines, errors = merge_results(src, sources, storage_options)
-            io.write_bytes(dst, _jsonl_bytes(lines, path), storage_options)
+            io.write_bytes(dst, jsonl_bytes(lines, path.endswith(".gz")), storage_options)
             return Converted("results -> jsonl", [full for full, _ in sources], len(lines), errors)
     if path.endswith(REQUEST_SUFFIXES):
         files, requests, errors = prompts_to_requests(src, id_column, model, storage_options)
-        io.write_bytes(dst, _jsonl_bytes(requests, path), storage_options)
+        io.write_bytes(dst, jsonl_bytes(requests, path.endswith(".gz")), storage_options)
         return Converted("prompts -> requests", files, len(requests), errors)
     sources = _line_sources(src, storage_options)
     kinds = {_is_result_file(lines) for _, lines in sources} - {None}
@@ -372,7 +359,7 @@ def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = No
     else:
         table, errors = requests_to_prompts(sources)
         kind = "requests -> prompts"
-    io.write_bytes(dst, _parquet_bytes(table), storage_options)
+    io.write_bytes(dst, parquet_bytes(table), storage_options)
     return Converted(kind, [full for full, _ in sources], table.num_rows, errors)
 
 
