@@ -5,10 +5,12 @@ heads, 3 KV heads, head_dim 64, blocks of 16 tokens), over block tables scattere
 in a pool the size of the engine's. Both paths run in this process on the same
 tensors; the table prints milliseconds per layer call and the ratio.
 
-Then one batch-64 decode step's attention over 30 layers through the C kernel alone, fp32
-and int8 KV caches, with one layer's pool in cache ("hot") and over 30 pools ("cold").
+Then one batch-64 decode step's attention over 30 layers through the C kernel alone, with one
+layer's pool in cache ("hot") and over 30 pools ("cold"), and one layer's attention over a long
+prompt, for each KV cache format: fp32, fp16 halves, bf16 in the group layout (where the bf16 unit
+reads it) and int8 rows.
 
-    python -m benchmarks.attention_bench [--repeats 20] [--output-json F]
+    python -m benchmarks.attention_bench [--repeats 20] [--prefill-tokens 4096] [--output-json F]
 """
 from __future__ import annotations
 
@@ -65,25 +67,39 @@ def _time(backend, meta, q, k, v, kc, vc, repeats: int) -> tuple[float, torch.Te
     return (time.perf_counter() - t0) / repeats, out
 
 
-def decode_step_30_layers(int8: bool, repeats: int, seed: int = 0) -> dict[str, float]:
+KV_FORMATS = ("fp32", "fp16", "bf16", "int8")  # the C kernel's cache formats (`engine.kernels.cpu.kv_row_format`)
+
+
+def _pool(kv: str, num_blocks: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K/V pool [HKV, num_blocks * BS, D] of random values in cache format `kv`: fp32, fp16
+    halves, bf16 in the group layout (`engine.attention.bf16_kv`) or int8 rows with their scales."""
+    from engine.attention.torch_quant_kv import TorchQuantKVAttentionBackend
+    from engine.kernels import cpu
+
+    k, v = torch.randn(HKV, num_blocks * BS, D, generator=g), torch.randn(HKV, num_blocks * BS, D, generator=g)
+    if kv == "fp32":
+        return k, v
+    if kv == "int8":
+        codec = TorchQuantKVAttentionBackend("int8")
+        return tuple(codec.encode(c.transpose(0, 1)).contiguous() for c in (k, v))
+    dtype = {"fp16": torch.float16, "bf16": torch.int16}[kv]
+    kc, vc = torch.empty(k.shape, dtype=dtype), torch.empty(v.shape, dtype=dtype)
+    cpu.kv_write(k.transpose(0, 1), v.transpose(0, 1), kc, vc, torch.arange(num_blocks * BS))
+    return kc, vc
+
+
+def decode_step_30_layers(kv: str, repeats: int, seed: int = 0) -> dict[str, float]:
     """ms of one batch-64 decode step's attention over 30 layers (contexts 100-165, the engine's
     C kernel called as the decoder driver calls it): "hot" runs one layer's pool 30 times,
-    "cold" 30 pools in turn, as a real step finds them. KV cache fp32 or int8 rows."""
-    from engine.attention.torch_quant_kv import TorchQuantKVAttentionBackend
+    "cold" 30 pools in turn, as a real step finds them. KV cache in format `kv` (`KV_FORMATS`)."""
     from engine.kernels import cpu
 
     rng = random.Random(seed)
     batch, layers = 64, 30
     lens = [rng.randint(100, 165) for _ in range(batch)]
     num_blocks = sum(-(-n // BS) for n in lens) + 8
-    codec = TorchQuantKVAttentionBackend("int8")
     g = torch.Generator().manual_seed(seed)
-    pools = []
-    for _ in range(layers):
-        kc, vc = torch.randn(HKV, num_blocks * BS, D, generator=g), torch.randn(HKV, num_blocks * BS, D, generator=g)
-        if int8:
-            kc, vc = (codec.encode(c.transpose(0, 1)).contiguous() for c in (kc, vc))
-        pools.append((kc, vc))
+    pools = [_pool(kv, num_blocks, g) for _ in range(layers)]
     ids = list(range(num_blocks))
     rng.shuffle(ids)
     tables = torch.zeros(batch, max(-(-n // BS) for n in lens), dtype=torch.int32)
@@ -105,9 +121,36 @@ def decode_step_30_layers(int8: bool, repeats: int, seed: int = 0) -> dict[str, 
     return res
 
 
+def prefill_one_layer(kv: str, tokens: int, repeats: int, seed: int = 0) -> dict[str, float]:
+    """ms and GFLOP/s of one layer's causal attention over a `tokens`-token prompt (one prefill chunk, tiles
+    as the engine plans them, blocks scattered), KV cache in format `kv`; FLOPs are QK^T and PV's
+    multiply-adds over the causal half, 2 * 2 * HQ * D * tokens * (tokens + 1) / 2."""
+    from engine.kernels import cpu
+
+    rng = random.Random(seed)
+    nb = -(-tokens // BS)
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = _pool(kv, nb + 8, g)
+    ids = list(range(nb + 8))
+    rng.shuffle(ids)
+    tables = torch.tensor([ids[:nb]], dtype=torch.int32)
+    q, out = torch.randn(tokens, HQ, D, generator=g), torch.empty(tokens, HQ, D)
+    rows = cpu.attention_tile_rows(HQ // HKV)
+    tiles = torch.tensor([(r, min(rows, tokens - r)) for r in range(0, tokens, rows)][::-1], dtype=torch.int64)
+    kv_len, row_seq = torch.arange(1, tokens + 1), torch.zeros(tokens, dtype=torch.int32)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        cpu.paged_attention(q, kc, vc, tables, row_seq, kv_len, tiles, BS, D ** -0.5, out)
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * 2 * HQ * D * tokens * (tokens + 1) / 2
+    return {"ms": best * 1e3, "gflops": flops / best / 1e9}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--output-json", default=None)
     record.add_arguments(ap)
     args = ap.parse_args(argv)
@@ -137,18 +180,29 @@ def main(argv=None) -> int:
         rows.append({"case": name, "batch": len(lens), "kv_tokens": sum(lens), "torch_ms": t_ref * 1e3,
                      "c_ms": t_c * 1e3, "speedup": t_ref / t_c, "max_abs_diff": diff})
         print(f"{name:42s} {t_ref * 1e3:9.3f} {t_c * 1e3:7.3f} {t_ref / t_c:7.2f}x {diff:10.2e}")
-    steps = {}
+    from engine.kernels import cpu
+
+    formats = [f for f in KV_FORMATS if f != "bf16" or cpu.attention_bf16()]  # bf16 where the bf16 unit reads it
+    steps, prefill = {}, {}
     print("\none batch-64 decode step's attention over 30 layers (contexts 100-165), C kernel, best of "
           f"{max(3, args.repeats // 4)}:")
-    for kv in ("fp32", "int8"):
-        steps[kv] = decode_step_30_layers(kv == "int8", max(3, args.repeats // 4))
+    for kv in formats:
+        steps[kv] = decode_step_30_layers(kv, max(3, args.repeats // 4))
         print(f"  KV cache {kv}: {steps[kv]['hot_ms']:.2f} ms with one layer's pool in cache, "
               f"{steps[kv]['cold_ms']:.2f} ms over 30 pools in turn", flush=True)
+    print(f"\none layer's attention over a {args.prefill_tokens}-token prompt (one prefill chunk), C kernel:")
+    for kv in formats:
+        prefill[kv] = prefill_one_layer(kv, args.prefill_tokens, 3)
+        print(f"  KV cache {kv}: {prefill[kv]['ms']:.1f} ms, {prefill[kv]['gflops']:.0f} GFLOP/s", flush=True)
+    if "bf16" in prefill:
+        print(f"  bf16 cache on the bf16 unit against fp16 halves in fp32: prefill "
+              f"{prefill['fp16']['ms'] / prefill['bf16']['ms']:.2f}x, decode step (cold) "
+              f"{steps['fp16']['cold_ms'] / steps['bf16']['cold_ms']:.2f}x")
     busiest = meter.stop() or 0.0
     warn_if_busy(busiest)
     write_json_report(Path(p) if (p := record.output_path(args, "attention_bench")) else None,
                       {"threads": torch.get_num_threads(), "load": load, "other_busy_cores": busiest, "cases": rows,
-                       "decode_step_30_layers": steps})
+                       "decode_step_30_layers": steps, "prefill_one_layer": prefill})
     return 0
 
 

@@ -34,7 +34,9 @@ LICENSE_DIR = Path("/usr/share/common-licenses")
 SCHEMES = {
     "fp32": dict(dtype="float32", kv_cache_dtype="fp32"),  # the reference: fp32 weights and KV cache
     "kv-fp16": dict(dtype="float32", kv_cache_dtype="fp16"),  # fp32 weights, the default fp16 cache
-    "bf16": dict(dtype="bfloat16"),  # bf16 weights (fp32 activations), the default fp16 cache
+    "bf16": dict(dtype="bfloat16"),  # bf16 weights (fp32 activations), the default cache ("auto")
+    "bf16-kv-fp16": dict(dtype="bfloat16", kv_cache_dtype="fp16"),  # bf16 weights over fp16 halves
+    "kv-bf16": dict(dtype="float32", kv_cache_dtype="bf16"),  # fp32 weights, the grouped bf16 cache
     "default": dict(),  # dtype="auto": bf16 on hosts with AMX-BF16 or AVX512-BF16, else fp32
     "int8": dict(quantization="int8"),
     "int4-g32": dict(quantization="int4", quant_group_size=32),

@@ -106,12 +106,16 @@ class EngineConfig:
             channel x int8 activations per token, integer arithmetic; CPU
             kernels only). See `engine.quant`.
         quant_group_size: int4 group size, 32 | 64 | 128.
-        kv_cache_dtype: "auto" (the model dtype, except fp16 for an fp32
-            model, as on the CPU: `engine.loader.auto_kv_dtype` says why) |
+        kv_cache_dtype: "auto" ("bf16" where bf16 weights run on a CPU with
+            a bf16 unit; else the model dtype, except fp16 for an fp32
+            model, as on the CPU: `engine.loader.make_attention_backend` and
+            `auto_kv_dtype` say why) |
             "fp16" (IEEE half: half the bytes of an fp32 cache, read and
             widened to fp32 by the CPU kernels; llama.cpp's default KV type) |
-            "fp32" (exact: greedy parity with transformers in fp32) | "int8"
-            (per-token per-head scale) | "fp8_e4m3" (CUDA only).
+            "fp32" (exact: greedy parity with transformers in fp32) | "bf16"
+            (CPU: bf16 laid out for the bf16 dot-product unit, which reads it
+            in place, `engine.attention.bf16_kv`; block_size a multiple of 16) |
+            "int8" (per-token per-head scale) | "fp8_e4m3" (CUDA only).
         attention_backend: "auto" (Triton kernels on CUDA, the PyTorch
             reference on CPU) | "torch" | "triton" (on CPU only under
             TRITON_INTERPRET=1, for tests).
@@ -224,8 +228,11 @@ class EngineConfig:
         if self.structured_outputs_backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"structured_outputs_backend must be llguidance|xgrammar, got "
                              f"{self.structured_outputs_backend!r}")
-        if self.kv_cache_dtype not in ("auto", "fp16", "fp32", "int8", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be auto|fp16|fp32|int8|fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp16", "fp32", "bf16", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto|fp16|fp32|bf16|int8|fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "bf16" and self.block_size % 16:
+            raise ValueError(f"kv_cache_dtype='bf16' keeps K/V in groups of 16 slots: block_size must be a multiple "
+                             f"of 16, got {self.block_size}")
         if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
             raise ValueError("kv_cache_dtype='fp8_e4m3' needs a CUDA device (no fp8 arithmetic on this CPU); "
                              "use kv_cache_dtype='int8' on CPU")

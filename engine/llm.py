@@ -126,7 +126,7 @@ class LLM:
         # KV cache sized from the memory budget (per rank: num_kv_heads / N heads of every block); the
         # activations' dtype picks the cache's (fp32 rows also under bf16 weights on the CPU kernels)
         self.backend, kv_dtype = make_attention_backend(self.attention_backend, cfg.kv_cache_dtype, cfg.cpu_kernels,
-                                                        self.model.dtype)
+                                                        self.model.dtype, self.dtype, bs, mcfg.head_dim)
         kv_heads = self.model.local.num_kv_heads
         layout = kv_layout(mcfg, bs)  # the layer groups: sliding-window layers give blocks back behind the window
         per_block = kv_block_bytes(self.backend, kv_dtype, layout.pages_per_block, kv_heads, mcfg.head_dim, bs)

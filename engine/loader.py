@@ -21,8 +21,9 @@ from typing import Optional
 
 import torch
 
-from .attention import get_backend
+from .attention import bf16_kv, get_backend
 from .attention.torch_quant_kv import TorchQuantKVAttentionBackend
+from .attention.torch_ref import TorchAttentionBackend
 from .config import EngineConfig
 from .kv_cache import kv_layout
 from .models.llama import LlamaModel
@@ -156,21 +157,59 @@ def auto_kv_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.float32 else dtype
 
 
-def make_attention_backend(attention_backend: str, kv_cache_dtype: str, cpu_kernels: bool, dtype: torch.dtype):
+def make_attention_backend(attention_backend: str, kv_cache_dtype: str, cpu_kernels: bool, dtype: torch.dtype,
+                           weights_dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None,
+                           head_dim: Optional[int] = None):
     """(attention backend, KV cache storage dtype) for resolved engine settings (the driver and
     every tensor-parallel worker build theirs here): "fp16" IEEE halves (the float backends write
-    `k.to(torch.float16)` and widen what they read), "fp32" fp32, "auto" the model dtype except
-    that an fp32 model's cache is fp16 (`auto_kv_dtype`), "int8" and "fp8_e4m3" codes with a scale
-    per row (`TorchQuantKVAttentionBackend`)."""
-    if kv_cache_dtype in ("auto", "fp16", "fp32"):
+    `k.to(torch.float16)` and widen what they read), "fp32" fp32, "bf16" bf16 in the group layout
+    that the bf16 dot-product unit reads in place (`engine.attention.bf16_kv`; CPU, the PyTorch
+    backend), "int8" and "fp8_e4m3" codes with a scale per row (`TorchQuantKVAttentionBackend`).
+    "auto" is "bf16" where bf16 weights run on the CPU kernels (`dtype`, the activations' dtype, is
+    fp32 and `weights_dtype` bf16), the kernel library reads that cache on VDPBF16PS, and the KV
+    shape suits it (`block_size` a multiple of 16, `head_dim` of 32); else the activations' dtype,
+    fp16 for fp32 activations (`auto_kv_dtype`).
+
+    Raises:
+        ValueError: "bf16" with another attention backend, or with a block size that is not a
+            multiple of 16.
+    """
+    if kv_cache_dtype in ("auto", "fp16", "fp32", "bf16"):
         backend = get_backend(attention_backend)
-        kv_dtype = {"auto": auto_kv_dtype(dtype), "fp16": torch.float16, "fp32": torch.float32}[kv_cache_dtype]
+        grouped = type(backend) is TorchAttentionBackend
+        if kv_cache_dtype == "bf16":
+            if not grouped:
+                raise ValueError(f"kv_cache_dtype='bf16' is the CPU's grouped bf16 cache (attention_backend "
+                                 f"'torch'), not for attention_backend {attention_backend!r}: use 'auto'")
+            if block_size is not None and block_size % bf16_kv.KV_GROUP:
+                raise ValueError(f"kv_cache_dtype='bf16' keeps K/V in groups of {bf16_kv.KV_GROUP} slots: block_size "
+                                 f"must be a multiple of {bf16_kv.KV_GROUP}, got {block_size}")
+            kv_dtype = bf16_kv.STORAGE_DTYPE
+        elif kv_cache_dtype == "auto" and grouped and auto_grouped_bf16(dtype, weights_dtype, cpu_kernels,
+                                                                          block_size, head_dim):
+            kv_dtype = bf16_kv.STORAGE_DTYPE
+        else:
+            kv_dtype = {"auto": auto_kv_dtype(dtype), "fp16": torch.float16, "fp32": torch.float32}[kv_cache_dtype]
     else:
         backend = TorchQuantKVAttentionBackend(kv_cache_dtype)
         kv_dtype = backend.storage_dtype
     if not cpu_kernels and hasattr(backend, "use_cpu_kernel"):
         backend.use_cpu_kernel = False
     return backend, kv_dtype
+
+
+def auto_grouped_bf16(dtype: torch.dtype, weights_dtype: Optional[torch.dtype], cpu_kernels: bool,
+                      block_size: Optional[int], head_dim: Optional[int]) -> bool:
+    """Whether kv_cache_dtype="auto" keeps a grouped bf16 cache (see `make_attention_backend`): bf16
+    weights with fp32 activations (the CPU kernels), a kernel library that reads that cache on
+    VDPBF16PS, block_size a multiple of 16 and head_dim a multiple of 32."""
+    if not (cpu_kernels and weights_dtype == torch.bfloat16 and dtype == torch.float32):
+        return False
+    if block_size is None or head_dim is None or block_size % bf16_kv.KV_GROUP or head_dim % 32 or head_dim > 256:
+        return False
+    from .kernels import cpu
+
+    return cpu.available() and cpu.attention_bf16()
 
 
 def auto_dtype(device: torch.device, quantization: Optional[str], cpu_kernels: bool) -> str:
@@ -220,7 +259,8 @@ def min_kv_cache_memory_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     dev, dtype, backend_name = resolve_settings(cfg)
     quant = None if cfg.quantization in (None, "none") else cfg.quantization
     act = compute_dtype(dtype, dev.type, cfg.cpu_kernels, quant)
-    backend, kv_dtype = make_attention_backend(backend_name, cfg.kv_cache_dtype, cfg.cpu_kernels, act)
+    backend, kv_dtype = make_attention_backend(backend_name, cfg.kv_cache_dtype, cfg.cpu_kernels, act, dtype,
+                                               cfg.block_size, model_cfg.head_dim)
     return kv_block_bytes(backend, kv_dtype, kv_layout(model_cfg, cfg.block_size).pages_per_block,
                           model_cfg.num_kv_heads // cfg.tensor_parallel_size, model_cfg.head_dim, cfg.block_size)
 

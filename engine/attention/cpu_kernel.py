@@ -46,16 +46,19 @@ def _row_format(q: torch.Tensor, k_cache: torch.Tensor) -> int:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, block_size: int) -> bool:
-    """Whether the kernel serves these tensors: CPU, fp32 queries, an fp32 or fp16 cache or an
-    int8 cache of rows [D codes, fp32 scale] (torch_quant_kv's layout; not fp8 codes, which share
-    the int8 storage: the caller decides), head_dim <= 256, at most 16 query heads per KV
-    head, block_size <= 64, and the kernel built."""
+    """Whether the kernel serves these tensors: CPU, fp32 queries, an fp32 or fp16 cache, a grouped
+    bf16 cache (`bf16_kv`; block_size a multiple of 16, head_dim of 32) or an int8 cache of rows
+    [D codes, fp32 scale] (torch_quant_kv's layout; not fp8 codes, which share the int8 storage:
+    the caller decides), head_dim <= 256, at most 16 query heads per KV head, block_size <= 64,
+    and the kernel built."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.device.type != "cpu":
         return False
     if _cpu.kv_row_format(k_cache, q.shape[-1]) is None:
         return False
     hkv, d = k_cache.shape[0], q.shape[-1]
     if d > _MAX_D or block_size > _MAX_BLOCK_SIZE or q.shape[1] % hkv or q.shape[1] // hkv > _MAX_G:
+        return False
+    if k_cache.dtype == torch.int16 and (block_size % 16 or d % 32):  # grouped bf16 (`bf16_kv`): whole groups
         return False
     return available()
 

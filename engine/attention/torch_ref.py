@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu as _cpu
-from . import cpu_kernel
+from . import bf16_kv, cpu_kernel
 from .base import AttentionBackend, AttentionMetadata, check_window
 
 
@@ -67,7 +67,8 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     use_cpu_kernel = True
-    decoder_cache_dtypes = (torch.float32, torch.float16)  # the caches the C decoder reads (`fused_decoder_plan`)
+    # the caches the C decoder reads (`fused_decoder_plan`); int16: bf16 in the group layout (`bf16_kv`)
+    decoder_cache_dtypes = (torch.float32, torch.float16, bf16_kv.STORAGE_DTYPE)
 
     def __init__(self, cpu_kernel: bool | None = None) -> None:
         self.use_cpu_kernel = cpu_kernel is not False
@@ -162,14 +163,16 @@ class TorchAttentionBackend(AttentionBackend):
         return blocks
 
     @staticmethod
-    def _gather_blocks(cache: torch.Tensor, blocks, block_size: int) -> torch.Tensor:
+    def _gather_blocks(cache: torch.Tensor, blocks, block_size: int, which: str = "k") -> torch.Tensor:
         """Rows of whole blocks: cache [Hkv, slots, C] -> [Hkv, len(blocks) * block_size, C].
-        Copies whole blocks (block_size * C contiguous elements each), not single slots."""
+        Copies whole blocks (block_size * C contiguous elements each), not single slots. A grouped
+        bf16 cache (`bf16_kv`) comes back as bf16 rows in slot order, read as its K or V (`which`)."""
         hkv, _, c = cache.shape
         if isinstance(blocks, slice):
-            return cache[:, blocks.start * block_size:blocks.stop * block_size]
-        paged = cache.view(hkv, -1, block_size * c)
-        return paged.index_select(1, blocks).view(hkv, -1, c)
+            rows = cache[:, blocks.start * block_size:blocks.stop * block_size]
+        else:
+            rows = cache.view(hkv, -1, block_size * c).index_select(1, blocks).view(hkv, -1, c)
+        return bf16_kv.read_rows(rows, which) if bf16_kv.is_grouped(cache) else rows
 
     def _decode_attention(self, q, k_cache, v_cache, meta, scale, out) -> None:
         """Attention of the first Bd (decode) tokens, written into `out`: the blocks all of them
@@ -192,13 +195,13 @@ class TorchAttentionBackend(AttentionBackend):
         shared = meta.cache["decode_shared"]
         if shared is not None:
             kp = self._read(self._gather_blocks(k_cache, shared, bs), q.dtype)  # [Hkv, P, D]
-            vp = self._read(self._gather_blocks(v_cache, shared, bs), q.dtype)
+            vp = self._read(self._gather_blocks(v_cache, shared, bs, "v"), q.dtype)
             p_len = kp.shape[1]
             sp = torch.matmul(qh.reshape(hkv, bd * g, d), kp.transpose(-1, -2)).view(hkv, bd, g, p_len)
         for idx, blocks, length, bias in meta.cache["decode_buckets"]:
             nb = bias.shape[0]
             kd = self._read(self._gather_blocks(k_cache, blocks, bs), q.dtype).view(hkv, nb, length, d)
-            vd = self._read(self._gather_blocks(v_cache, blocks, bs), q.dtype).view(hkv, nb, length, d)
+            vd = self._read(self._gather_blocks(v_cache, blocks, bs, "v"), q.dtype).view(hkv, nb, length, d)
             qd = qh if idx is None else qh[:, idx]  # [Hkv, nb, G, D]
             scores = torch.matmul(qd, kd.transpose(-1, -2)).float() + bias[None, :, None, :]  # [Hkv, nb, G, L]
             if shared is not None:
@@ -264,22 +267,26 @@ class TorchAttentionBackend(AttentionBackend):
             blocks, length, bias = dec
             qh = q[:bd].view(bd, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, Bd, G, D]
             kd = self._read(self._gather_blocks(k_cache, blocks, bs), q.dtype).view(hkv, bd, length, d)
-            vd = self._read(self._gather_blocks(v_cache, blocks, bs), q.dtype).view(hkv, bd, length, d)
+            vd = self._read(self._gather_blocks(v_cache, blocks, bs, "v"), q.dtype).view(hkv, bd, length, d)
             scores = torch.matmul(qh, kd.transpose(-1, -2)).float() + bias[None, :, None, :]
             probs = torch.softmax(scores * scale, dim=-1).to(q.dtype)
             out[:bd] = torch.matmul(probs, vd).transpose(0, 1).reshape(bd, hq, d)
         for start, qlen, blocks, p0, slen, mask in pre:
             qs = q[start: start + qlen].transpose(0, 1)  # [Hq, qlen, D]
             ks = self._read(self._gather_blocks(k_cache, blocks, bs)[:, : slen - p0], q.dtype)
-            vs = self._read(self._gather_blocks(v_cache, blocks, bs)[:, : slen - p0], q.dtype)
+            vs = self._read(self._gather_blocks(v_cache, blocks, bs, "v")[:, : slen - p0], q.dtype)
             out[start: start + qlen] = _sdpa(qs, ks, vs, mask, scale).transpose(0, 1)
 
     def _write_kv(self, k, v, k_cache, v_cache, meta) -> None:
         """New K/V rows into the cache: one C call on the CPU (fp32 rows, fp32 or fp16 cache), else
         two index_copy_ (the same fp16 bits: both round to nearest even)."""
-        if (self.use_cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.float16)
+        if (self.use_cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype in self.decoder_cache_dtypes
                 and k.dtype == torch.float32 and cpu_kernel.available()):
             _kv_write_fast(k, v, k_cache, v_cache, meta)
+            return
+        if bf16_kv.is_grouped(k_cache):
+            bf16_kv.write_rows(k_cache, meta.slot_mapping, k, "k")
+            bf16_kv.write_rows(v_cache, meta.slot_mapping, v, "v")
             return
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
@@ -369,11 +376,12 @@ class TorchAttentionBackend(AttentionBackend):
                 vs = v[start : start + qlen].transpose(0, 1)
                 if k_cache.dtype != ks.dtype:  # a narrower cache (fp16 for fp32 rows): attend over what it
                     # holds, as decode steps and the C kernel do, so chunking does not change a logit
-                    ks, vs = ks.to(k_cache.dtype).to(ks.dtype), vs.to(v_cache.dtype).to(vs.dtype)
+                    held = torch.bfloat16 if bf16_kv.is_grouped(k_cache) else k_cache.dtype
+                    ks, vs = ks.to(held).to(ks.dtype), vs.to(held).to(vs.dtype)
                 o = _sdpa(qs, ks, vs, None, scale)
             else:
                 ks = self._read(self._gather_blocks(k_cache, blocks, meta.block_size)[:, :slen], q.dtype)
-                vs = self._read(self._gather_blocks(v_cache, blocks, meta.block_size)[:, :slen], q.dtype)
+                vs = self._read(self._gather_blocks(v_cache, blocks, meta.block_size, "v")[:, :slen], q.dtype)
                 o = _sdpa(qs, ks, vs, mask, scale)
             out[start : start + qlen] = o.transpose(0, 1)
         return out

@@ -100,7 +100,7 @@ def build_shard(spec: WorkerSpec, rank: int):
     model, _ = load_model(spec.source, spec.dtype, device, spec.seed, spec.quantization, spec.group_size,
                            spec.cpu_kernels, TPShard(rank, spec.world_size), False)
     backend, kv_dtype = make_attention_backend(spec.attention_backend, spec.kv_cache_dtype, spec.cpu_kernels,
-                                               spec.dtype)
+                                               model.dtype, spec.dtype, spec.block_size, model.cfg.head_dim)
     return model, backend, kv_dtype
 
 

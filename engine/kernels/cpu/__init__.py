@@ -35,18 +35,21 @@ from . import build
 from .memory import huge_empty
 
 W_F32, W_Q8, W_Q4 = 0, 1, 2
-KV_F32, KV_I8, KV_F16 = 0, 1, 2  # KV cache row formats (tm_cpu.h's TM_KV_*)
+KV_F32, KV_I8, KV_F16, KV_BF16 = 0, 1, 2, 3  # KV cache row formats (tm_cpu.h's TM_KV_*)
 
 
 def kv_row_format(cache: torch.Tensor, head_dim: int) -> Optional[int]:
     """The C kernels' code for a KV cache's rows: `KV_F32` (float32 [Hkv, S, D]), `KV_F16`
-    (float16 [Hkv, S, D], widened to fp32 as it is read) or `KV_I8` (int8 rows [Hkv, S, D + 4]:
-    D codes, then the fp32 scale); None for anything else."""
+    (float16 [Hkv, S, D], widened to fp32 as it is read), `KV_BF16` (int16 [Hkv, S, D]: bf16 in the
+    group layout of `engine.attention.bf16_kv`) or `KV_I8` (int8 rows [Hkv, S, D + 4]: D codes, then
+    the fp32 scale); None for anything else."""
     row = cache.shape[-1]
     if cache.dtype == torch.float32 and row == head_dim:
         return KV_F32
     if cache.dtype == torch.float16 and row == head_dim:
         return KV_F16
+    if cache.dtype == torch.int16 and row == head_dim:
+        return KV_BF16
     if cache.dtype == torch.int8 and row == head_dim + 4:
         return KV_I8
     return None
@@ -92,6 +95,7 @@ _SIGNATURES = {
     "tm_kv_write": (None, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I]),
     "tm_argmax_rows": (None, [_P, _I64, _I64, _I64, _P]),
     "tm_attention_tile_rows": (_I, [_I64]),
+    "tm_attention_bf16": (_I, []),
     "tm_paged_attention": (_I, [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I64] * 5
                            + [_F, _I64]),
     "tm_decoder_layer_words": (_I, []),
@@ -724,8 +728,9 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Write rows k, v [t, hkv, d] (or [t, hkv * d] views) into the caches at `slot_mapping` [t] int64.
 
     Caches: [hkv, slots, d] float32; [hkv, slots, d] float16 (rounded to nearest even, the bits
-    `k.to(torch.float16)` gives); or int8 rows [hkv, slots, d + 4] (codes, then the fp32 scale
-    max|x| / 127, as `TorchQuantKVAttentionBackend.encode`).
+    `k.to(torch.float16)` gives); [hkv, slots, d] int16, bf16 in the group layout (rounded to nearest
+    even: `engine.attention.bf16_kv.write_rows` writes the same bits); or int8 rows [hkv, slots, d + 4]
+    (codes, then the fp32 scale max|x| / 127, as `TorchQuantKVAttentionBackend.encode`).
 
     Raises:
         ValueError: for caches of another dtype or layout, or not contiguous.
@@ -737,7 +742,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     fmt = kv_row_format(k_cache, d)
     if (fmt is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.dtype != k_cache.dtype
             or v_cache.shape != k_cache.shape):
-        raise ValueError("caches must be contiguous float32 or float16 [hkv, s, d], or int8 [hkv, s, d + 4], "
+        raise ValueError("caches must be contiguous float32, float16 or grouped bf16 [hkv, s, d], or int8 [hkv, s, d + 4], "
                          f"K and V alike; got {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} "
                          f"{tuple(v_cache.shape)}")
     k2, v2 = k.reshape(t, hkv * d), v.reshape(t, hkv * d)
@@ -754,6 +759,11 @@ def attention_tile_rows(group: int, lib: Optional[ctypes.CDLL] = None) -> int:
     return _lib(lib).tm_attention_tile_rows(int(group))
 
 
+def attention_bf16(lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Whether a build reads bf16 caches (`KV_BF16`) on VDPBF16PS; False: one value at a time, in fp32."""
+    return bool(_lib(lib).tm_attention_bf16())
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: Optional[torch.Tensor], kv_len: torch.Tensor, tiles: torch.Tensor, block_size: int,
                     scale: float, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None,
@@ -762,8 +772,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Args:
         q: [T, Hq, D] float32 (rows may be strided, heads and D contiguous).
-        k_cache, v_cache: [Hkv, S, D] float32 or float16, or int8 rows [Hkv, S, D + 4]; contiguous
-            (`kv_row_format`).
+        k_cache, v_cache: [Hkv, S, D] float32 or float16, int16 (bf16 in the group layout of
+            `engine.attention.bf16_kv`: read on VDPBF16PS where `attention_bf16`, the queries and
+            probabilities rounded to bf16 too; block_size a multiple of 16 and D of 32), or int8 rows
+            [Hkv, S, D + 4]; contiguous (`kv_row_format`).
         block_tables: [num_seqs, max_blocks] int32 contiguous.
         row_seq: [T] int32, the block-table row of each query row (None: row r uses row r).
         kv_len: [T] int64, keys row r sees (its position + 1).
@@ -786,7 +798,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hkv, s, _ = k_cache.shape
     fmt = kv_row_format(k_cache, d)
     if fmt is None or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"the CPU attention kernel reads float32 or float16 [Hkv, S, D] or int8 [Hkv, S, D + 4] "
+        raise ValueError(f"the CPU attention kernel reads float32, float16 or grouped bf16 [Hkv, S, D] or int8 [Hkv, S, D + 4] "
                          f"caches, K and V alike; got {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} "
                          f"for head_dim {d}")
     rc = lib.tm_paged_attention(

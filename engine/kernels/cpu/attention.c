@@ -99,7 +99,9 @@ static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
                 const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;
                 const char *kr = kh + slot * rb, *vr = vh + slot * rb;
                 float sc = 0.0f;
-                if (j->kv == TM_KV_I8) {
+                if (j->kv == TM_KV_BF16) { /* the group layout: values found one by one */
+                    for (int64_t i = 0; i < d; ++i) sc += q[i] * tm_bf16_to_float(((const uint16_t *)kh)[tm_bf16_k_at(slot, i, d)]);
+                } else if (j->kv == TM_KV_I8) {
                     for (int64_t i = 0; i < d; ++i) sc += q[i] * (float)((const int8_t *)kr)[i];
                     sc *= row_scale(kr, d);
                 } else if (j->kv == TM_KV_F16) {
@@ -112,7 +114,10 @@ static void attn_task_generic(const tm_attn *j, int64_t tile, int64_t h) {
                 const float corr = tm_expf(m - m_new), p = tm_expf(sc - m_new);
                 l = l * corr + p;
                 m = m_new;
-                if (j->kv == TM_KV_I8) {
+                if (j->kv == TM_KV_BF16) {
+                    for (int64_t i = 0; i < d; ++i)
+                        acc[i] = acc[i] * corr + p * tm_bf16_to_float(((const uint16_t *)vh)[tm_bf16_v_at(slot, i, d)]);
+                } else if (j->kv == TM_KV_I8) {
                     const float w = p * row_scale(vr, d);
                     for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] * corr + w * (float)((const int8_t *)vr)[i];
                 } else if (j->kv == TM_KV_F16) {
@@ -787,6 +792,244 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
         for (int64_t i = 0; i < d; i += VL) V_STORE(o + i, V_MUL(V_LOAD(acc[x] + i), inv));
     }
 }
+
+#if defined(TM_AVX512) && defined(__AVX512BF16__)
+#define TM_ATTN_BF16 1
+/* ---------------------------------------------------------------- bf16 caches on VDPBF16PS
+ * A TM_KV_BF16 cache is read in place by the bf16 dot-product unit: each query (times the softmax scale) is
+ * rounded to bf16 once per task, and VDPBF16PS sums exact bf16 x bf16 products in fp32. A group's K pair
+ * row i is one vector of 16 keys, so a query's scores over 16 keys are one chain of D / 2 VDPBF16PS
+ * against the broadcast pair i of the query (4 queries x 4 groups of keys at a time). The online softmax
+ * is the fp32 path's, one update per chunk and query; its probabilities are rounded to bf16 in pairs of
+ * keys, and acc += p V is one VDPBF16PS per key pair and 16 dims, against a V pair row of the group. The
+ * normaliser sums the probabilities before their rounding. Each score and each output is one chain in a
+ * fixed order whatever else the tile holds, so a row's output does not depend on its tile. */
+
+/* sb[x][16 v ..] = scores of NQ queries (pairs qp[x], stride TM_MAX_D / 2) against the key vectors kg[v],
+ * v < nv <= 4 (group bases: pair row i at kg[v] + 32 i; past nv any valid group), dp pairs each; keys at
+ * positions p0 + 16 v + lane outside [lo[x], lim[x]) score -inf. The sums stay in registers (every index
+ * is a compile-time one). */
+TM_INLINE void qk_bf16(const int NQ, const int DP, int64_t dp_rt, const uint32_t (*qp)[TM_MAX_D / 2],
+                       const uint16_t *const kg[4], int64_t nv, int64_t p0, const int64_t *lim, const int64_t *lo,
+                       float (*sb)[TM_CHUNK]) {
+    const int64_t dp = DP ? DP : dp_rt;
+    __m512 s[4][4];
+#pragma GCC unroll 4
+    for (int x = 0; x < NQ; ++x)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) s[x][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dp; ++i) {
+        __m512bh k[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) k[v] = (__m512bh)_mm512_loadu_si512((const void *)(kg[v] + 32 * i));
+#pragma GCC unroll 4
+        for (int x = 0; x < NQ; ++x) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)qp[x][i]);
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; ++v) s[x][v] = _mm512_dpbf16_ps(s[x][v], k[v], w);
+        }
+    }
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+#pragma GCC unroll 4
+    for (int x = 0; x < NQ; ++x) {
+        const __m512i limv = _mm512_set1_epi32((int32_t)lim[x]), lov = _mm512_set1_epi32((int32_t)lo[x]);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)
+            if (v < nv) {
+                const __m512i pv = _mm512_add_epi32(iota, _mm512_set1_epi32((int32_t)(p0 + 16 * v)));
+                const __mmask16 vis = _mm512_cmplt_epi32_mask(pv, limv) & _mm512_cmpge_epi32_mask(pv, lov);
+                _mm512_store_ps(sb[x] + 16 * v, _mm512_mask_mov_ps(ninf, vis, s[x][v]));
+            }
+    }
+}
+
+/* acc[x] += sum over key pairs t < npairs of V pair row vr[t] times (p[x][2t], p[x][2t + 1]) = pp[x][t],
+ * for NQ queries, D dims (D / 16 vectors); the last pair's second key masked out when `odd` */
+TM_INLINE void pv_bf16(const int NQ, const int D, float (*acc)[TM_MAX_D], const uint32_t (*pp)[TM_CHUNK / 2],
+                       const uint16_t *const *vr, int64_t npairs, int odd) {
+    __m512 a[6][TM_MAX_D / 16];
+#pragma GCC unroll 6
+    for (int x = 0; x < NQ; ++x)
+#pragma GCC unroll 16
+        for (int c = 0; c < D / 16; ++c) a[x][c] = _mm512_load_ps(acc[x] + c * 16);
+    for (int64_t t = 0; t < npairs; ++t) {
+        __m512bh w[6];
+#pragma GCC unroll 6
+        for (int x = 0; x < NQ; ++x) w[x] = (__m512bh)_mm512_set1_epi32((int)pp[x][t]);
+        /* a pair whose second slot lies past the chunk's keys: that slot may hold anything, so keep only
+           the first key's halves (its probability is 0, but 0 times a NaN is not) */
+        const __m512i keep = _mm512_set1_epi32(odd && t + 1 == npairs ? 0x0000FFFF : -1);
+#pragma GCC unroll 16
+        for (int c = 0; c < D / 16; ++c) {
+            const __m512bh v = (__m512bh)_mm512_and_si512(_mm512_loadu_si512((const void *)(vr[t] + c * 32)), keep);
+#pragma GCC unroll 6
+            for (int x = 0; x < NQ; ++x) a[x][c] = _mm512_dpbf16_ps(a[x][c], v, w[x]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int x = 0; x < NQ; ++x)
+#pragma GCC unroll 16
+        for (int c = 0; c < D / 16; ++c) _mm512_store_ps(acc[x] + c * 16, a[x][c]);
+}
+
+/* One (tile, KV head) task over a TM_KV_BF16 cache (see above); D is 0 for a runtime head_dim (a multiple
+ * of 32, <= 256), or a compile-time 64 / 128. The block size is a multiple of TM_KV_GROUP. */
+TM_INLINE void attn_task_bf16(const tm_attn *j, int64_t tile, int64_t h, const int D) {
+    const int64_t r0 = j->tiles[2 * tile], nr = j->tiles[2 * tile + 1];
+    const int64_t g_n = j->hq / j->hkv, d = D ? D : j->d, bs = j->block_size, qg = nr * g_n, dp = d / 2;
+    const int64_t rb = 2 * d;
+    const uint16_t *kh = (const uint16_t *)j->k_cache + h * j->s * d;
+    const uint16_t *vh = (const uint16_t *)j->v_cache + h * j->s * d;
+    const int64_t seq = j->row_seq ? j->row_seq[r0] : r0;
+    const int32_t *table = j->block_tables + seq * j->max_blocks;
+    uint32_t qp[TM_MAX_QG][TM_MAX_D / 2] __attribute__((aligned(64)));
+    float acc[TM_MAX_QG][TM_MAX_D] __attribute__((aligned(64)));
+    float sb[TM_MAX_QG][TM_CHUNK] __attribute__((aligned(64))); /* scores, then probabilities */
+    uint32_t pp[TM_MAX_QG][TM_CHUNK / 2] __attribute__((aligned(64)));
+    float m[TM_MAX_QG] __attribute__((aligned(64))), l[TM_MAX_QG];
+    int64_t lim[TM_MAX_QG], lo[TM_MAX_QG];
+    int64_t maxlen = 0, minlo = INT64_MAX;
+    const __m512 scv = _mm512_set1_ps(j->scale);
+    for (int64_t x = 0; x < TM_MAX_QG; ++x) m[x] = -INFINITY; /* lanes past qg too: one vector of them */
+    for (int64_t x = 0; x < qg; ++x) {
+        const int64_t r = r0 + x / g_n, g = x % g_n;
+        const float *src = j->q + r * j->ldq + (h * g_n + g) * d;
+        for (int64_t i = 0; i < d; i += 32)
+            _mm512_store_si512((void *)(qp[x] + i / 2),
+                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + i + 16), scv),
+                                                            _mm512_mul_ps(_mm512_loadu_ps(src + i), scv)));
+        for (int64_t i = 0; i < d; i += 16) _mm512_store_ps(acc[x] + i, _mm512_setzero_ps());
+        m[x] = -INFINITY;
+        l[x] = 0.0f;
+        lim[x] = j->kv_len[r];
+        lo[x] = win_lo(j, lim[x]);
+        maxlen = lim[x] > maxlen ? lim[x] : maxlen;
+        minlo = lo[x] < minlo ? lo[x] : minlo;
+    }
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const int64_t chunk = bs >= TM_CHUNK ? bs : TM_CHUNK - TM_CHUNK % bs; /* whole blocks */
+    const int64_t first = minlo / bs * bs;
+    const int64_t gmax = D ? (24 / (D / 16) < 6 ? 24 / (D / 16) : 6) : 0;
+    const int64_t ngrp = gmax > 0 ? (qg + gmax - 1) / gmax : 0, gsz = ngrp > 0 ? (qg + ngrp - 1) / ngrp : 0;
+    for (int64_t pos0 = first; pos0 < maxlen; pos0 += chunk) {
+        const int64_t n = maxlen - pos0 < chunk ? maxlen - pos0 : chunk, nv = (n + 15) / 16;
+        pf_cursor pfc;
+        if (pos0 + chunk < maxlen) {
+            const int64_t nn = maxlen - pos0 - chunk < chunk ? maxlen - pos0 - chunk : chunk;
+            pf_set(&pfc, (const char *)kh, (const char *)vh, table, bs, rb, pos0 + chunk, nn);
+        } else if (h + 1 < j->hkv) {
+            pf_set(&pfc, (const char *)(kh + j->s * d), (const char *)(vh + j->s * d), table, bs, rb, first,
+                   maxlen - first < chunk ? maxlen - first : chunk);
+        } else {
+            prefetch_next_tile(j, tile + TM_PF_TILE, chunk, &pfc);
+        }
+        const int64_t pf_quota = ((pfc.end - pfc.p) * rb / 64 + 1) / ((qg + 3) / 4 + qg + 2) + 1;
+        /* the chunk's groups of 16 slots (a chunk holds whole blocks, a block whole groups); past nv the
+           first group again, so that every load is of valid memory (its scores are never used) */
+        const uint16_t *kg[TM_CHUNK / 16], *vg[TM_CHUNK / 16];
+        for (int64_t v = 0; v < TM_CHUNK / 16; ++v) {
+            const int64_t p = pos0 + 16 * (v < nv ? v : 0);
+            const int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * d;
+            kg[v] = kh + at;
+            vg[v] = vh + at;
+        }
+        /* scores sb[x][0..16 nv), keys the query does not see: -inf */
+        for (int64_t x0 = 0; x0 < qg; x0 += 4) {
+            pf_advance(&pfc, pf_quota);
+            const int64_t nq = qg - x0 < 4 ? qg - x0 : 4;
+            const int64_t *lx = lim + x0, *ox = lo + x0;
+            float (*sx)[TM_CHUNK] = sb + x0;
+            switch (nq * 4 + (D == 64 ? 1 : (D == 128 ? 2 : 0))) {
+                case 5: qk_bf16(1, 32, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 9: qk_bf16(2, 32, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 13: qk_bf16(3, 32, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 17: qk_bf16(4, 32, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 6: qk_bf16(1, 64, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 10: qk_bf16(2, 64, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 14: qk_bf16(3, 64, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 18: qk_bf16(4, 64, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 4: qk_bf16(1, 0, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 8: qk_bf16(2, 0, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                case 12: qk_bf16(3, 0, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+                default: qk_bf16(4, 0, dp, qp + x0, kg, nv, pos0, lx, ox, sx); break;
+            }
+        }
+        /* one online-softmax update per query over the chunk, the queries' maxima and corrections as the
+           lanes of one vector; probabilities rounded to bf16 in key pairs */
+        float mb[TM_MAX_QG] __attribute__((aligned(64))), corr[TM_MAX_QG] __attribute__((aligned(64)));
+        for (int64_t x = 0; x < TM_MAX_QG; ++x) mb[x] = -INFINITY;
+        for (int64_t x = 0; x < qg; ++x) {
+            __m512 mx = ninf;
+            for (int64_t v = 0; v < nv; ++v) mx = _mm512_max_ps(mx, _mm512_load_ps(sb[x] + 16 * v));
+            mb[x] = _mm512_reduce_max_ps(mx);
+        }
+        {
+            const __m512 mo = _mm512_load_ps(m), mn = _mm512_max_ps(mo, _mm512_load_ps(mb));
+            const __mmask16 seen = _mm512_cmp_ps_mask(mn, ninf, _CMP_NEQ_OQ);
+            _mm512_store_ps(corr, _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, vexp(_mm512_sub_ps(mo, mn))));
+            _mm512_store_ps(m, mn);
+        }
+        for (int64_t x = 0; x < qg; ++x) {
+            if (m[x] == -INFINITY) { /* no key of this row so far */
+                memset(pp[x], 0, sizeof pp[x]);
+                continue;
+            }
+            const __m512 mn = _mm512_set1_ps(m[x]);
+            __m512 sum = _mm512_setzero_ps(), p[TM_CHUNK / 16 + 1];
+            for (int64_t v = 0; v < nv; ++v) {
+                const __m512 sv = _mm512_load_ps(sb[x] + 16 * v);
+                const __mmask16 vis = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
+                p[v] = _mm512_maskz_mov_ps(vis, vexp(_mm512_sub_ps(sv, mn)));
+                sum = _mm512_add_ps(sum, p[v]);
+            }
+            p[nv] = _mm512_setzero_ps();
+            for (int64_t v = 0; v < nv; v += 2)
+                _mm512_store_si512((void *)(pp[x] + 8 * v), (__m512i)_mm512_cvtne2ps_pbh(p[v + 1], p[v]));
+            l[x] = l[x] * corr[x] + _mm512_reduce_add_ps(sum);
+            if (corr[x] != 1.0f) {
+                const __m512 c = _mm512_set1_ps(corr[x]);
+                for (int64_t i = 0; i < d; i += 16) _mm512_store_ps(acc[x] + i, _mm512_mul_ps(_mm512_load_ps(acc[x] + i), c));
+            }
+        }
+        /* acc += p V over the chunk's key pairs, the queries in groups whose sums fit in registers */
+        const int64_t npairs = (n + 1) / 2;
+        const uint16_t *vr[TM_CHUNK / 2];
+        for (int64_t t = 0; t < npairs; ++t) vr[t] = vg[t / 8] + (t % 8) * 2 * d;
+        const int odd = (int)(n & 1);
+        pf_advance(&pfc, -1);
+        if (gsz > 0) {
+            for (int64_t x0 = 0; x0 < qg; x0 += gsz) {
+                switch (qg - x0 < gsz ? qg - x0 : gsz) {
+                    case 1: pv_bf16(1, D, acc + x0, pp + x0, vr, npairs, odd); break;
+                    case 2: pv_bf16(2, D, acc + x0, pp + x0, vr, npairs, odd); break;
+                    case 3: pv_bf16(3, D, acc + x0, pp + x0, vr, npairs, odd); break;
+                    case 4: pv_bf16(4, D, acc + x0, pp + x0, vr, npairs, odd); break;
+                    case 5: pv_bf16(5, D, acc + x0, pp + x0, vr, npairs, odd); break;
+                    default: pv_bf16(6, D, acc + x0, pp + x0, vr, npairs, odd); break;
+                }
+            }
+        } else {
+            for (int64_t x = 0; x < qg; ++x)
+                for (int64_t t = 0; t < npairs; ++t) {
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[x][t]);
+                    const __m512i keep = _mm512_set1_epi32(odd && t + 1 == npairs ? 0x0000FFFF : -1);
+                    for (int64_t i = 0; i < d; i += 16) {
+                        const __m512bh v = (__m512bh)_mm512_and_si512(_mm512_loadu_si512((const void *)(vr[t] + 2 * i)), keep);
+                        _mm512_store_ps(acc[x] + i, _mm512_dpbf16_ps(_mm512_load_ps(acc[x] + i), v, w));
+                    }
+                }
+        }
+    }
+    for (int64_t x = 0; x < qg; ++x) {
+        const int64_t r = r0 + x / g_n, g = x % g_n;
+        float *o = j->out + r * j->ldo + (h * g_n + g) * d;
+        const __m512 inv = _mm512_set1_ps(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
+        for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_load_ps(acc[x] + i), inv));
+    }
+}
+#endif
 #endif
 
 /* Start fetching the first lines of the blocks holding a tile's first TM_CHUNK keys, K and V,
@@ -817,6 +1060,19 @@ static void attn_chunk(void *vctx, int64_t tile) {
     const tm_attn *j = (const tm_attn *)vctx;
     prefetch_tile(j, tile);
     for (int64_t h = 0; h < j->hkv; ++h) {
+        if (j->kv == TM_KV_BF16) {
+#if defined(TM_ATTN_BF16)
+            if (j->d == 64)
+                attn_task_bf16(j, tile, h, 64);
+            else if (j->d == 128)
+                attn_task_bf16(j, tile, h, 128);
+            else
+                attn_task_bf16(j, tile, h, 0);
+#else
+            attn_task_generic(j, tile, h); /* fp32 arithmetic over the bf16 values */
+#endif
+            continue;
+        }
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (j->d % VL == 0) {
             /* compile-time (row format, head_dim) pairs, so that the loads and loops specialise */
@@ -849,8 +1105,20 @@ static void attn_chunk(void *vctx, int64_t tile) {
 /* Rows a tile may hold for g query heads per KV head (a task serves rows x g <= 16 queries). */
 int tm_attention_tile_rows(int64_t g) { return g >= TM_MAX_QG ? 1 : (int)(TM_MAX_QG / (g > 0 ? g : 1)); }
 
+/* 1 if this build reads TM_KV_BF16 caches on VDPBF16PS (AVX-512 with AVX512-BF16), 0 if it widens their
+ * values to fp32 one at a time (the plain-C task: correct, slow). */
+int tm_attention_bf16(void) {
+#if defined(TM_ATTN_BF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 for a shape this build does not serve (G > 16, D > 256, block size > 64,
- * a tile of more rows than tm_attention_tile_rows allows, or a negative window). */
+ * a tile of more rows than tm_attention_tile_rows allows, or a negative window; for a TM_KV_BF16
+ * cache also a block size or slot count that is not a multiple of TM_KV_GROUP, or D not a multiple
+ * of 32). */
 int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int kv,
                        const int32_t *block_tables, int64_t max_blocks, const int32_t *row_seq,
                        const int64_t *kv_len, const int64_t *tiles, int64_t num_tiles, float *out, int64_t ldo,
@@ -858,7 +1126,8 @@ int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const v
                        int64_t window) {
     if (window < 0) return -1;
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > TM_MAX_G || d > TM_MAX_D || block_size > TM_MAX_BS) return -1;
-    if (kv != TM_KV_F32 && kv != TM_KV_I8 && kv != TM_KV_F16) return -1;
+    if (kv != TM_KV_F32 && kv != TM_KV_I8 && kv != TM_KV_F16 && kv != TM_KV_BF16) return -1;
+    if (kv == TM_KV_BF16 && (block_size % TM_KV_GROUP || s % TM_KV_GROUP || d % 32)) return -1;
     const int64_t rows_max = tm_attention_tile_rows(hq / hkv);
     for (int64_t t = 0; t < num_tiles; ++t)
         if (tiles[2 * t + 1] < 1 || tiles[2 * t + 1] > rows_max) return -1;

@@ -163,23 +163,6 @@ void tm_pack_bf16(const uint16_t *w, int64_t ldw, int64_t n, int64_t k, uint16_t
     }
 }
 
-/* fp32 -> bf16 bits as VCVTNE2PS2BF16 defines it: round to nearest even, a denormal to a zero of
- * its sign, a NaN kept quiet, infinities kept */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* x [k] fp32 -> out [2 cdiv(k, 2)] bf16 bits, the last odd element's pair padded with 0 */
 static void row_to_bf16(const float *x, int64_t k, uint16_t *out) {
     int64_t i = 0;
@@ -189,7 +172,7 @@ static void row_to_bf16(const float *x, int64_t k, uint16_t *out) {
         _mm512_storeu_si512((void *)(out + i), (__m512i)v);
     }
 #endif
-    for (; i < k; ++i) out[i] = f32_to_bf16(x[i]);
+    for (; i < k; ++i) out[i] = tm_float_to_bf16(x[i]);
     if (k & 1) out[k] = 0;
 }
 
@@ -411,7 +394,7 @@ TM_INLINE void ukr_bf16(const int mr, int64_t kp, const uint32_t *restrict a, in
 #pragma GCC unroll 12
             for (int r = 0; r < mr; ++r) {
                 const uint32_t pair = a[r * lda + q];
-                const vf xe = V_SET1(bf16_to_f32((uint16_t)pair)), xo = V_SET1(bf16_to_f32((uint16_t)(pair >> 16)));
+                const vf xe = V_SET1(tm_bf16_to_float((uint16_t)pair)), xo = V_SET1(tm_bf16_to_float((uint16_t)(pair >> 16)));
                 acc[r][0] = V_FMA(xo, o0, V_FMA(xe, e0, acc[r][0]));
                 acc[r][1] = V_FMA(xo, o1, V_FMA(xe, e1, acc[r][1]));
             }
@@ -684,10 +667,10 @@ static void ukr_bf16(const int mr, int64_t kp, const uint32_t *restrict a, int64
         const uint16_t *bq = b + q * TM_NR * 2;
         for (int r = 0; r < mr; ++r) {
             const uint32_t pair = a[r * lda + q];
-            const float xe = bf16_to_f32((uint16_t)pair), xo = bf16_to_f32((uint16_t)(pair >> 16));
+            const float xe = tm_bf16_to_float((uint16_t)pair), xo = tm_bf16_to_float((uint16_t)(pair >> 16));
             for (int j = 0; j < TM_NR; ++j) {
-                acc[r][j] += xe * bf16_to_f32(bq[2 * j]);
-                acc[r][j] += xo * bf16_to_f32(bq[2 * j + 1]);
+                acc[r][j] += xe * tm_bf16_to_float(bq[2 * j]);
+                acc[r][j] += xo * tm_bf16_to_float(bq[2 * j + 1]);
             }
         }
     }

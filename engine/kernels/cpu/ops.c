@@ -126,7 +126,29 @@ typedef struct {
     int kv; /* TM_KV_* (tm_cpu.h) */
 } kvw_ctx;
 
-static void write_row(const float *src, void *cache, int64_t h, int64_t slot, int64_t s, int64_t d, int kv) {
+static void write_row(const float *src, void *cache, int64_t h, int64_t slot, int64_t s, int64_t d, int kv,
+                      int is_v) {
+    if (kv == TM_KV_BF16) { /* the group layout (tm_cpu.h): K pairs strided by the group, V values by 2 */
+        uint16_t *grp = (uint16_t *)cache + (h * s + slot / TM_KV_GROUP * TM_KV_GROUP) * d;
+        const int64_t o = slot % TM_KV_GROUP;
+        uint16_t *dst = is_v ? grp + (o / 2) * d * 2 + o % 2 : grp + o * 2; /* dim 0's place */
+        const int64_t step = is_v ? 4 : 2 * TM_KV_GROUP;                     /* from one pair of dims to the next */
+        int64_t e = 0;
+#if defined(TM_AVX512) && defined(__AVX512BF16__)
+        for (; e + 32 <= d; e += 32) {
+            uint16_t b[32];
+            _mm512_storeu_si512((void *)b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + e + 16),
+                                                                        _mm512_loadu_ps(src + e)));
+            for (int i = 0; i < 32; i += 2) {
+                uint16_t *at = dst + (e + i) / 2 * step;
+                at[0] = b[i];
+                at[is_v ? 2 : 1] = b[i + 1];
+            }
+        }
+#endif
+        for (; e < d; ++e) dst[e / 2 * step + (e % 2) * (is_v ? 2 : 1)] = tm_float_to_bf16(src[e]);
+        return;
+    }
     if (kv == TM_KV_F32) {
         memcpy((float *)cache + (h * s + slot) * d, src, sizeof(float) * d);
         return;
@@ -181,18 +203,21 @@ static void kvw_chunk(void *vctx, int64_t chunk) {
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t slot = c->slots[r];
         for (int64_t h = 0; h < c->hkv; ++h) {
-            write_row(c->k + r * c->ldk + h * c->d, c->kc, h, slot, c->s, c->d, c->kv);
-            write_row(c->v + r * c->ldv + h * c->d, c->vc, h, slot, c->s, c->d, c->kv);
+            write_row(c->k + r * c->ldk + h * c->d, c->kc, h, slot, c->s, c->d, c->kv, 0);
+            write_row(c->v + r * c->ldv + h * c->d, c->vc, h, slot, c->s, c->d, c->kv, 1);
         }
     }
 }
 
-/* k, v: [t, hkv * d] rows (strides ldk, ldv); caches [hkv, s, d] fp32 (kv = TM_KV_F32) or fp16
- * (TM_KV_F16), or [hkv, s, d + 4] int8 rows (TM_KV_I8); row r goes to slot slots[r]. */
+/* k, v: [t, hkv * d] rows (strides ldk, ldv); caches [hkv, s, d] fp32 (kv = TM_KV_F32), fp16
+ * (TM_KV_F16) or bf16 in groups of 16 slots (TM_KV_BF16), or [hkv, s, d + 4] int8 rows (TM_KV_I8);
+ * row r goes to slot slots[r]. */
 void tm_kv_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t t, int64_t hkv, int64_t d,
                  const int64_t *slots, void *k_cache, void *v_cache, int64_t s, int kv) {
+    /* 8 tokens a chunk: even shares; a group of a bf16 cache spreads each token over D / 2 lines of its K,
+       so consecutive tokens go to one thread, 32 at a time (two threads writing one line take turns) */
     kvw_ctx c = {.k = k, .v = v, .ldk = ldk, .ldv = ldv, .t = t, .hkv = hkv, .d = d, .s = s,
-                 .rpc = 8, .slots = slots, .kc = k_cache, .vc = v_cache, /* 8 tokens: even shares */
+                 .rpc = kv == TM_KV_BF16 ? 2 * TM_KV_GROUP : 8, .slots = slots, .kc = k_cache, .vc = v_cache,
                  .kv = kv};
     tm_parallel_for(cdiv(t, c.rpc), kvw_chunk, &c);
 }

@@ -107,13 +107,47 @@ static inline float tm_absmax(const float *x, int64_t n) {
  *   TM_KV_I8   D int8 codes, then the row's fp32 scale (value = code * scale)
  *   TM_KV_F16  D IEEE 754 binary16 values (llama.cpp's default KV type), widened to fp32 on
  *              load; written from fp32 rounding to nearest, ties to even, as torch's
- *              .to(torch.float16) and vcvtps2ph do, so both write the same bits */
+ *              .to(torch.float16) and vcvtps2ph do, so both write the same bits
+ *   TM_KV_BF16 bf16 values (tm_float_to_bf16) laid out for the bf16 dot-product unit in groups of
+ *              TM_KV_GROUP consecutive slots, D * TM_KV_GROUP values each (slot / 16 picks the group;
+ *              a KV block must hold whole groups): the group's K as [D / 2][16] pairs, pair
+ *              i * 16 + o holding dims 2i, 2i + 1 of slot o (the keys of a pair row are the 16 lanes
+ *              of a vector); its V as [8][D] pairs, pair t * D + e holding dim e of slots 2t, 2t + 1
+ *              (tm_bf16_k_at, tm_bf16_v_at) */
 #define TM_KV_F32 0
 #define TM_KV_I8 1
 #define TM_KV_F16 2
+#define TM_KV_BF16 3
+#define TM_KV_GROUP 16
 
 static inline int64_t tm_kv_row_bytes(int kv, int64_t d) {
-    return kv == TM_KV_I8 ? d + 4 : (kv == TM_KV_F16 ? 2 * d : 4 * d);
+    return kv == TM_KV_I8 ? d + 4 : (kv == TM_KV_F16 || kv == TM_KV_BF16 ? 2 * d : 4 * d);
+}
+
+/* Index, in bf16 values from the start of a KV head's [S, D] region of a TM_KV_BF16 cache, of K
+ * (tm_bf16_k_at) or V (tm_bf16_v_at) dim e of a slot. */
+static inline int64_t tm_bf16_k_at(int64_t slot, int64_t e, int64_t d) {
+    return slot / TM_KV_GROUP * TM_KV_GROUP * d + ((e / 2) * TM_KV_GROUP + slot % TM_KV_GROUP) * 2 + e % 2;
+}
+static inline int64_t tm_bf16_v_at(int64_t slot, int64_t e, int64_t d) {
+    return slot / TM_KV_GROUP * TM_KV_GROUP * d + ((slot % TM_KV_GROUP / 2) * d + e) * 2 + slot % 2;
+}
+
+/* fp32 -> bf16 bits as VCVTNE2PS2BF16 defines it: round to nearest even, a denormal to a zero of
+ * its sign, a NaN kept quiet, infinities kept */
+static inline uint16_t tm_float_to_bf16(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float tm_bf16_to_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
 }
 
 /* binary16 bits -> fp32 (exact: every half is a float) */
