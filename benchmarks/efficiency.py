@@ -44,7 +44,7 @@ Usage::
 
     python -m benchmarks.efficiency [--quick] [--batch 64] [--schemes fp32,bf16,int8,gguf,w8a8]
                                     [--dtype auto|float32|bfloat16] [--prefill-tokens 4096]
-                                    [--kv-cache-dtype auto|fp16|fp32|int8] [--output-json F]
+                                    [--kv-cache-dtype auto|fp16|fp32|bf16|int8] [--output-json F]
 
 The host (`engine.host`) is printed first: every figure is read beside the CPU it ran on.
 """
@@ -339,7 +339,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--matmul-size", type=int, default=None, help="cube of the peak matmul (2048; quick 1024)")
     p.add_argument("--schemes", default="fp32,bf16,int8,gguf", help=f"MBU at batch 1 for these ({','.join(SCHEMES)})")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|fp16|fp32|int8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the end-to-end and breakdown runs: auto|fp16|fp32|bf16|int8")
     p.add_argument("--dtype", default="auto", help="weights of the end-to-end and breakdown runs: auto|float32|bfloat16")
     p.add_argument("--prefill-tokens", type=int, default=None, help="prompt of the prefill-step breakdown (4096)")
     p.add_argument("--threads", type=int, default=None)

@@ -29,6 +29,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from benchmarks import record  # noqa: E402
+from benchmarks.hf_compare import write_json_report  # noqa: E402
+
 LICENSES = ["GPL-3", "GPL-2", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-2.1"]
 LICENSE_DIR = Path("/usr/share/common-licenses")
 SCHEMES = {
@@ -127,6 +130,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--output-json", default=None)
+    record.add_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from engine import LLM
@@ -188,6 +193,12 @@ def main() -> None:
           "agreement with fp32, each position predicted from fp32's own greedy tokens before it (teacher forced); "
           "fr agr: position-wise agreement of free-running greedy completions; same: completions identical; load: 1-min load average at the measurement "
           "(2 cores).")
+    keys = ("scheme", "ppl", "dppl_pct", "b1_b64_max_dlogprob", "tf_agree_pct", "fr_agree_pct", "same_pct",
+            "weights_mib", "weights_per_step_mib", "kv_bytes_per_token", "tok_s_b1", "tok_s_b64", "ppl_s", "load",
+            "load2")
+    write_json_report(record.output_path(args, "quality"),
+                      {"tokens": len(ids), "window": args.window, "prompts": args.prompts,
+                       "new_tokens": args.new_tokens, "schemes": {r[0]: dict(zip(keys, r)) for r in rows}})
 
 
 if __name__ == "__main__":

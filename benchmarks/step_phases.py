@@ -4,7 +4,7 @@ driver's own kernel timers (linear layers of the decoder, attention, KV write, R
 `engine.kernels.cpu.decoder.timings`). "rest" is the step's wall time outside those kernels: the
 LM head, the sampler, the scheduler, input preparation and the Python loop.
 
-    python -m benchmarks.step_phases [--workload in99-out64] [--kv-cache-dtype auto|fp16|fp32|int8]
+    python -m benchmarks.step_phases [--workload in99-out64] [--kv-cache-dtype auto|fp16|fp32|bf16|int8]
         [--max-num-batched-tokens 1024] [--num-prompts N] [--max-output-tokens N] [--steps]
 
 Speculation is off (a verification step is neither phase). Times are seconds of one run after a
@@ -79,7 +79,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_phases", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="in99-out64", choices=WORKLOADS)
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto|fp16|fp32|int8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto|fp16|fp32|bf16|int8")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--num-prompts", type=int, default=None)

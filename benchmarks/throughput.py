@@ -49,7 +49,7 @@ Usage::
         [--engines tokenmill,hf,hf-bf16,vllm,llamacpp | tokenmill,tokenmill-bf16,llamacpp-f16-p32,...]
         [--num-prompts N] [--quick] [--vllm-venv DIR] [--vllm-no-build] [--llamacpp-venv DIR] [--llamacpp-no-build]
         [--seed 0] [--max-num-seqs 128] [--max-num-batched-tokens 1024] [--hf-batch-size 32]
-        [--quantization int8|int4|gguf] [--kv-cache-dtype auto|fp16|fp32|int8]
+        [--quantization int8|int4|gguf] [--kv-cache-dtype auto|fp16|fp32|bf16|int8]
         [--llamacpp-weights q4_1,f16,f32,bf16,q8_0,q4_0] [--llamacpp-parallel 1,8,32] [--llamacpp-n-batch 2048]
         [--llamacpp-n-ubatch 512] [--llamacpp-kv-unified] [--llamacpp-no-shared-prefix] [--threads N]
         [--wait-quiet SECONDS] [--output-json F]
@@ -97,7 +97,7 @@ TOKENMILL_VARIANTS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"
                       "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
                       "gguf": {"quantization": "gguf"}, "w8a8": {"quantization": "w8a8"},
                       "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp16": {"kv_cache_dtype": "fp16"},
-                      "kv-fp32": {"kv_cache_dtype": "fp32"},
+                      "kv-bf16": {"kv_cache_dtype": "bf16"}, "kv-fp32": {"kv_cache_dtype": "fp32"},
                       **{f"spec-{m}": {"speculative": m} for m in ("off", "auto", "ngram", "suffix", "draft_model")}}
 
 
@@ -643,7 +643,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--quantization", default=None, help="tokenmill's weights: int8|int4|gguf (default: as loaded)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's KV cache: auto|fp16|fp32|int8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's KV cache: auto|fp16|fp32|bf16|int8")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--llamacpp-weights", default=",".join(llamacpp_peer.WEIGHTS),
                    help="weights 'llamacpp' expands to: q4_1 (bundled GGUF), f16, f32, bf16, q8_0, q4_0 (copies, "
