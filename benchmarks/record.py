@@ -78,11 +78,13 @@ def strip_paths(value: Any) -> Any:
 
 
 def commit() -> Optional[str]:
-    """HEAD's short hash, with "+dirty" when tracked files differ from it; None outside a git checkout."""
+    """HEAD's short hash, with "+dirty" when tracked files other than results differ from it (a run that
+    follows another writes over the first one's result files); None outside a git checkout."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -40,7 +40,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-if __name__ != "__main__":  # the parent's side; the child (this file run as a script in the vLLM venv) needs none
+# the parent's side; the child (this file run as a script in the vLLM venv, "__main__", and again in the
+# processes vLLM spawns, which re-run it as "__mp_main__") needs none
+if __name__ not in ("__main__", "__mp_main__"):
     from benchmarks import peer_venv
     from benchmarks.peer_venv import READY_MARKER, venv_python  # noqa: F401 (this module's API)
 
