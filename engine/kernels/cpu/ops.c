@@ -135,14 +135,20 @@ static void write_row(const float *src, void *cache, int64_t h, int64_t slot, in
         const int64_t step = is_v ? 4 : 2 * TM_KV_GROUP;                     /* from one pair of dims to the next */
         int64_t e = 0;
 #if defined(TM_AVX512) && defined(__AVX512BF16__)
-        for (; e + 32 <= d; e += 32) {
-            uint16_t b[32];
-            _mm512_storeu_si512((void *)b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + e + 16),
-                                                                        _mm512_loadu_ps(src + e)));
-            for (int i = 0; i < 32; i += 2) {
-                uint16_t *at = dst + (e + i) / 2 * step;
-                at[0] = b[i];
-                at[is_v ? 2 : 1] = b[i + 1];
+        if (is_v) { /* 16 dims at a time: each value in its half of a pair, one masked store */
+            const __mmask32 half = o % 2 ? 0xAAAAAAAAu : 0x55555555u;
+            for (; e + 16 <= d; e += 16) {
+                const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + e));
+                __m512i w = _mm512_cvtepu16_epi32(b);
+                if (o % 2) w = _mm512_slli_epi32(w, 16);
+                _mm512_mask_storeu_epi16(dst - o % 2 + 2 * e, half, w);
+            }
+        } else { /* the pairs of 32 dims, one 32-bit store each, a group's pair row apart */
+            for (; e + 32 <= d; e += 32) {
+                uint32_t b[16];
+                _mm512_storeu_si512((void *)b, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + e + 16),
+                                                                            _mm512_loadu_ps(src + e)));
+                for (int i = 0; i < 16; ++i) memcpy(dst + (e / 2 + i) * step, &b[i], 4);
             }
         }
 #endif
