@@ -73,6 +73,14 @@ static inline int64_t win_lo(const tm_attn *j, int64_t len) {
     return j->window > 0 && len > j->window ? len - j->window : 0;
 }
 
+/* Row r's visible keys [lo, lim) (lim: its position + 1), and a task's span over its rows widened to them. */
+static inline void query_span(const tm_attn *j, int64_t r, int64_t *lim, int64_t *lo, int64_t *maxlen, int64_t *minlo) {
+    *lim = j->kv_len[r];
+    *lo = win_lo(j, *lim);
+    if (*lim > *maxlen) *maxlen = *lim;
+    if (*lo < *minlo) *minlo = *lo;
+}
+
 static inline float row_scale(const char *row, int64_t d) {
     float sc;
     memcpy(&sc, row + d, sizeof sc);
@@ -562,10 +570,7 @@ TM_INLINE void attn_task_simd(const tm_attn *j, int64_t tile, int64_t h, const i
         }
         m[x] = -INFINITY;
         l[x] = 0.0f;
-        lim[x] = j->kv_len[r];
-        lo[x] = win_lo(j, lim[x]);
-        maxlen = lim[x] > maxlen ? lim[x] : maxlen;
-        minlo = lo[x] < minlo ? lo[x] : minlo;
+        query_span(j, r, &lim[x], &lo[x], &maxlen, &minlo);
 #if defined(TM_AVX512)
         if (use_i) { /* the scaled query as int16 codes: qs = sq * q16 */
             vf mx = V_ZERO();
@@ -900,12 +905,8 @@ TM_INLINE void attn_task_bf16(const tm_attn *j, int64_t tile, int64_t h, const i
                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + i + 16), scv),
                                                             _mm512_mul_ps(_mm512_loadu_ps(src + i), scv)));
         for (int64_t i = 0; i < d; i += 16) _mm512_store_ps(acc[x] + i, _mm512_setzero_ps());
-        m[x] = -INFINITY;
         l[x] = 0.0f;
-        lim[x] = j->kv_len[r];
-        lo[x] = win_lo(j, lim[x]);
-        maxlen = lim[x] > maxlen ? lim[x] : maxlen;
-        minlo = lo[x] < minlo ? lo[x] : minlo;
+        query_span(j, r, &lim[x], &lo[x], &maxlen, &minlo);
     }
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
