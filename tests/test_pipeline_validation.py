@@ -37,7 +37,7 @@ BAD_OPTIONS = [
                                             "(LLM.generate returns them)"),
     ({"sampling_options": {"prompt_logprobs": 2}}, "invalid sampling option: prompt_logprobs: a job writes no "
                                                    "prompt logprobs (LLM.generate returns them, LLM.score too)"),
-    ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|fp16|fp32|int8|fp8_e4m3"),
+    ({"engine_options": {"kv_cache_dtype": "fp9"}}, "kv_cache_dtype must be auto|fp16|fp32|bf16|int8|fp8_e4m3"),
     ({"num_threads": -1}, "invalid engine option: num_threads must be a positive integer or None"),
     ({"num_threads": 0}, "invalid engine option: num_threads must be a positive integer or None"),
     # the engine refused it only at load, after the manifest was written: the fix then needed --overwrite
