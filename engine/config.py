@@ -233,6 +233,9 @@ class EngineConfig:
         if self.kv_cache_dtype == "bf16" and self.block_size % 16:
             raise ValueError(f"kv_cache_dtype='bf16' keeps K/V in groups of 16 slots: block_size must be a multiple "
                              f"of 16, got {self.block_size}")
+        if self.kv_cache_dtype == "bf16" and (self.attention_backend == "triton" or str(self.device).startswith("cuda")):
+            raise ValueError("kv_cache_dtype='bf16' is the CPU's grouped bf16 cache (attention_backend 'torch' on the "
+                             "CPU); on CUDA or with attention_backend='triton' use kv_cache_dtype='auto'")
         if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
             raise ValueError("kv_cache_dtype='fp8_e4m3' needs a CUDA device (no fp8 arithmetic on this CPU); "
                              "use kv_cache_dtype='int8' on CPU")

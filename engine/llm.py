@@ -25,8 +25,8 @@ from .input_processor import InputProcessor, PromptType, params_list, prompt_lis
 from .kv_cache import BlockPool, KVCache, kv_layout
 from .kv_cache_manager import KVCacheManager
 from .loader import (
-    cpu_kernels_serve, finish_sharded_quantization, kv_block_bytes, load_model, make_attention_backend, num_kv_blocks,
-    context_length, resolve_settings,
+    attention_backend_error, context_length, cpu_kernels_serve, finish_sharded_quantization, kv_block_bytes,
+    load_model, make_attention_backend, num_kv_blocks, resolve_settings,
 )
 from .metrics import EngineStats
 from .model_runner import ModelRunner
@@ -85,6 +85,8 @@ class LLM:
         self.device, self.dtype, self.attention_backend = resolve_settings(cfg)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
+        if (problem := attention_backend_error(cfg)) is not None:
+            raise ValueError(problem)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
         source = resolve_model(model)
@@ -138,6 +140,11 @@ class LLM:
         self.kv_cache = KVCache(mcfg, num_blocks, bs, kv_dtype, self.device, shape, layout)
         # K and V of all layers, scales included, one rank's share (hybrid models: per main-group token)
         self.kv_bytes_per_token = per_block // layout.main_block_tokens
+        # what kv_cache_dtype resolved to: "bf16" (the grouped cache on the CPU, or bf16 rows on CUDA),
+        # "fp16", "fp32", "int8" or "fp8_e4m3"
+        self.kv_cache_dtype = (cfg.kv_cache_dtype if cfg.kv_cache_dtype in ("int8", "fp8_e4m3") else
+                               {torch.int16: "bf16", torch.bfloat16: "bf16", torch.float16: "fp16",
+                                torch.float32: "fp32"}.get(kv_dtype, str(kv_dtype).removeprefix("torch.")))
         self.kv_capacity_tokens = num_blocks * layout.main_block_tokens
         self.block_pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, layout)

@@ -180,7 +180,8 @@ def make_attention_backend(attention_backend: str, kv_cache_dtype: str, cpu_kern
         if kv_cache_dtype == "bf16":
             if not grouped:
                 raise ValueError(f"kv_cache_dtype='bf16' is the CPU's grouped bf16 cache (attention_backend "
-                                 f"'torch'), not for attention_backend {attention_backend!r}: use 'auto'")
+                                 f"'torch' on the CPU), not for attention_backend {attention_backend!r}: use "
+                                 f"kv_cache_dtype='auto'")
             if block_size is not None and block_size % bf16_kv.KV_GROUP:
                 raise ValueError(f"kv_cache_dtype='bf16' keeps K/V in groups of {bf16_kv.KV_GROUP} slots: block_size "
                                  f"must be a multiple of {bf16_kv.KV_GROUP}, got {block_size}")
@@ -235,6 +236,17 @@ def resolve_settings(cfg: EngineConfig) -> tuple[torch.device, torch.dtype, str]
     backend = cfg.attention_backend if cfg.attention_backend != "auto" else (
         "triton" if dev.type == "cuda" else "torch")
     return dev, DTYPES[dtype_name], backend
+
+
+def attention_backend_error(cfg: EngineConfig) -> Optional[str]:
+    """Why the settings' attention backend cannot run here, or None: Triton on the CPU runs only in its
+    interpreter (TRITON_INTERPRET=1, for the kernel tests); without it Triton finds no driver and fails
+    deep in its launcher. `LLM` raises it at load, a job before anything is written."""
+    dev, _, backend = resolve_settings(cfg)
+    if backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("attention_backend='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests); "
+                "use attention_backend='auto' or 'torch' on the CPU")
+    return None
 
 
 def kv_block_bytes(backend, kv_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,

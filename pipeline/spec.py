@@ -674,6 +674,12 @@ def validate_spec(spec: JobSpec) -> None:
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from None
     _check_block_size(config, source)
+    if not (spec.cluster is not None and device == "auto"):  # (a cluster's workers resolve "auto" themselves)
+        from engine.loader import attention_backend_error
+
+        problem = attention_backend_error(config)
+        if problem is not None:
+            raise InvalidOption("invalid engine option", problem)
     if spec.cluster is None:  # (a cluster's workers check their own CPUs)
         from engine.threads import check_num_threads
 

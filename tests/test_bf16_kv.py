@@ -183,8 +183,9 @@ def test_the_engine_keeps_a_bf16_cache_where_bf16_weights_meet_a_bf16_unit():
     kw = dict(kv_cache_memory_bytes=16 << 20)
     bf = LLM("smollm2-135m-instruct", dtype="bfloat16", **kw)
     assert bf.kv_cache.layers[0][0].dtype == (torch.int16 if NATIVE_BF16 else torch.float16)
+    assert bf.kv_cache_dtype == ("bf16" if NATIVE_BF16 else "fp16")  # what "auto" resolved to
     fp = LLM("smollm2-135m-instruct", dtype="float32", **kw)
-    assert fp.kv_cache.layers[0][0].dtype == torch.float16  # fp32 weights keep fp16 halves
+    assert fp.kv_cache.layers[0][0].dtype == torch.float16 and fp.kv_cache_dtype == "fp16"  # fp32 weights: halves
     odd = LLM("smollm2-135m-instruct", dtype="bfloat16", block_size=8, **kw)
     assert odd.kv_cache.layers[0][0].dtype == torch.float16  # blocks that split a group: halves
     asked = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_dtype="bf16", **kw)

@@ -575,3 +575,18 @@ def test_a_max_model_len_past_the_models_context_is_refused_naming_both():
     with LLM("smollm2-135m-instruct", max_model_len=8192, kv_cache_memory_bytes=16 << 20, speculative=None) as llm:
         # the model's 8192, or what the 16 MiB cache holds when that is less
         assert llm.max_model_len == min(8192, llm.num_total_blocks * llm.config.block_size)
+
+
+def test_attention_settings_that_cannot_run_here_are_refused_in_one_line(monkeypatch):
+    """Triton on a CPU outside its interpreter failed deep in Triton's launcher ("0 active drivers");
+    the CPU's grouped bf16 cache with Triton or on CUDA is refused by the config."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: attention_backend='triton' runs here")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"^attention_backend='triton' runs on CUDA \(on the CPU only under "
+                                         r"TRITON_INTERPRET=1, for tests\); use attention_backend='auto' or 'torch'"):
+        LLM("smollm2-135m-instruct", attention_backend="triton", kv_cache_memory_bytes=16 << 20)
+    for kw in ({"attention_backend": "triton"}, {"device": "cuda"}):
+        with pytest.raises(ValueError, match=r"^kv_cache_dtype='bf16' is the CPU's grouped bf16 cache .* use "
+                                             r"kv_cache_dtype='auto'$"):
+            LLM("smollm2-135m-instruct", kv_cache_dtype="bf16", **kw)

@@ -82,6 +82,29 @@ def test_w8a8_where_it_cannot_run_is_refused_before_anything_is_written(tmp_path
     assert not out.exists()
 
 
+def test_an_attention_setting_that_cannot_run_here_is_refused_before_an_overwrite_deletes_anything(
+        tmp_path, monkeypatch):
+    """Triton on a CPU outside its interpreter, and the CPU's grouped bf16 cache with Triton, were refused
+    only at load: after --overwrite had deleted the finished outputs. Now before, and they stay."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: attention_backend='triton' runs here")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    run_job(JobSpec(input=inp, output=str(out), progress=False, max_tokens=2), FakeLLM())
+    before = {p.name: p.read_bytes() for p in out.glob("*.parquet")}
+    for bad, message in [({"attention_backend": "triton"}, "attention_backend='triton' runs on CUDA (on the CPU "
+                                                            "only under TRITON_INTERPRET=1"),
+                         ({"kv_cache_dtype": "bf16", "attention_backend": "triton"},
+                          "kv_cache_dtype='bf16' is the CPU's grouped bf16 cache")]:
+        with pytest.raises(ValueError) as exc:
+            prepare_job(JobSpec(input=inp, output=str(out), progress=False, overwrite=True, engine_options=bad))
+        assert message in str(exc.value)
+        assert {p.name: p.read_bytes() for p in out.glob("*.parquet")} == before and len(before) == 1
+
+
 def test_cuda_device_without_cuda_is_refused_before_writing(tmp_path):
     import torch
 
