@@ -9,8 +9,10 @@ What it holds (see each C file's header for the algorithm and its source):
   (`gemm_q4_reference` is its definition).
 - `gemm_i8.c`: W8A8 (int8 weights x int8 per-token activations, int32 sums), on AMX
   tiles where the CPU has them (`w8a8_amx`).
-- `ops.c`: RMSNorm, RoPE, SiLU x up, and the KV-cache write (fp32, fp16 and int8 rows).
-- `attention.c`: paged decode attention reading KV blocks in place.
+- `ops.c`: RMSNorm, RoPE, SiLU x up, and the KV-cache write (fp32, fp16, bf16 groups and int8 rows).
+- `attention.c`: paged attention over decode rows and prefill chunks, reading KV blocks in place
+  (bf16 caches on VDPBF16PS where the build has AVX512-BF16).
+- `abi.py`: the C functions' ctypes signatures.
 - `pool.c`: the persistent thread pool all of them share (dynamic chunks, spin then sleep).
 
 Every wrapper takes an optional `lib` (a build from `build.load(variant)`), so tests
@@ -32,6 +34,7 @@ from typing import Optional
 import torch
 
 from . import build
+from .abi import bind as _bind
 from .memory import huge_empty
 
 W_F32, W_Q8, W_Q4 = 0, 1, 2
@@ -54,68 +57,6 @@ def kv_row_format(cache: torch.Tensor, head_dim: int) -> Optional[int]:
         return KV_I8
     return None
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
-
-_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "tm_set_num_threads": (_I, [_I]),
-    "tm_get_num_threads": (_I, []),
-    "tm_shutdown": (None, []),
-    "tm_isa": (_I, []),
-    "tm_gemm_nr": (_I, []),
-    "tm_gemm_mr": (_I, []),
-    "tm_pack_f32_size": (_I64, [_I64, _I64]),
-    "tm_pack_f32": (None, [_P, _I64, _I64, _I64, _P]),
-    "tm_gemm_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]),
-    "tm_gemm_argmax_scratch": (_I64, [_I64]),
-    "tm_pack_bf16_size": (_I64, [_I64, _I64]),
-    "tm_pack_bf16": (None, [_P, _I64, _I64, _I64, _P]),
-    "tm_to_bf16": (None, [_P, _I64, _I64, _I64, _P, _I64]),
-    "tm_gemm_bf16": (_I, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]),
-    "tm_gemm_bf16_silu": (_I, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64]),
-    "tm_gemm_bf16_argmax": (_I, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
-    "tm_bf16_native": (_I, []),
-    "tm_gemm_f32_argmax": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
-    "tm_gemm_q_argmax": (_I, [_I, _I, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P]),
-    "tm_gemm_f32_silu": (_I, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64]),
-    "tm_gemm_q_silu": (_I, [_I, _I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64]),
-    "tm_pack_q_size": (_I64, [_I, _I, _I64, _I64, _I64]),
-    "tm_pack_q": (_I, [_I, _P, _P, _P, _I64, _I64, _I64, _P]),
-    "tm_gemm_q": (_I, [_I, _I, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I]),
-    "tm_w8a8_act_offset": (_I, []),
-    "tm_w8a8_weight_max": (_I, []),
-    "tm_quantize_act": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P]),
-    "tm_pack_w8a8_size": (_I64, [_I64, _I64, _I64]),
-    "tm_pack_w8a8": (_I, [_P, _I64, _P, _I64, _I64, _I64, _P]),
-    "tm_gemm_w8a8": (_I, [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I]),
-    "tm_w8a8_amx": (_I, [_I]),
-    "tm_w8a8_amx_blocks": (_I64, []),
-    "tm_rms_norm": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _F]),
-    "tm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
-    "tm_silu_mul": (None, [_P, _I64, _P, _I64, _I64, _I64]),
-    "tm_kv_write": (None, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I]),
-    "tm_argmax_rows": (None, [_P, _I64, _I64, _I64, _P]),
-    "tm_attention_tile_rows": (_I, [_I64]),
-    "tm_attention_bf16": (_I, []),
-    "tm_paged_attention": (_I, [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I64] * 5
-                           + [_F, _I64]),
-    "tm_decoder_layer_words": (_I, []),
-    "tm_decoder_set_timing": (None, [_I]),
-    "tm_decoder_num_timers": (_I, []),
-    "tm_decoder_timings": (None, [_P]),
-    "tm_decoder_forward": (_I, [_P, _I64, _P, _F, _F, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64]
-                           + [_P] * 7 + [_P, _P, _P, _I64]),
-}
-_bound: set[int] = set()
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    if id(lib) not in _bound:
-        for name, (res, args) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
-        _bound.add(id(lib))
-    return lib
-
 
 def library(variant: str = "native") -> Optional[ctypes.CDLL]:
     """The built library for `variant` (see `build.VARIANTS`), or None (reason: `why_unavailable`)."""
