@@ -550,6 +550,67 @@ def test_vdpbf16ps_path_agrees_with_the_widened_path():
     assert _rel(native, widened) < 2 * _tol(300)
 
 
+# AMX-BF16 tiles (gemm.c's amx_bf16_rows) take every call of a weight whose K is a multiple of 32
+AMX_SHAPES = [(1, 32, 1), (1, 64, 33), (3, 96, 17), (17, 128, 100), (300, 576, 65), (64, 1536, 70)]
+needs_amx_bf16 = pytest.mark.skipif(not cpu.bf16_amx(), reason="the host has no AMX-BF16 (or Linux did not "
+                                    "grant the tile state)")
+
+
+@contextlib.contextmanager
+def _bf16_amx(on: bool):
+    before = cpu.bf16_amx()
+    cpu.bf16_amx(on)
+    try:
+        yield
+    finally:
+        cpu.bf16_amx(before)
+
+
+def test_the_native_build_runs_bf16_on_amx_tiles_exactly_where_the_host_has_them():
+    assert cpu.bf16_amx() == (HOST.amx_bf16 and os.environ.get("TOKENMILL_AMX") != "0")
+    assert not cpu.bf16_amx(lib=cpu.library("generic"))
+    if AVX512:
+        assert not cpu.bf16_amx(lib=cpu.library("native-noamx"))
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("m,k,n", AMX_SHAPES)
+def test_amx_bf16_gemm_matches_its_definition_and_the_vdpbf16ps_path(m, k, n):
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    layer = CpuBf16Linear(w, b)
+    calls = cpu.bf16_amx_calls()
+    y = layer(x)
+    assert cpu.bf16_amx_calls() == calls + 1
+    ref = cpu.gemm_bf16_reference(x, w) + b.double()
+    assert _rel(y, ref) < _tol(k)
+    with _bf16_amx(False):
+        vdp = layer(x)
+    assert cpu.bf16_amx_calls() == calls + 1
+    assert _rel(y, vdp) < 2 * _tol(k)
+    # batch invariance: a row alone, and the rows in a call twice as tall, give the same bits
+    for r in sorted({0, m // 2, m - 1}):
+        assert torch.equal(layer(x[r:r + 1].clone())[0], y[r])
+    assert torch.equal(layer(torch.cat([x, x.flip(0)]))[:m], y)
+    # the fused epilogues on the tiles
+    assert torch.equal(layer.argmax(x), cpu.argmax_rows(y))
+
+
+@needs_amx_bf16
+def test_amx_bf16_swiglu_and_odd_k():
+    inter = 2 * cpu.nr()
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(19, 64, generator=g), torch.randn(2 * inter, 64, generator=g)
+    layer = CpuBf16Linear(w)
+    assert torch.equal(layer.silu_mul(x), cpu.silu_mul(layer(x)))
+    # K not a multiple of 32 stays on VDPBF16PS (every call of that weight alike)
+    calls = cpu.bf16_amx_calls()
+    odd = CpuBf16Linear(torch.randn(40, 48, generator=g))
+    xo = torch.randn(33, 48, generator=g)
+    assert _rel(odd(xo), cpu.gemm_bf16_reference(xo, odd.dequantize())) < _tol(48)
+    assert cpu.bf16_amx_calls() == calls
+
+
 @pytest.mark.parametrize("m,k,n", BF16_SHAPES)
 def test_bf16_gemm_matches_its_float64_definition(blib, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)

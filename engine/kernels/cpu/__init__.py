@@ -3,8 +3,9 @@
 What it holds (see each C file's header for the algorithm and its source):
 
 - `gemm.c`: linear layers over weights packed once at load time into panels of
-  `nr()` output features; fp32, bf16 (VDPBF16PS with AVX512-BF16, widened to fp32
-  elsewhere; `gemm_bf16_reference` is its definition), int8 codes dequantized in
+  `nr()` output features; fp32, bf16 (AMX-BF16 tiles where the CPU has them and K is a
+  multiple of 32, `bf16_amx`; VDPBF16PS with AVX512-BF16; widened to fp32 elsewhere;
+  `gemm_bf16_reference` is its definition), int8 codes dequantized in
   registers, and 4-bit codes times int8 activations in integer arithmetic
   (`gemm_q4_reference` is its definition).
 - `gemm_i8.c`: W8A8 (int8 weights x int8 per-token activations, int32 sums), on AMX
@@ -23,8 +24,9 @@ last dimension and may have a larger row stride (views into a fused buffer).
 Environment: TOKENMILL_CPU_KERNELS=0 disables the library (PyTorch paths run),
 TOKENMILL_NUM_THREADS sets the pool's threads (default: the CPUs this process may
 use), TOKENMILL_SPIN_US how long idle workers spin before sleeping (default 50),
-TOKENMILL_AMX=0 keeps the W8A8 GEMM off AMX tiles (default: on where the CPU has
-AMX-INT8 and Linux grants the process the tile state; the results are the same bits).
+TOKENMILL_AMX=0 keeps the W8A8 and bf16 GEMMs off AMX tiles (default: on where the CPU has
+AMX-INT8 / AMX-BF16 and Linux grants the process the tile state; W8A8 gives the same bits either
+way, bf16 the same values to fp32 rounding of the sums).
 """
 from __future__ import annotations
 
@@ -581,6 +583,21 @@ def w8a8_amx(enable: Optional[bool] = None, lib: Optional[ctypes.CDLL] = None) -
     results are the same bits (the vpdpbusd path computes the same int32 sums and fp32 operations).
     Until set, on where possible unless TOKENMILL_AMX=0."""
     return bool(_lib(lib).tm_w8a8_amx(-1 if enable is None else int(bool(enable))))
+
+
+def bf16_amx(enable: Optional[bool] = None, lib: Optional[ctypes.CDLL] = None) -> bool:
+    """Whether `gemm_bf16` (and its SwiGLU and argmax forms) runs weights with K a multiple of 32 on
+    AMX-BF16 tiles (TDPBF16PS; gemm.c's amx_bf16_rows), after turning that on or off for this process
+    when `enable` is given. On needs a build for a CPU with AMX-BF16 and Linux's grant of the tile
+    state; otherwise this stays False. Such a weight takes the tiles for every call, one row or many,
+    so a row's result never depends on its batch; against VDPBF16PS the sums of the same bf16 products
+    differ only in their fp32 rounding. Until set, on where possible unless TOKENMILL_AMX=0."""
+    return bool(_lib(lib).tm_bf16_amx(-1 if enable is None else int(bool(enable))))
+
+
+def bf16_amx_calls(lib: Optional[ctypes.CDLL] = None) -> int:
+    """bf16 GEMM calls that ran on AMX tiles in this process (a count for tests that the path ran)."""
+    return int(_lib(lib).tm_bf16_amx_calls())
 
 
 def w8a8_amx_blocks(lib: Optional[ctypes.CDLL] = None) -> int:

@@ -67,6 +67,11 @@
 #define TM_W_Q4 2
 #define TM_W_BF16 3
 
+#if defined(TM_HAVE_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TM_AMX_BF16 1 /* TM_W_BF16 GEMMs on AMX-BF16 tiles (amx_bf16_rows) */
+#include <stdatomic.h>
+#endif
+
 #if defined(TM_AVX512)
 #define VL 16
 typedef __m512 vf;
@@ -772,9 +777,11 @@ typedef struct {
     const float *sa, *sx;
     int64_t ldq, ng;
     int mr;
-    /* bf16 weights: the rows of x rounded to bf16, as pairs [m, ldxb] (to_bf16_rows) */
+    /* bf16 weights: the rows of x rounded to bf16, as pairs [m, ldxb] (to_bf16_rows; on AMX, rows
+     * up to a multiple of 16, the extra ones zero); amx: every row block runs on AMX-BF16 tiles */
     const uint32_t *xb;
     int64_t ldxb;
+    int amx;
 } gemm_ctx;
 
 /* one `case` per micro-kernel height 1 .. TM_MR (CASE(MR) expands to a case label and its call) */
@@ -876,6 +883,58 @@ static void f32_tile(int mr, int64_t kc, const float *a, int64_t lda, const floa
     }
 }
 
+#if defined(TM_AMX_BF16)
+/* acc [m1 - m0 rounded up to 16][TM_NR] = rows m0 .. m1 - 1 of the bf16 rows xb (stride ldxb pairs, rows
+ * up to the next multiple of 16 readable) times the bf16 panel b of kp pair rows (kp a multiple of 16),
+ * on AMX-BF16 tiles (tm_tiles_16x64 loaded): tmm0-3 the fp32 sums C[i][j] of a block of 32 rows
+ * (rows 16 i.., columns 16 j..), tmm4-5 A = 16 rows x 16 pairs of xb read in place, tmm6-7 B = 16
+ * pair rows of the panel at its stride of TM_NR pairs, columns 0-15 and 16-31: a panel's pair rows are
+ * already TDPBF16PS's B layout (pairs of k per column). One TDPBF16PS per C tile per 32 k, in k order,
+ * and the sums stay in the tiles over all of K, so a row's result is the same whichever block and tile
+ * it lands in (the call's other rows only fill the other tile rows). Each 32 k's B tiles serve both
+ * A tiles. pf / pf_len: the next panel, prefetched spread over the blocks' steps. */
+static void amx_bf16_rows(const uint32_t *xb, int64_t ldxb, int64_t m0, int64_t m1, int64_t kp, const uint16_t *b,
+                          float *acc, const char *pf, int64_t pf_len) {
+    const int64_t lda = ldxb * 4, nsteps = (m1 - m0 + 31) / 32 * (kp / 16);
+    const int64_t per = ((pf_len + nsteps - 1) / (nsteps > 0 ? nsteps : 1) + 63) / 64 * 64;
+    int64_t off = 0;
+    for (int64_t r = m0; r < m1; r += 32) {
+        const char *a = (const char *)(xb + r * ldxb);
+        float *t = acc + (r - m0) * TM_NR;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (m1 - r > 16) {
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t q = 0; q < kp; q += 16) {
+                for (const int64_t end = off + per; off < end && off < pf_len; off += 64) __builtin_prefetch(pf + off, 0, 2);
+                _tile_loadd(4, a + q * 4, lda);
+                _tile_loadd(6, b + q * TM_NR * 2, TM_NR * 4);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, b + q * TM_NR * 2 + 32, TM_NR * 4);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, a + 16 * lda + q * 4, lda);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(2, t + 16 * TM_NR, TM_NR * 4);
+            _tile_stored(3, t + 16 * TM_NR + 16, TM_NR * 4);
+        } else {
+            for (int64_t q = 0; q < kp; q += 16) {
+                for (const int64_t end = off + per; off < end && off < pf_len; off += 64) __builtin_prefetch(pf + off, 0, 2);
+                _tile_loadd(6, b + q * TM_NR * 2, TM_NR * 4);
+                _tile_loadd(7, b + q * TM_NR * 2 + 32, TM_NR * 4);
+                _tile_loadd(4, a + q * 4, lda);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+        }
+        _tile_stored(0, t, TM_NR * 4);
+        _tile_stored(1, t + 16, TM_NR * 4);
+    }
+}
+#endif
+
 /* acc [m1 - m0][TM_NR] = rows m0 .. m1 - 1 of x times panel bp, over all of K; pf / pf_len: the next
  * panel this chunk runs, prefetched in shares spread over the panel's micro-kernel calls.
  *
@@ -889,6 +948,12 @@ static void panel_rows(const gemm_ctx *c, int64_t m0, int64_t m1, const char *bp
                        int64_t pf_len) {
     const int mrt = c->mr;
     const int64_t ntiles = cdiv(m1 - m0, mrt);
+#if defined(TM_AMX_BF16)
+    if (c->amx) {
+        amx_bf16_rows(c->xb, c->ldxb, m0, m1, c->k / 2, (const uint16_t *)bp, acc, pf, pf_len);
+        return;
+    }
+#endif
     if (c->kind == TM_W_BF16) { /* the same K slices, in pair rows (one pair row = one fp32 row's bytes) */
         const int64_t kp = cdiv(c->k, 2), nkc = cdiv(kp, c->kc);
         if (kp <= 0) {
@@ -954,12 +1019,7 @@ static void gemm_chunk_silu(const gemm_ctx *c, int64_t chunk) {
     }
 }
 
-static void gemm_chunk(void *vctx, int64_t chunk) {
-    const gemm_ctx *c = (const gemm_ctx *)vctx;
-    if (c->silu_inter) {
-        gemm_chunk_silu(c, chunk);
-        return;
-    }
+static void gemm_chunk_panels(const gemm_ctx *c, int64_t chunk) {
     const int64_t mb = chunk / c->ngroups, grp = lane_group(chunk % c->ngroups, c->ngroups, c->lanes);
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
@@ -984,6 +1044,20 @@ static void gemm_chunk(void *vctx, int64_t chunk) {
         else
             store_tile(acc, (int)(m1 - m0), ncols, c->y + m0 * c->ldy + n0, c->ldy, bias, c->accumulate);
     }
+}
+
+static void gemm_chunk(void *vctx, int64_t chunk) {
+    const gemm_ctx *c = (const gemm_ctx *)vctx;
+#if defined(TM_AMX_BF16)
+    if (c->amx) _tile_loadconfig(&tm_tiles_16x64); /* per chunk: the pool's threads and the caller each run chunks */
+#endif
+    if (c->silu_inter)
+        gemm_chunk_silu(c, chunk);
+    else
+        gemm_chunk_panels(c, chunk);
+#if defined(TM_AMX_BF16)
+    if (c->amx) _tile_release();
+#endif
 }
 
 /* sum of x[0 .. n), added in index order. Kept out of the vectorizer: with -fassociative-math
@@ -1048,14 +1122,53 @@ static int grow_scratch(size_t need) {
     return 0;
 }
 
+/* Whether bf16 GEMMs (K a multiple of 32) run on AMX-BF16 tiles: mode < 0 asks, 0 turns them off, 1 on
+ * (where the CPU, Linux and this build allow it). Until set, on unless TOKENMILL_AMX=0. Returns the
+ * state now (0 in builds without AMX-BF16). */
+#if defined(TM_AMX_BF16)
+static _Atomic int bf16_amx_state = -1;
+static _Atomic int64_t bf16_amx_calls;
+#endif
+int tm_bf16_amx(int mode) {
+#if defined(TM_AMX_BF16)
+    if (mode >= 0) {
+        atomic_store(&bf16_amx_state, mode && (tm_amx_usable() & TM_AMX_UNIT_BF16));
+    } else if (atomic_load_explicit(&bf16_amx_state, memory_order_relaxed) < 0) {
+        const char *env = getenv("TOKENMILL_AMX");
+        int undecided = -1;
+        atomic_compare_exchange_strong(&bf16_amx_state, &undecided,
+                                       !(env && strcmp(env, "0") == 0) && (tm_amx_usable() & TM_AMX_UNIT_BF16));
+    }
+    return atomic_load_explicit(&bf16_amx_state, memory_order_relaxed);
+#else
+    (void)mode;
+    return 0;
+#endif
+}
+
+/* GEMM calls that tm_gemm_bf16* ran on AMX tiles in this process (so tests can tell that the path ran) */
+int64_t tm_bf16_amx_calls(void) {
+#if defined(TM_AMX_BF16)
+    return atomic_load_explicit(&bf16_amx_calls, memory_order_relaxed);
+#else
+    return 0;
+#endif
+}
+
 static int gemm_run(gemm_ctx *c) {
     if (c->m <= 0 || c->n <= 0) return 0;
     c->mr = c->kind == TM_W_Q4 ? TM_MR_Q4 : TM_MR;
     if (c->kind == TM_W_BF16) {
         c->ldxb = cdiv(c->k, 2);
-        if (grow_scratch((size_t)c->m * (size_t)c->ldxb * 4 + 64)) return -2;
+        /* AMX for every call of a weight with K a multiple of 32 (whole tiles of K), so that a row's
+         * result never depends on the call's row count (batch invariance); the A tiles read 16 rows */
+        c->amx = c->k % 32 == 0 && tm_bf16_amx(-1);
+        const int64_t mpad = c->amx ? cdiv(c->m, 16) * 16 : c->m;
+        if (grow_scratch((size_t)mpad * (size_t)c->ldxb * 4 + 64)) return -2;
         c->xb = (const uint32_t *)q4_scratch;
+        memset((uint32_t *)c->xb + c->m * c->ldxb, 0, (size_t)(mpad - c->m) * (size_t)c->ldxb * 4);
         tm_parallel_for(cdiv(c->m, 16), to_bf16_rows, c);
+        if (c->amx) c->mr = 16;
     }
     if (c->kind == TM_W_Q4) {
         c->ng = cdiv(c->k, c->gs);
@@ -1092,6 +1205,9 @@ static int gemm_run(gemm_ctx *c) {
     c->ngroups = cdiv(c->npanels, c->group);
     c->lanes = threads;
     tm_parallel_for(mblocks * c->ngroups, gemm_chunk, c);
+#if defined(TM_AMX_BF16)
+    if (c->amx) atomic_fetch_add_explicit(&bf16_amx_calls, 1, memory_order_relaxed);
+#endif
     return 0;
 }
 

@@ -325,62 +325,28 @@ static void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char *re
 
 /* ---------------------------------------------------------------- AMX tiles (see the header) */
 
-#if defined(TM_AVX512) && defined(TM_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
-    defined(__x86_64__) && defined(__linux__)
+#if defined(TM_HAVE_AMX) && defined(TM_VNNI) && defined(__AMX_INT8__)
 #define TM_AMX 1
 #endif
 
 #define TM_AMX_MIN_M 16 /* rows in whole tiles of 16; the rest (and calls with fewer) take vpdpbusd */
 
 #if defined(TM_AMX)
-#include <cpuid.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include <string.h>
 
 #define AMX_ISUM (32 * TM_NR + 16 * 21) /* int32 per buffer of a group's sums: 32 x 32, then 1344 bytes so
                                           that two buffers' rows differ modulo 4 KB (no 4K aliasing) */
-#define TM_ARCH_GET_XCOMP_PERM 0x1022 /* <asm/prctl.h>, Linux 5.16 */
-#define TM_ARCH_REQ_XCOMP_PERM 0x1023
-#define TM_XFEATURE_XTILEDATA 18
 
-static int amx_granted;
-static pthread_once_t amx_detect_once = PTHREAD_ONCE_INIT;
 static _Atomic int amx_state = -1; /* -1 until the first call decides (TOKENMILL_AMX), then 0 or 1 */
 static _Atomic int64_t amx_blocks; /* blocks of 16 rows x one panel computed on tiles (tm_w8a8_amx_blocks) */
 
-/* The CPU has AMX-TILE and AMX-INT8 (CPUID.(EAX=7, ECX=0):EDX bits 24 and 25) and Linux grants this
- * process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction
- * raises SIGILL). Asked once per process, on the first W8A8 GEMM that could use the tiles; the grant
- * holds for all its threads and its forked children (Linux's Documentation/arch/x86/xstate.rst; from
- * then on Linux also refuses sigaltstack()s too small for the tile state). */
-static void amx_detect(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return;
-    if (syscall(SYS_arch_prctl, TM_ARCH_REQ_XCOMP_PERM, TM_XFEATURE_XTILEDATA) != 0) return;
-    unsigned long perm = 0;
-    if (syscall(SYS_arch_prctl, TM_ARCH_GET_XCOMP_PERM, &perm) != 0 || !(perm & (1ul << TM_XFEATURE_XTILEDATA)))
-        return;
-    amx_granted = 1;
-}
+static int amx_available(void) { return (tm_amx_usable() & TM_AMX_UNIT_INT8) != 0; }
 
-static int amx_available(void) {
-    pthread_once(&amx_detect_once, amx_detect);
-    return amx_granted;
-}
-
-/* Tile palette 1: tmm0-3 the int32 sums C[i][j] (rows 16 i.., columns 16 j.. of a 32 x 32 block),
- * tmm4-5 two A tiles (16 activation rows x 64 bytes), tmm6-7 two B tiles (16 rows of 64 bytes: 16
- * columns x 4 k), every tile 16 rows of 64 bytes. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tilecfg;
-static const amx_tilecfg amx_cfg __attribute__((aligned(64))) = {
-    .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+/* Tiles (tm_tiles_16x64): tmm0-3 the int32 sums C[i][j] (rows 16 i.., columns 16 j.. of a 32 x 32
+ * block), tmm4-5 two A tiles (16 activation rows x 64 bytes), tmm6-7 two B tiles (16 rows of 64
+ * bytes: 16 columns x 4 k). */
 
 /* fp32 rows [rows][TM_NR] += group g's int32 sums isum [rows][TM_NR] (offset removed, and the group's
  * last k short of 64 added by vpdpbusd) converted and times the rows' scales, as ukr_i8 does it. */
@@ -411,7 +377,7 @@ TM_INLINE void amx_group_epilogue(const int rows, int64_t g, int64_t kt, int64_t
  * last group's k short of a multiple of 64 (where kp is not one; the driver takes only gs a multiple
  * of 64) go through vpdpbusd. Software-pipelined: group g's tiles are computed before group g - 1's sums are scaled (from the
  * other of two buffers), and with two tile rows the lower C tiles of g - 1 are stored while the upper
- * ones of g compute. The thread's tiles must be configured with amx_cfg. */
+ * ones of g compute. The thread's tiles must be configured with tm_tiles_16x64. */
 TM_INLINE void amx_block(const int mt, int64_t kp, int64_t gs, const unsigned char *restrict a, int64_t lda,
                          const float *restrict sa, int64_t ng, const int8_t *restrict b, const int32_t *restrict comp,
                          float *restrict facc, int32_t *restrict isum, const char *pf, int64_t pf_len) {
@@ -560,7 +526,7 @@ static void i8_chunk(void *vctx, int64_t chunk) {
     float tile[32 * TM_NR] __attribute__((aligned(64)));
 #if defined(TM_AMX)
     int32_t isum[2 * AMX_ISUM] __attribute__((aligned(64)));
-    if (m16 > m0) _tile_loadconfig(&amx_cfg); /* per chunk: the pool's threads and the caller each run chunks */
+    if (m16 > m0) _tile_loadconfig(&tm_tiles_16x64); /* per chunk: the pool's threads and the caller each run chunks */
 #endif
     for (int64_t p = p0; p < p1; ++p) {
         const char *pp = c->w + p * c->pb;

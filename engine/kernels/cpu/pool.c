@@ -233,3 +233,32 @@ void tm_parallel_for(int64_t nchunks, tm_chunk_fn fn, void *ctx) {
     while (atomic_load_explicit(&P.state, memory_order_acquire) & ST_ACTIVE_MASK) cpu_relax();
     pthread_mutex_unlock(&P.lock);
 }
+
+/* ---------------------------------------------------------------- AMX permission (tm_cpu.h) */
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#define TM_ARCH_GET_XCOMP_PERM 0x1022 /* <asm/prctl.h>, Linux 5.16 */
+#define TM_ARCH_REQ_XCOMP_PERM 0x1023
+#define TM_XFEATURE_XTILEDATA 18
+
+static int amx_units;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_detect(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return;
+    const int units = ((d >> 25) & 1u ? TM_AMX_UNIT_INT8 : 0) | ((d >> 22) & 1u ? TM_AMX_UNIT_BF16 : 0);
+    if (!units || syscall(SYS_arch_prctl, TM_ARCH_REQ_XCOMP_PERM, TM_XFEATURE_XTILEDATA) != 0) return;
+    unsigned long perm = 0;
+    if (syscall(SYS_arch_prctl, TM_ARCH_GET_XCOMP_PERM, &perm) != 0 || !(perm & (1ul << TM_XFEATURE_XTILEDATA)))
+        return;
+    amx_units = units;
+}
+
+int tm_amx_usable(void) {
+    pthread_once(&amx_once, amx_detect);
+    return amx_units;
+}
+#else
+int tm_amx_usable(void) { return 0; }
+#endif

@@ -55,6 +55,30 @@ static inline int64_t tm_panel_group(int64_t npanels, int64_t mblocks, int64_t t
     return (npanels + per_mb - 1) / per_mb;
 }
 
+/* ---------------------------------------------------------------- AMX tiles (pool.c)
+ * tm_amx_usable(): TM_AMX_UNIT_INT8 | TM_AMX_UNIT_BF16 for the tile units this process may use: the CPU has
+ * AMX-TILE and the unit (CPUID.(EAX=7, ECX=0):EDX bit 24, and bit 25 for INT8, 22 for BF16) and Linux
+ * grants the process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; without
+ * it the first tile instruction raises SIGILL). Asked once per process; the grant holds for all its
+ * threads and forked children (Linux's Documentation/arch/x86/xstate.rst). 0 off x86-64 Linux.
+ * TM_HAVE_AMX: the build emits tile instructions (AVX-512, AMX-TILE, x86-64 Linux); tm_tilecfg is
+ * LDTILECFG's 64-byte operand, tm_tiles_16x64 palette 1 with tmm0-7 all 16 rows of 64 bytes (Intel
+ * SDM vol. 2, LDTILECFG). A thread loads it before its tile work and releases the tiles after
+ * (TILERELEASE), so that context switches need not save them. */
+#define TM_AMX_UNIT_INT8 1
+#define TM_AMX_UNIT_BF16 2
+int tm_amx_usable(void);
+#if defined(TM_AVX512) && defined(__AMX_TILE__) && defined(__x86_64__) && defined(__linux__)
+#define TM_HAVE_AMX 1
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tm_tilecfg;
+static const tm_tilecfg tm_tiles_16x64 __attribute__((aligned(64), unused)) = {
+    .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+#endif
+
 /* ---------------------------------------------------------------- shared math */
 /* exp(x) for |x| <= 88: 2^n * 2^f, f in [-0.5, 0.5], 2^f from a degree-6 polynomial in f ln 2
  * (relative error below 2e-7). */
