@@ -203,11 +203,30 @@ static void write_row(const float *src, void *cache, int64_t h, int64_t slot, in
     memcpy(row + d, &scale, sizeof scale);
 }
 
+/* Ask for the lines a token's bf16 group write touches, for writing: D / 2 lines of K (one per pair
+ * row) and D / 16 of V per KV head. A decode step's tokens land in groups far apart, usually out of
+ * cache, and each of those partial-line stores waited for its own line; issued two tokens ahead, the
+ * lines arrive together. */
+#define KVW_AHEAD 2
+static void prefetch_bf16_slot(const kvw_ctx *c, int64_t slot) {
+    const int64_t o = slot % TM_KV_GROUP;
+    for (int64_t h = 0; h < c->hkv; ++h) {
+        const int64_t base = (h * c->s + slot / TM_KV_GROUP * TM_KV_GROUP) * c->d;
+        const char *k = (const char *)((uint16_t *)c->kc + base + o * 2);
+        const char *v = (const char *)((uint16_t *)c->vc + base + (o / 2) * c->d * 2);
+        for (int64_t i = 0; i < c->d / 2; ++i) __builtin_prefetch(k + i * 4 * TM_KV_GROUP, 1, 3);
+        for (int64_t b = 0; b < c->d * 4; b += 64) __builtin_prefetch(v + b, 1, 3);
+    }
+}
+
 static void kvw_chunk(void *vctx, int64_t chunk) {
     const kvw_ctx *c = (const kvw_ctx *)vctx;
     const int64_t r0 = chunk * c->rpc, r1 = r0 + c->rpc < c->t ? r0 + c->rpc : c->t;
+    if (c->kv == TM_KV_BF16)
+        for (int64_t r = r0; r < r0 + KVW_AHEAD && r < r1; ++r) prefetch_bf16_slot(c, c->slots[r]);
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t slot = c->slots[r];
+        if (c->kv == TM_KV_BF16 && r + KVW_AHEAD < r1) prefetch_bf16_slot(c, c->slots[r + KVW_AHEAD]);
         for (int64_t h = 0; h < c->hkv; ++h) {
             write_row(c->k + r * c->ldk + h * c->d, c->kc, h, slot, c->s, c->d, c->kv, 0);
             write_row(c->v + r * c->ldv + h * c->d, c->vc, h, slot, c->s, c->d, c->kv, 1);
