@@ -4,6 +4,8 @@ float64 definition on odd shapes in every build, a row's output against its tile
 refusals, and the engine's choice of cache."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -17,7 +19,27 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernel libr
 NATIVE_BF16 = cpu.available() and cpu.attention_bf16()
 
 
+AMX = cpu.available() and cpu.bf16_amx()
+
+
+@contextlib.contextmanager
+def _products(variant):
+    """"native-vdpbf16": the native build with its AMX-BF16 tiles off (its VDPBF16PS task); others as they are."""
+    before = cpu.bf16_amx() if cpu.available() else False
+    if variant == "native-vdpbf16":
+        cpu.bf16_amx(False)
+    try:
+        yield
+    finally:
+        if variant == "native-vdpbf16":
+            cpu.bf16_amx(before)
+
+
 def _lib(variant):
+    if variant == "native-vdpbf16":
+        if not AMX:
+            pytest.skip("the host has no AMX-BF16: the native build runs VDPBF16PS already")
+        variant = "native"
     if variant == "native" and not Host.current().avx512_bf16:
         pytest.skip("the host has no AVX512-BF16: the native build reads the cache one value at a time")
     if variant == "avx2" and not {"avx2", "fma"} <= build.cpu_flags():
@@ -108,7 +130,7 @@ def test_the_group_index_is_the_documented_layout():
         bf16_kv.value_index(torch.tensor([0]), 64, "q")
 
 
-@pytest.mark.parametrize("variant", ["native", "avx2", "generic"])
+@pytest.mark.parametrize("variant", ["native", "native-vdpbf16", "avx2", "generic"])
 @pytest.mark.parametrize("hkv,gqa,d,bs", [(3, 3, 64, 16), (2, 4, 128, 32), (1, 16, 32, 16), (2, 1, 96, 48),
                                           (1, 2, 64, 64)])
 def test_attention_over_a_bf16_cache_equals_its_float64_definition(variant, hkv, gqa, d, bs):
@@ -118,17 +140,19 @@ def test_attention_over_a_bf16_cache_equals_its_float64_definition(variant, hkv,
     others compute in fp32 over the same values."""
     lib = _lib(variant)
     specs = [(40, 1), (5, 1), (0, 3), (37, 17), (11, 300)]
-    out, q, keys, vals, row_seq, kv_len = _step(specs, hkv, gqa, d, bs, seed=d + gqa, lib=lib)
+    with _products(variant):
+        out, q, keys, vals, row_seq, kv_len = _step(specs, hkv, gqa, d, bs, seed=d + gqa, lib=lib)
     want = _definition(q, keys, vals, row_seq, kv_len, gqa)
     err = (out.double() - want).abs().max().item()
     assert err < 2 ** -7 * max(v.abs().max().item() for v in vals), err
 
 
-@pytest.mark.parametrize("variant", ["native", "generic"])
+@pytest.mark.parametrize("variant", ["native", "native-vdpbf16", "generic"])
 def test_a_sliding_window_over_a_bf16_cache(variant):
     lib = _lib(variant)
     specs = [(90, 1), (0, 70), (50, 33)]
-    out, q, keys, vals, row_seq, kv_len = _step(specs, 2, 3, 64, 16, seed=5, lib=lib, window=24)
+    with _products(variant):
+        out, q, keys, vals, row_seq, kv_len = _step(specs, 2, 3, 64, 16, seed=5, lib=lib, window=24)
     want = _definition(q, keys, vals, row_seq, kv_len, 3, window=24)
     assert (out.double() - want).abs().max().item() < 2 ** -7 * 5
 
@@ -144,26 +168,43 @@ def test_the_native_build_rounds_to_bf16_and_the_plain_c_build_does_not():
     assert (a - b).abs().max().item() < 2 ** -6 * 5
 
 
-@pytest.mark.parametrize("variant", ["native", "generic"])
+@pytest.mark.parametrize("variant", ["native", "native-vdpbf16", "generic"])
 def test_a_rows_output_over_a_bf16_cache_does_not_depend_on_its_tile(variant):
     """Bit for bit: tiles of 5, 2 and 1 rows (as decode rows run), so speculative verification and a
     recomputed sequence find what plain decoding found."""
     lib = _lib(variant)
     specs = [(0, 23), (37, 19), (130, 70), (3, 2)]
-    outs = [_step(specs, 3, 3, 64, 16, seed=11, lib=lib, tile_rows=r)[0] for r in (5, 2, 1)]
+    with _products(variant):
+        outs = [_step(specs, 3, 3, 64, 16, seed=11, lib=lib, tile_rows=r)[0] for r in (5, 2, 1)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("variant", ["native", "generic"])
+@pytest.mark.parametrize("variant", ["native", "native-vdpbf16", "generic"])
 def test_slots_never_written_are_never_used(variant):
     """Slots past a sequence's length hold anything (here NaN bits, K and V): the outputs are finite and
     equal to those over a zeroed cache, odd lengths included (the partner of the last key in a pair)."""
     lib = _lib(variant)
     specs = [(0, 17), (20, 1), (44, 3)]
     nan_bits = torch.tensor(float("nan"), dtype=torch.bfloat16).view(torch.int16).item()
-    a = _step(specs, 2, 3, 64, 16, seed=4, lib=lib)[0]
-    b = _step(specs, 2, 3, 64, 16, seed=4, lib=lib, fill=nan_bits)[0]
+    with _products(variant):
+        a = _step(specs, 2, 3, 64, 16, seed=4, lib=lib)[0]
+        b = _step(specs, 2, 3, 64, 16, seed=4, lib=lib, fill=nan_bits)[0]
     assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
+@pytest.mark.skipif(not AMX, reason="the host has no AMX-BF16 (or Linux did not grant the tile state)")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_amx_task_differs_from_the_vdpbf16ps_task_only_in_rounding(d):
+    """The same step with the tiles on and off: not the same bits (the tiles ran), both within the
+    definition's bound; head_dim 256 (Gemma 3) takes the C tiles in two passes of 4 columns."""
+    specs = [(37, 17), (0, 5), (20, 1)]
+    a = _step(specs, 1, 4, d, 32, seed=d, lib=cpu.library())[0]
+    with _products("native-vdpbf16"):
+        b, q, keys, vals, row_seq, kv_len = _step(specs, 1, 4, d, 32, seed=d, lib=cpu.library())
+    want = _definition(q, keys, vals, row_seq, kv_len, 4)
+    bound = 2 ** -7 * max(v.abs().max().item() for v in vals)
+    assert not torch.equal(a, b)
+    assert (a.double() - want).abs().max().item() < bound and (b.double() - want).abs().max().item() < bound
 
 
 def test_the_kernel_refuses_a_bf16_cache_it_cannot_read():

@@ -68,6 +68,7 @@ typedef struct {
     int64_t hq, hkv, d, s, block_size;
     float scale;
     int64_t window; /* sliding window in tokens, 0: none */
+    int amx;        /* a TM_KV_BF16 cache on AMX-BF16 tiles (TM_ATTN_AMX) */
 } tm_attn;
 
 /* The first key a row that sees `len` keys attends: len - window under a window, else 0. */
@@ -880,9 +881,83 @@ TM_INLINE void pv_bf16(const int NQ, const int D, float (*acc)[TM_MAX_D], const 
         for (int c = 0; c < D / 16; ++c) _mm512_store_ps(acc[x] + c * 16, a[x][c]);
 }
 
+#if defined(TM_HAVE_AMX) && defined(__AMX_BF16__)
+#define TM_ATTN_AMX 1
+/* ---------------------------------------------------------------- bf16 caches on AMX-BF16 tiles
+ * Where the CPU has AMX-BF16 (and tm_bf16_amx allows it), a task's two products run on TDPBF16PS instead:
+ * the task's queries (up to 16: the rows of one A tile) against a group's keys are one C tile of 16 x 16
+ * scores, sum of D / 32 TDPBF16PS over A = 16 query rows x 16 pairs of dims (qp) and B = 16 pair rows of
+ * the group's K (already B's layout: 16 keys x a pair of dims per row); and acc += p V takes, per group,
+ * A = 16 rows x 8 pairs of keys of the probabilities (pp) and B = the group's 8 V pair rows (16 dims x a
+ * pair of keys per row), acc's 16-dim columns loaded into the C tiles and stored back. The softmax
+ * between them is the VDPBF16PS task's. Every tile, whatever its rows, runs this way, so a row's output
+ * still does not depend on its tile (the unused rows of A only fill C rows nobody reads). The slots of a
+ * chunk's last group past its keys may hold anything: that group's V is copied with them zeroed first
+ * (their probability is 0, but 0 times a NaN is not). Tiles (attn_tiles): tmm0-3 C, 16 x 64 bytes;
+ * tmm4 the queries, tmm5 K, 16 x 64; tmm6 the probabilities, 16 x 32; tmm7 V, 8 x 64. */
+static const tm_tilecfg attn_tiles __attribute__((aligned(64))) = {
+    .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 32, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 8}};
+
+#define QK_AMX_GROUP(T)                                        \
+    if (nv > T) {                                              \
+        _tile_loadd(5, kg[T] + s * 32, 64);                    \
+        _tile_dpbf16ps(T, 4, 5);                               \
+    }
+
+/* sb[x][16 v ..] = the scores of query rows x < 16 of qp (dp pairs, a multiple of 16) against groups kg[v],
+ * v < nv <= 4, unmasked. */
+static inline void qk_amx(const uint32_t (*qp)[TM_MAX_D / 2], const uint16_t *const kg[4], int64_t nv, int64_t dp,
+                          float (*sb)[TM_CHUNK]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < dp; s += 16) {
+        _tile_loadd(4, qp[0] + s, TM_MAX_D / 2 * 4);
+        QK_AMX_GROUP(0)
+        QK_AMX_GROUP(1)
+        QK_AMX_GROUP(2)
+        QK_AMX_GROUP(3)
+    }
+    _tile_stored(0, sb[0], TM_CHUNK * 4);
+    if (nv > 1) _tile_stored(1, sb[0] + 16, TM_CHUNK * 4);
+    if (nv > 2) _tile_stored(2, sb[0] + 32, TM_CHUNK * 4);
+    if (nv > 3) _tile_stored(3, sb[0] + 48, TM_CHUNK * 4);
+}
+
+#define PV_AMX_COL(T)                                              \
+    if (nc > T) {                                                  \
+        _tile_loadd(7, vg[v] + (c0 + T) * 32, 4 * d);              \
+        _tile_dpbf16ps(T, 6, 7);                                   \
+    }
+
+/* acc[x][16 c ..] for rows x < 16 and columns c0 <= c < c0 + nc (nc <= 4) += sum over groups v < nv of
+ * the probabilities pp[x][8 v .. 8 v + 8) (pairs of keys) times the group's V pair rows vg[v] (stride
+ * 4 d bytes). */
+static inline void pv_amx(float (*acc)[TM_MAX_D], const uint32_t (*pp)[TM_CHUNK / 2], const uint16_t *const vg[4],
+                          int64_t nv, int64_t d, int64_t c0, int64_t nc) {
+    _tile_loadd(0, acc[0] + 16 * c0, TM_MAX_D * 4);
+    if (nc > 1) _tile_loadd(1, acc[0] + 16 * (c0 + 1), TM_MAX_D * 4);
+    if (nc > 2) _tile_loadd(2, acc[0] + 16 * (c0 + 2), TM_MAX_D * 4);
+    if (nc > 3) _tile_loadd(3, acc[0] + 16 * (c0 + 3), TM_MAX_D * 4);
+    for (int64_t v = 0; v < nv; ++v) {
+        _tile_loadd(6, pp[0] + 8 * v, TM_CHUNK / 2 * 4);
+        PV_AMX_COL(0)
+        PV_AMX_COL(1)
+        PV_AMX_COL(2)
+        PV_AMX_COL(3)
+    }
+    _tile_stored(0, acc[0] + 16 * c0, TM_MAX_D * 4);
+    if (nc > 1) _tile_stored(1, acc[0] + 16 * (c0 + 1), TM_MAX_D * 4);
+    if (nc > 2) _tile_stored(2, acc[0] + 16 * (c0 + 2), TM_MAX_D * 4);
+    if (nc > 3) _tile_stored(3, acc[0] + 16 * (c0 + 3), TM_MAX_D * 4);
+}
+#endif
+
 /* One (tile, KV head) task over a TM_KV_BF16 cache (see above); D is 0 for a runtime head_dim (a multiple
- * of 32, <= 256), or a compile-time 64 / 128. The block size is a multiple of TM_KV_GROUP. */
-TM_INLINE void attn_task_bf16(const tm_attn *j, int64_t tile, int64_t h, const int D) {
+ * of 32, <= 256), or a compile-time 64 / 128. The block size is a multiple of TM_KV_GROUP. AMX: the products on tiles
+ * (qk_amx, pv_amx; the thread's tiles configured with attn_tiles), else on VDPBF16PS. */
+TM_INLINE void attn_task_bf16(const tm_attn *j, int64_t tile, int64_t h, const int D, const int AMX) {
     const int64_t r0 = j->tiles[2 * tile], nr = j->tiles[2 * tile + 1];
     const int64_t g_n = j->hq / j->hkv, d = D ? D : j->d, bs = j->block_size, qg = nr * g_n, dp = d / 2;
     const int64_t rb = 2 * d;
@@ -939,7 +1014,21 @@ TM_INLINE void attn_task_bf16(const tm_attn *j, int64_t tile, int64_t h, const i
             vg[v] = vh + at;
         }
         /* scores sb[x][0..16 nv), keys the query does not see: -inf */
-        for (int64_t x0 = 0; x0 < qg; x0 += 4) {
+#if defined(TM_ATTN_AMX)
+        if (AMX) {
+            pf_advance(&pfc, pf_quota * ((qg + 3) / 4));
+            qk_amx(qp, kg, nv, dp, sb);
+            for (int64_t x = 0; x < qg; ++x) {
+                const __m512i limv = _mm512_set1_epi32((int32_t)lim[x]), lov = _mm512_set1_epi32((int32_t)lo[x]);
+                for (int64_t v = 0; v < nv; ++v) {
+                    const __m512i pv = _mm512_add_epi32(iota, _mm512_set1_epi32((int32_t)(pos0 + 16 * v)));
+                    const __mmask16 vis = _mm512_cmplt_epi32_mask(pv, limv) & _mm512_cmpge_epi32_mask(pv, lov);
+                    _mm512_store_ps(sb[x] + 16 * v, _mm512_mask_mov_ps(ninf, vis, _mm512_load_ps(sb[x] + 16 * v)));
+                }
+            }
+        }
+#endif
+        for (int64_t x0 = 0; x0 < qg && !AMX; x0 += 4) {
             pf_advance(&pfc, pf_quota);
             const int64_t nq = qg - x0 < 4 ? qg - x0 : 4;
             const int64_t *lx = lim + x0, *ox = lo + x0;
@@ -1002,6 +1091,23 @@ TM_INLINE void attn_task_bf16(const tm_attn *j, int64_t tile, int64_t h, const i
         for (int64_t t = 0; t < npairs; ++t) vr[t] = vg[t / 8] + (t % 8) * 2 * d;
         const int odd = (int)(n & 1);
         pf_advance(&pfc, -1);
+#if defined(TM_ATTN_AMX)
+        if (AMX) {
+            uint16_t vlast[TM_KV_GROUP * TM_MAX_D] __attribute__((aligned(64)));
+            const int64_t tail = n % TM_KV_GROUP;
+            if (tail) { /* the last group's slots past the keys, zeroed (see above) */
+                const uint16_t *src = vg[nv - 1];
+                for (int64_t t = 0; t < TM_KV_GROUP / 2; ++t)
+                    for (int64_t e = 0; e < d; ++e) {
+                        vlast[(t * d + e) * 2] = 2 * t < tail ? src[(t * d + e) * 2] : 0;
+                        vlast[(t * d + e) * 2 + 1] = 2 * t + 1 < tail ? src[(t * d + e) * 2 + 1] : 0;
+                    }
+                vg[nv - 1] = vlast;
+            }
+            for (int64_t c0 = 0; c0 < d / 16; c0 += 4) pv_amx(acc, pp, vg, nv, d, c0, d / 16 - c0 < 4 ? d / 16 - c0 : 4);
+            continue;
+        }
+#endif
         if (gsz > 0) {
             for (int64_t x0 = 0; x0 < qg; x0 += gsz) {
                 switch (qg - x0 < gsz ? qg - x0 : gsz) {
@@ -1058,19 +1164,38 @@ static void prefetch_tile(const tm_attn *j, int64_t tile) {
     }
 }
 
-/* One pool chunk is one tile, all its KV heads in turn (its blocks fetched up front). */
+static void attn_tile(const tm_attn *j, int64_t tile);
+
+/* One pool chunk is one tile, all its KV heads in turn (its blocks fetched up front; the tiles configured
+ * for the AMX task around it). */
 static void attn_chunk(void *vctx, int64_t tile) {
     const tm_attn *j = (const tm_attn *)vctx;
+#if defined(TM_ATTN_AMX)
+    if (j->amx) _tile_loadconfig(&attn_tiles);
+#endif
+    attn_tile(j, tile);
+#if defined(TM_ATTN_AMX)
+    if (j->amx) _tile_release();
+#endif
+}
+
+static void attn_tile(const tm_attn *j, int64_t tile) {
     prefetch_tile(j, tile);
     for (int64_t h = 0; h < j->hkv; ++h) {
         if (j->kv == TM_KV_BF16) {
+#if defined(TM_ATTN_AMX)
+            if (j->amx) {
+                attn_task_bf16(j, tile, h, 0, 1);
+                continue;
+            }
+#endif
 #if defined(TM_ATTN_BF16)
             if (j->d == 64)
-                attn_task_bf16(j, tile, h, 64);
+                attn_task_bf16(j, tile, h, 64, 0);
             else if (j->d == 128)
-                attn_task_bf16(j, tile, h, 128);
+                attn_task_bf16(j, tile, h, 128, 0);
             else
-                attn_task_bf16(j, tile, h, 0);
+                attn_task_bf16(j, tile, h, 0, 0);
 #else
             attn_task_generic(j, tile, h); /* fp32 arithmetic over the bf16 values */
 #endif
@@ -1138,6 +1263,9 @@ int tm_paged_attention(const float *q, int64_t ldq, const void *k_cache, const v
                  .block_tables = block_tables, .max_blocks = max_blocks, .row_seq = row_seq, .kv_len = kv_len,
                  .tiles = tiles, .num_tiles = num_tiles, .out = out, .ldo = ldo, .hq = hq, .hkv = hkv, .d = d, .s = s,
                  .block_size = block_size, .scale = scale, .window = window};
+#if defined(TM_ATTN_AMX)
+    j.amx = kv == TM_KV_BF16 && tm_bf16_amx(-1);
+#endif
     tm_parallel_for(num_tiles, attn_chunk, &j);
     return 0;
 }

@@ -68,6 +68,9 @@ static inline int64_t tm_panel_group(int64_t npanels, int64_t mblocks, int64_t t
 #define TM_AMX_UNIT_INT8 1
 #define TM_AMX_UNIT_BF16 2
 int tm_amx_usable(void);
+/* gemm.c: whether bf16 products run on AMX-BF16 tiles (mode < 0 asks, 0 off, 1 on where possible); the bf16
+ * GEMM and the attention over a TM_KV_BF16 cache follow it */
+int tm_bf16_amx(int mode);
 #if defined(TM_AVX512) && defined(__AMX_TILE__) && defined(__x86_64__) && defined(__linux__)
 #define TM_HAVE_AMX 1
 typedef struct {
