@@ -594,6 +594,15 @@ def test_amx_bf16_gemm_matches_its_definition_and_the_vdpbf16ps_path(m, k, n):
     assert torch.equal(layer(torch.cat([x, x.flip(0)]))[:m], y)
     # the fused epilogues on the tiles
     assert torch.equal(layer.argmax(x), cpu.argmax_rows(y))
+    # without a bias whole panels go from the tiles into y, the residual add starting from y; the rows past
+    # the last whole 16 take a staging tile with the same arithmetic
+    plain = CpuBf16Linear(w)
+    res = torch.randn(m, n, generator=g)
+    got = plain(x, residual=res.clone())
+    assert _rel(got, cpu.gemm_bf16_reference(x, w) + res.double()) < _tol(k)
+    for r in sorted({0, m // 2, m - 1}):
+        assert torch.equal(plain(x[r:r + 1].clone(), residual=res[r:r + 1].clone())[0], got[r])
+    assert torch.equal(plain(x), plain(torch.cat([x, x]))[:m])
 
 
 @needs_amx_bf16

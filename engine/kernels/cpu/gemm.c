@@ -894,20 +894,32 @@ static void f32_tile(int mr, int64_t kc, const float *a, int64_t lda, const floa
  * it lands in (the call's other rows only fill the other tile rows). Each 32 k's B tiles serve both
  * A tiles. pf / pf_len: the next panel, prefetched spread over the blocks' steps. */
 static void amx_bf16_rows(const uint32_t *xb, int64_t ldxb, int64_t m0, int64_t m1, int64_t kp, const uint16_t *b,
-                          float *acc, const char *pf, int64_t pf_len) {
+                          float *acc, int64_t ldc, int init, const char *pf, int64_t pf_len) {
     const int64_t lda = ldxb * 4, nsteps = (m1 - m0 + 31) / 32 * (kp / 16);
     const int64_t per = ((pf_len + nsteps - 1) / (nsteps > 0 ? nsteps : 1) + 63) / 64 * 64;
     int64_t off = 0;
     for (int64_t r = m0; r < m1; r += 32) {
         const char *a = (const char *)(xb + r * ldxb);
-        float *t = acc + (r - m0) * TM_NR;
-        _tile_zero(0);
-        _tile_zero(1);
+        float *t = acc + (r - m0) * ldc;
+        if (init) {
+            _tile_loadd(0, t, ldc * 4);
+            _tile_loadd(1, t + 16, ldc * 4);
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+        }
         if (m1 - r > 16) {
-            _tile_zero(2);
-            _tile_zero(3);
+            if (init) {
+                _tile_loadd(2, t + 16 * ldc, ldc * 4);
+                _tile_loadd(3, t + 16 * ldc + 16, ldc * 4);
+            } else {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
             for (int64_t q = 0; q < kp; q += 16) {
                 for (const int64_t end = off + per; off < end && off < pf_len; off += 64) __builtin_prefetch(pf + off, 0, 2);
+                if (q + 16 < kp)
+                    for (int i = 0; i < 32; ++i) __builtin_prefetch(a + i * lda + (q + 16) * 4, 0, 3);
                 _tile_loadd(4, a + q * 4, lda);
                 _tile_loadd(6, b + q * TM_NR * 2, TM_NR * 4);
                 _tile_dpbf16ps(0, 4, 6);
@@ -917,8 +929,8 @@ static void amx_bf16_rows(const uint32_t *xb, int64_t ldxb, int64_t m0, int64_t 
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
-            _tile_stored(2, t + 16 * TM_NR, TM_NR * 4);
-            _tile_stored(3, t + 16 * TM_NR + 16, TM_NR * 4);
+            _tile_stored(2, t + 16 * ldc, ldc * 4);
+            _tile_stored(3, t + 16 * ldc + 16, ldc * 4);
         } else {
             for (int64_t q = 0; q < kp; q += 16) {
                 for (const int64_t end = off + per; off < end && off < pf_len; off += 64) __builtin_prefetch(pf + off, 0, 2);
@@ -929,8 +941,25 @@ static void amx_bf16_rows(const uint32_t *xb, int64_t ldxb, int64_t m0, int64_t 
                 _tile_dpbf16ps(1, 4, 7);
             }
         }
-        _tile_stored(0, t, TM_NR * 4);
-        _tile_stored(1, t + 16, TM_NR * 4);
+        _tile_stored(0, t, ldc * 4);
+        _tile_stored(1, t + 16, ldc * 4);
+    }
+}
+
+/* y[m0 .. m1)[0 .. TM_NR) of one whole panel without a bias, straight from the tiles: (y if accumulate, else
+ * 0) + the products, summed in the tiles. The rows past the last whole 16 go through a staging tile, with
+ * the same arithmetic, so a row's result does not depend on where its block ends. */
+static void amx_bf16_to_y(const uint32_t *xb, int64_t ldxb, int64_t m0, int64_t m1, int64_t kp, const uint16_t *b,
+                          float *y, int64_t ldy, int accumulate, const char *pf, int64_t pf_len) {
+    const int64_t mfull = m0 + (m1 - m0) / 16 * 16;
+    if (mfull > m0) amx_bf16_rows(xb, ldxb, m0, mfull, kp, b, y, ldy, accumulate, pf, pf_len);
+    if (mfull < m1) {
+        float stage[16 * TM_NR] __attribute__((aligned(64)));
+        const int64_t rows = m1 - mfull;
+        if (accumulate)
+            for (int64_t r = 0; r < rows; ++r) memcpy(stage + r * TM_NR, y + (mfull - m0 + r) * ldy, TM_NR * sizeof(float));
+        amx_bf16_rows(xb, ldxb, mfull, m1, kp, b, stage, TM_NR, accumulate, NULL, 0);
+        for (int64_t r = 0; r < rows; ++r) memcpy(y + (mfull - m0 + r) * ldy, stage + r * TM_NR, TM_NR * sizeof(float));
     }
 }
 #endif
@@ -950,7 +979,7 @@ static void panel_rows(const gemm_ctx *c, int64_t m0, int64_t m1, const char *bp
     const int64_t ntiles = cdiv(m1 - m0, mrt);
 #if defined(TM_AMX_BF16)
     if (c->amx) {
-        amx_bf16_rows(c->xb, c->ldxb, m0, m1, c->k / 2, (const uint16_t *)bp, acc, pf, pf_len);
+        amx_bf16_rows(c->xb, c->ldxb, m0, m1, c->k / 2, (const uint16_t *)bp, acc, TM_NR, 0, pf, pf_len);
         return;
     }
 #endif
@@ -1036,6 +1065,13 @@ static void gemm_chunk_panels(const gemm_ctx *c, int64_t chunk) {
         const int64_t n0 = p * TM_NR;
         const int ncols = c->n - n0 < TM_NR ? (int)(c->n - n0) : TM_NR;
         const float *bias = c->bias ? c->bias + n0 : NULL;
+#if defined(TM_AMX_BF16)
+        if (c->amx && !bias && !bv && ncols == TM_NR) { /* whole panels without a bias: the tiles into y */
+            amx_bf16_to_y(c->xb, c->ldxb, m0, m1, c->k / 2, (const uint16_t *)bp, c->y + m0 * c->ldy + n0, c->ldy,
+                          c->accumulate, bp + c->panel_bytes, p + 1 < c->npanels ? c->panel_bytes : 0);
+            continue;
+        }
+#endif
         /* the panel's calls prefetch the next panel (past the chunk's end too: see lane_group), so
          * that its first tile finds it in cache instead of waiting on memory */
         panel_rows(c, m0, m1, bp, acc, bp + c->panel_bytes, p + 1 < c->npanels ? c->panel_bytes : 0);
