@@ -1093,16 +1093,22 @@ TM_INLINE void attn_task_bf16(const tm_attn *j, int64_t tile, int64_t h, const i
         pf_advance(&pfc, -1);
 #if defined(TM_ATTN_AMX)
         if (AMX) {
-            uint16_t vlast[TM_KV_GROUP * TM_MAX_D] __attribute__((aligned(64)));
+            uint32_t vlast[TM_KV_GROUP / 2 * TM_MAX_D] __attribute__((aligned(64)));
             const int64_t tail = n % TM_KV_GROUP;
-            if (tail) { /* the last group's slots past the keys, zeroed (see above) */
-                const uint16_t *src = vg[nv - 1];
-                for (int64_t t = 0; t < TM_KV_GROUP / 2; ++t)
-                    for (int64_t e = 0; e < d; ++e) {
-                        vlast[(t * d + e) * 2] = 2 * t < tail ? src[(t * d + e) * 2] : 0;
-                        vlast[(t * d + e) * 2 + 1] = 2 * t + 1 < tail ? src[(t * d + e) * 2 + 1] : 0;
-                    }
-                vg[nv - 1] = vlast;
+            if (tail) { /* the last group's slots past the keys, zeroed (see above): whole pair rows copied,
+                           the odd key's row keeps its first halves, the rest is zero */
+                const uint32_t *src = (const uint32_t *)vg[nv - 1];
+                const int64_t full = tail / 2;
+                memcpy(vlast, src, sizeof(uint32_t) * (size_t)(full * d));
+                int64_t t = full;
+                if (tail & 1) {
+                    for (int64_t e = 0; e < d; e += 16)
+                        _mm512_store_si512((void *)(vlast + t * d + e), _mm512_and_si512(_mm512_loadu_si512((const void *)(src + t * d + e)),
+                                                                                   _mm512_set1_epi32(0x0000FFFF)));
+                    ++t;
+                }
+                memset(vlast + t * d, 0, sizeof(uint32_t) * (size_t)((TM_KV_GROUP / 2 - t) * d));
+                vg[nv - 1] = (const uint16_t *)vlast;
             }
             for (int64_t c0 = 0; c0 < d / 16; c0 += 4) pv_amx(acc, pp, vg, nv, d, c0, d / 16 - c0 < 4 ? d / 16 - c0 : 4);
             continue;
