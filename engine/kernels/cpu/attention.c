@@ -23,7 +23,8 @@
  *                code * scale; engine/attention/torch_quant_kv.py's layout); or [Hkv, S, D]
  *                fp16, widened to fp32 as they are loaded (the arithmetic is fp32 throughout); or
  *                [Hkv, S, D] bf16 in groups of 16 slots (TM_KV_BF16, tm_cpu.h), read in place on
- *                VDPBF16PS where the build has AVX512-BF16 (attn_task_bf16)
+ *                AMX-BF16 tiles where the CPU has them, else on VDPBF16PS where the build has
+ *                AVX512-BF16 (attn_task_bf16)
  *   block_tables [num_seqs, max_blocks] int32
  *   row_seq      [T] int32, the block-table row of each query row (NULL: row r -> r)
  *   kv_len       [T] int64, keys visible to each row (>= 1): its position + 1

@@ -30,6 +30,11 @@
  *             fp32 in registers and run through FMAs (the same products, summed one k at a time).
  *             Panels hold cdiv(K, 2) pair rows of TM_NR columns, column-pairs contiguous, so one
  *             pair row takes as many bytes as one fp32 row and is walked in the same K slices.
+ *             With AMX-BF16 (Xeon since Sapphire Rapids), a weight whose K is a multiple of 32 runs
+ *             every call on tiles instead (amx_bf16_rows): a panel's pair rows are TDPBF16PS's B
+ *             operand as they lie, x's bf16 rows its A, and the fp32 sums stay in the tiles over
+ *             all of K (Intel SDM vol. 2, TDPBF16PS; Intel's Optimization Reference Manual, the AMX
+ *             chapter, for the 2 x 2 blocking and interleaving loads with products).
  *   TM_W_Q8   int8 codes, a scale per (column, group of gs rows of K): w = q * s.
  *   TM_W_Q4   4-bit codes 0..15 with a scale and a min per group: w = q * s + m
  *             (GGUF Q4_0/Q4_1 and our int4; Q8 may carry a min too).
@@ -1028,10 +1033,25 @@ static void panel_rows(const gemm_ctx *c, int64_t m0, int64_t m1, const char *bp
     }
 }
 
+/* The (row block, panel group) of a chunk: row blocks outer, so that a block's rows of x stay in L2 while the
+ * threads walk the panels; on AMX panel groups outer instead, so that a group's panels stay in L2 while the
+ * row blocks (bf16 x, half the bytes) pass over them, and the weights come from memory once per call. */
+static inline void chunk_at(const gemm_ctx *c, int64_t chunk, int64_t *mb, int64_t *grp) {
+    const int64_t mblocks = cdiv(c->m, c->mc);
+    if (c->amx && mblocks > 1) {
+        *mb = chunk % mblocks;
+        *grp = chunk / mblocks;
+        return;
+    }
+    *mb = chunk / c->ngroups;
+    *grp = lane_group(chunk % c->ngroups, c->ngroups, c->lanes);
+}
+
 /* SwiGLU: the gate panel's rows first (kept in gbuf, prefetching the up panel), then the up panel's
  * (prefetching the next gate panel), then silu(gate) * up stored */
 static void gemm_chunk_silu(const gemm_ctx *c, int64_t chunk) {
-    const int64_t mb = chunk / c->ngroups, grp = lane_group(chunk % c->ngroups, c->ngroups, c->lanes);
+    int64_t mb, grp;
+    chunk_at(c, chunk, &mb, &grp);
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
     const int64_t up = c->silu_inter / TM_NR; /* panel offset of the up half */
@@ -1049,7 +1069,8 @@ static void gemm_chunk_silu(const gemm_ctx *c, int64_t chunk) {
 }
 
 static void gemm_chunk_panels(const gemm_ctx *c, int64_t chunk) {
-    const int64_t mb = chunk / c->ngroups, grp = lane_group(chunk % c->ngroups, c->ngroups, c->lanes);
+    int64_t mb, grp;
+    chunk_at(c, chunk, &mb, &grp);
     const int64_t m0 = mb * c->mc, m1 = m0 + c->mc < c->m ? m0 + c->mc : c->m;
     const int64_t p0 = grp * c->group, p1 = p0 + c->group < c->npanels ? p0 + c->group : c->npanels;
     float acc[TM_MC_MAX * TM_NR] __attribute__((aligned(64)));
