@@ -8,6 +8,7 @@ is never installed here: its child runs against a stand-in `vllm` package.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -668,6 +669,31 @@ def test_tables_name_the_host():
     assert table.splitlines()[1] == ("host: AMD EPYC 9654 (x86_64), 2 CPUs, ISA avx2,fma,avx512f,avx512bw,avx512vl,"
                                      "avx512_bf16,avx512_vnni, matrix unit avx512-bf16")
     assert ">>> tokenmill / BEST PEER (vllm, 1.0 output tok/s): 2.00x" in table
+
+
+def test_matrix_peak_rates_per_unit_and_a_smoke_run(tmp_path, capsys):
+    """The nominal peak per unit (AMX, AVX512-BF16, plain AVX-512 / AVX2), and a run over two small M whose
+    report holds every GEMM's rate (none timed as zero)."""
+    from benchmarks import matrix_peak
+    from engine.host import Host
+    from engine.kernels import cpu
+
+    def host(flags):
+        return Host.from_cpuinfo(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n", cpus=2)
+
+    base = "avx2 fma avx512f avx512bw avx512vl"
+    assert matrix_peak.peak_ops_per_cycle(host(base + " avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8")) == (1024, 2048)
+    assert matrix_peak.peak_ops_per_cycle(host(base + " avx512_bf16 avx512_vnni")) == (64, 256)
+    assert matrix_peak.peak_ops_per_cycle(host("avx2 fma")) == (32, 64)
+    if not cpu.available():
+        pytest.skip("no CPU kernels")
+    out = tmp_path / "m.json"
+    assert matrix_peak.main(["--ms", "1,17", "--reps", "1", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["m"] for r in rows] == [1, 17]
+    for r in rows:
+        assert r["ours_bf16_gflops"] > 0 and r["torch_bf16_gflops"] > 0 and r["ours_w8a8_gops"] > 0
+    assert "W8A8 ours" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------- the F16 GGUF
