@@ -75,7 +75,8 @@ SCHEMES = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"}, "int8": 
 
 
 # ----------------------------------------------------------------- machine peak
-def _best_time(fn: Callable[[], Any], reps: int) -> float:
+def best_time(fn: Callable[[], Any], reps: int) -> float:
+    """The fastest of `reps` calls of fn, in seconds, after one untimed call."""
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -91,14 +92,14 @@ def peak_matmul_gflops(n: int = 2048, reps: int = 3, dtype: torch.dtype = torch.
     take fp32 activations and round them in the call) where it builds."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     ad, bd = a.to(dtype), b.to(dtype)
-    out = {"torch_mm": 2 * n ** 3 / _best_time(lambda: torch.mm(ad, bd), reps) / 1e9}
+    out = {"torch_mm": 2 * n ** 3 / best_time(lambda: torch.mm(ad, bd), reps) / 1e9}
     from engine.kernels import cpu
 
     if cpu.available():
         from engine.kernels.cpu.layers import CpuBf16Linear, CpuLinear
 
         lin, y = (CpuBf16Linear if dtype == torch.bfloat16 else CpuLinear)(b), torch.empty(n, n)
-        out["tokenmill"] = 2 * n ** 3 / _best_time(lambda: lin(a, out=y), reps) / 1e9
+        out["tokenmill"] = 2 * n ** 3 / best_time(lambda: lin(a, out=y), reps) / 1e9
     return out
 
 
@@ -106,7 +107,7 @@ def peak_copy_gbps(mbytes: int = 256, reps: int = 5) -> float:
     """Best GB/s of a large fp32 copy, counting bytes read plus bytes written."""
     src = torch.randn(mbytes * (1 << 20) // 4)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), reps) / 1e9
+    return 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src), reps) / 1e9
 
 
 # ----------------------------------------------------------------- FLOPs and bytes
@@ -145,7 +146,7 @@ def linear_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2) -> 
             for lin, y in zip(layers, ys):
                 lin(xs[lin.in_features], out=y)
 
-        t = _best_time(run, reps)
+        t = best_time(run, reps)
         flops = 2.0 * m * sum(lin.in_features * lin.out_features for lin in layers)
         out[m] = {"seconds": t, "gflops": flops / t / 1e9, "weight_gbps": wbytes / t / 1e9}
     return out
@@ -176,7 +177,7 @@ def torch_mm_sweep(model: Any, ms: tuple[int, ...] = LINEAR_MS, reps: int = 2,
             for (k, n), w, y in zip(shapes, ws, ys):
                 torch.mm(xs[k], w.view(n, k).t(), out=y)
 
-        t = min(_best_time(run_in_out, reps), _best_time(run_out_in, reps))
+        t = min(best_time(run_in_out, reps), best_time(run_out_in, reps))
         out[m] = 2.0 * m * sum(k * n for k, n in shapes) / t / 1e9
     return out
 
@@ -582,7 +583,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         m = measure(f"mbu {scheme}")
         walls = {}
         for k in (1, ndec):
-            walls[k] = _best_time(lambda k=k: llm1.generate(
+            walls[k] = best_time(lambda k=k: llm1.generate(
                 [prompt], SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True), use_tqdm=False), 2)
         busy = done(m)
         step = (walls[ndec] - walls[1]) / (ndec - 1)

@@ -19,13 +19,12 @@ nominal one, so the percentages read "of what the clock says", not of a measured
 from __future__ import annotations
 
 import argparse
-import os
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from benchmarks import record
+from benchmarks.efficiency import best_time
 from benchmarks.hf_compare import BusyMeter, _fmt_load, machine_load, warn_if_busy
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K)
@@ -59,16 +58,6 @@ def peak_ops_per_cycle(host: Any) -> tuple[int, int]:
     else:
         int8 = 128 if "avx512f" in host.flags else 64
     return bf16, int8
-
-
-def best_seconds(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def sweep(ms: tuple[int, ...], reps: int) -> list[dict[str, Any]]:
@@ -108,11 +97,11 @@ def sweep(ms: tuple[int, ...], reps: int) -> list[dict[str, Any]]:
             for w, (n, k) in zip(i8_kn, SHAPES):
                 torch._int_mm(xi[k], w)
 
-        row = {"m": m, "ours_bf16_s": best_seconds(ours(ours_bf16), reps),
-               "torch_bf16_s": min(best_seconds(torch_kn, reps), best_seconds(torch_nk, reps)),
-               "ours_w8a8_s": best_seconds(ours(ours_w8a8), reps)}
+        row = {"m": m, "ours_bf16_s": best_time(ours(ours_bf16), reps),
+               "torch_bf16_s": min(best_time(torch_kn, reps), best_time(torch_nk, reps)),
+               "ours_w8a8_s": best_time(ours(ours_w8a8), reps)}
         try:
-            row["torch_int_mm_s"] = best_seconds(int_mm, reps)
+            row["torch_int_mm_s"] = best_time(int_mm, reps)
         except RuntimeError as e:  # shapes torch._int_mm refuses on this build
             row["torch_int_mm_s"], row["torch_int_mm_error"] = None, str(e).splitlines()[0]
         rows.append(row)

@@ -1188,15 +1188,7 @@ static _Atomic int64_t bf16_amx_calls;
 #endif
 int tm_bf16_amx(int mode) {
 #if defined(TM_AMX_BF16)
-    if (mode >= 0) {
-        atomic_store(&bf16_amx_state, mode && (tm_amx_usable() & TM_AMX_UNIT_BF16));
-    } else if (atomic_load_explicit(&bf16_amx_state, memory_order_relaxed) < 0) {
-        const char *env = getenv("TOKENMILL_AMX");
-        int undecided = -1;
-        atomic_compare_exchange_strong(&bf16_amx_state, &undecided,
-                                       !(env && strcmp(env, "0") == 0) && (tm_amx_usable() & TM_AMX_UNIT_BF16));
-    }
-    return atomic_load_explicit(&bf16_amx_state, memory_order_relaxed);
+    return tm_amx_switch(&bf16_amx_state, mode, TM_AMX_UNIT_BF16);
 #else
     (void)mode;
     return 0;

@@ -333,16 +333,12 @@ static void ukr_i8(const int mr, int64_t kp, int64_t gs, const unsigned char *re
 
 #if defined(TM_AMX)
 #include <stdatomic.h>
-#include <stdlib.h>
-#include <string.h>
 
 #define AMX_ISUM (32 * TM_NR + 16 * 21) /* int32 per buffer of a group's sums: 32 x 32, then 1344 bytes so
                                           that two buffers' rows differ modulo 4 KB (no 4K aliasing) */
 
 static _Atomic int amx_state = -1; /* -1 until the first call decides (TOKENMILL_AMX), then 0 or 1 */
 static _Atomic int64_t amx_blocks; /* blocks of 16 rows x one panel computed on tiles (tm_w8a8_amx_blocks) */
-
-static int amx_available(void) { return (tm_amx_usable() & TM_AMX_UNIT_INT8) != 0; }
 
 /* Tiles (tm_tiles_16x64): tmm0-3 the int32 sums C[i][j] (rows 16 i.., columns 16 j.. of a 32 x 32
  * block), tmm4-5 two A tiles (16 activation rows x 64 bytes), tmm6-7 two B tiles (16 rows of 64
@@ -456,14 +452,7 @@ TM_INLINE void amx_block(const int mt, int64_t kp, int64_t gs, const unsigned ch
  * now (0 in builds without AMX). */
 int tm_w8a8_amx(int mode) {
 #if defined(TM_AMX)
-    if (mode >= 0) {
-        atomic_store(&amx_state, mode && amx_available());
-    } else if (atomic_load_explicit(&amx_state, memory_order_relaxed) < 0) {
-        const char *env = getenv("TOKENMILL_AMX");
-        int undecided = -1;
-        atomic_compare_exchange_strong(&amx_state, &undecided, !(env && strcmp(env, "0") == 0) && amx_available());
-    }
-    return atomic_load_explicit(&amx_state, memory_order_relaxed);
+    return tm_amx_switch(&amx_state, mode, TM_AMX_UNIT_INT8);
 #else
     (void)mode;
     return 0;

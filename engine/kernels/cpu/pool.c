@@ -23,6 +23,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -262,3 +263,14 @@ int tm_amx_usable(void) {
 #else
 int tm_amx_usable(void) { return 0; }
 #endif
+
+int tm_amx_switch(_Atomic int *state, int mode, int unit) {
+    if (mode >= 0) {
+        atomic_store(state, mode && (tm_amx_usable() & unit));
+    } else if (atomic_load_explicit(state, memory_order_relaxed) < 0) {
+        const char *env = getenv("TOKENMILL_AMX");
+        int undecided = -1;
+        atomic_compare_exchange_strong(state, &undecided, !(env && strcmp(env, "0") == 0) && (tm_amx_usable() & unit));
+    }
+    return atomic_load_explicit(state, memory_order_relaxed);
+}

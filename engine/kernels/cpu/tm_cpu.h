@@ -68,6 +68,10 @@ static inline int64_t tm_panel_group(int64_t npanels, int64_t mblocks, int64_t t
 #define TM_AMX_UNIT_INT8 1
 #define TM_AMX_UNIT_BF16 2
 int tm_amx_usable(void);
+/* An AMX path's on/off state (*state: -1 until decided, then 0 or 1): mode >= 0 sets it (on only where
+ * tm_amx_usable() has `unit`); mode < 0 asks, deciding on first use: on where usable unless the
+ * environment has TOKENMILL_AMX=0. Returns the state now. */
+int tm_amx_switch(_Atomic int *state, int mode, int unit);
 /* gemm.c: whether bf16 products run on AMX-BF16 tiles (mode < 0 asks, 0 off, 1 on where possible); the bf16
  * GEMM and the attention over a TM_KV_BF16 cache follow it */
 int tm_bf16_amx(int mode);
