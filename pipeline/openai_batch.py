@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Any, Iterable, Optional, Sequence
 
 CHAT_URL = "/v1/chat/completions"
@@ -449,12 +450,18 @@ def result_line(row: dict, job_id: str, model: str, created: int) -> dict[str, A
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
 
+_NAMES_ITS_LINE = re.compile(r"(\S+ )?line \d+: ")  # the parser's "line 3: ..." / "a.jsonl line 3: ..."
+
+
 def error_line(row: dict, job_id: str) -> dict[str, Any]:
     """A failed job row as an OpenAI Batch error line: `error` {code, message} (the row's `error_code`, else
-    invalid_request), and a `response` with status 400 whose body holds the same error."""
+    invalid_request), and a `response` with status 400 whose body holds the same error. A message the engine
+    wrote (a value it refuses) is prefixed with the request's line, as the parser's messages are."""
     rid = request_id(job_id, row.get("custom_id"), row.get("line"))
     code = row.get("error_code") or "invalid_request"
     message = row.get("error") or "request failed"
+    if row.get("line") is not None and not _NAMES_ITS_LINE.match(message):
+        message = f"line {row['line']}: {message}"
     return {"id": f"batch_req_{rid}", "custom_id": row.get("custom_id"),
             "response": {"status_code": 400, "request_id": rid,
                          "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,

@@ -222,6 +222,19 @@ def test_the_same_file_on_s3_interrupted_after_a_shard_then_resumed(s3_bucket, t
         check_result(r)
 
 
+def test_an_error_line_names_its_request_line_whoever_refused_it():
+    """A value the engine refuses (its message has no line) gets the request's line, as the parser's own
+    messages have; a message that names its line already is kept as it is."""
+    from pipeline.openai_batch import error_line
+
+    engine = error_line({"custom_id": "q7", "line": 7, "error": "temperature must be a finite number >= 0, got -1"},
+                        "k")
+    assert engine["error"]["message"] == "line 7: temperature must be a finite number >= 0, got -1"
+    assert engine["response"]["body"]["error"]["message"] == engine["error"]["message"]
+    for parsed in ("line 3: not valid JSON (Expecting value at column 1)", "b.jsonl line 2: body must be a JSON object"):
+        assert error_line({"custom_id": None, "line": 3, "error": parsed}, "k")["error"]["message"] == parsed
+
+
 def test_parse_lines_names_each_problem_and_maps_the_body():
     lines = [b'{"custom_id": "a", "url": "/v1/embeddings", "body": {}}',
              _line("b", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
