@@ -12,8 +12,8 @@ N x K) and each M, in one run:
 Rates are 2 M N K / best seconds over the four shapes (GFLOP/s for bf16, GOP/s for int8), and each is
 set against the nominal peak: cores x the clock /proc/cpuinfo reports x operations per cycle per
 core (AMX: 1,024 bf16 and 2,048 int8, Intel's published TDPBF16PS / TDPBUSD rates of 16 x 16 x 32 and
-16 x 16 x 64 multiply-adds per 16 cycles; AVX512-BF16 without AMX: 64 bf16, two VDPBF16PS per cycle;
-else fp32 FMA: 64 per AVX-512 cycle, 32 with AVX2). A virtual machine's reported clock is its
+16 x 16 x 64 multiply-adds per 16 cycles; AVX512-BF16 without AMX: 64 bf16, one 512-bit VDPBF16PS of
+32 multiply-adds per cycle; else fp32 FMA: 64 per AVX-512 cycle, 32 with AVX2). A virtual machine's reported clock is its
 nominal one, so the percentages read "of what the clock says", not of a measured roof.
 """
 from __future__ import annotations
