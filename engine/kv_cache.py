@@ -402,12 +402,14 @@ class KVCache:
         phys[self.slot_axis] *= self.layout.rows
         # zeros, not empty: padded decode gathers read slot 0, which must be finite. On the CPU
         # in huge pages: decode reads a few blocks scattered over each layer's pool, and with
-        # 4 KiB pages every block is a TLB miss (engine/kernels/cpu/memory.py)
+        # 4 KiB pages every block is a TLB miss (engine/kernels/cpu/memory.py). Not populated: a
+        # page is faulted in when a block on it is first written, so a job that uses a small part
+        # of the default budget does not pay to fault in the rest at start-up
         if torch.device(device).type == "cpu":
             from .kernels.cpu.memory import huge_zeros
 
             def zeros() -> torch.Tensor:
-                return huge_zeros(tuple(phys), dtype)
+                return huge_zeros(tuple(phys), dtype, populate=False)
         else:
             def zeros() -> torch.Tensor:
                 return torch.zeros(phys, dtype=dtype, device=device)

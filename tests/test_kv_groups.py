@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 
 import numpy as np
 import pytest
@@ -124,6 +125,35 @@ def test_block_bytes_match_the_tensors_and_the_budget():
                  backend.cache_shape(num_blocks, 16, cfg.num_kv_heads, cfg.head_dim))
     held = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv.tensors)
     assert held == num_blocks * per_block <= budget
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
+def test_cpu_cache_pages_are_faulted_in_when_first_written():
+    """The CPU KV pool is not faulted in at start-up (a job using a few blocks of the default budget
+    paid seconds for the rest): 2 x 64 MiB of pool add well under their size to the resident memory,
+    read as zeros, and a written block holds its values; `huge_empty`'s populate=True holds it all."""
+    from engine.kernels.cpu.memory import huge_empty
+
+    cfg = dataclasses.replace(PRESETS["llama-tiny-4kv"], num_layers=1)
+    backend = TorchAttentionBackend()
+    pool = 64 << 20
+    num_blocks = pool // (16 * cfg.num_kv_heads * cfg.head_dim * 4)
+    before = _resident_bytes()
+    kv = KVCache(cfg, num_blocks, 16, torch.float32, torch.device("cpu"),
+                 backend.cache_shape(num_blocks, 16, cfg.num_kv_heads, cfg.head_dim))
+    k, v = kv.layers[0]
+    assert k.numel() * 4 == pool and _resident_bytes() - before < pool // 4
+    k.view(-1)[:16 * cfg.num_kv_heads * cfg.head_dim] = 1.5
+    assert float(k.view(-1)[0]) == 1.5 and float(k.view(-1)[-1]) == 0.0 and float(v.view(-1)[0]) == 0.0
+    assert _resident_bytes() - before < pool // 4
+    before = _resident_bytes()
+    held = huge_empty(pool)
+    assert _resident_bytes() - before >= pool * 9 // 10 and int(held[-1]) == 0
 
 
 def test_kv_bytes_per_sequence_counts_the_blocks_the_manager_holds():

@@ -20,10 +20,13 @@ HUGE_PAGE = 2 << 20
 MIN_BYTES = 2 << 20  # smaller tensors gain nothing
 
 
-def huge_empty(nbytes: int) -> torch.Tensor:
+def huge_empty(nbytes: int, populate: bool = True) -> torch.Tensor:
     """A uint8 tensor of `nbytes` zeroed bytes whose start is 2 MiB aligned, in memory advised for huge pages.
 
-    The tensor keeps its mapping alive; the memory is returned when the tensor is freed."""
+    With `populate` every page is faulted in now, so the memory is held from the start; without it
+    the pages stay unmapped until first touched (the kernel's zero-filled anonymous memory), so a
+    caller that touches a fraction of a large buffer pays for that fraction only. The tensor keeps
+    its mapping alive; the memory is returned when the tensor is freed."""
     if nbytes < MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(nbytes, dtype=torch.uint8)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to align the start
@@ -35,12 +38,14 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     buf = torch.frombuffer(mm, dtype=torch.uint8)
     off = (-buf.data_ptr()) % HUGE_PAGE
     out = buf[off: off + nbytes]
-    out.zero_()  # fault every page in now (as torch.zeros would): the memory is held from the start, not on first use
+    if populate:
+        out.zero_()  # fault every page in now (as torch.zeros would)
     return out
 
 
-def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """`torch.zeros(shape, dtype=dtype)` on the CPU, in huge-page memory (see `huge_empty`)."""
+def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = True) -> torch.Tensor:
+    """`torch.zeros(shape, dtype=dtype)` on the CPU, in huge-page memory (see `huge_empty`, which
+    `populate` is passed to)."""
     n = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return huge_empty(n * itemsize).view(dtype).view(shape)
+    return huge_empty(n * itemsize, populate).view(dtype).view(shape)
