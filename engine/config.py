@@ -539,18 +539,21 @@ def prompt_text_error(prompt: str) -> Optional[str]:
     return None
 
 
-def prompt_length_error(num_prompt_tokens: int, max_model_len: int) -> Optional[str]:
+def prompt_length_error(num_prompt_tokens: int, max_model_len: int, bound: Optional[str] = None) -> Optional[str]:
     """The context rule for a tokenized prompt: None if it leaves room for output, else the error message.
 
     Args:
         num_prompt_tokens: the prompt's length in tokens (chat template and special tokens included).
         max_model_len: the engine's context length in tokens.
+        bound: what sets that length, in words (`engine.loader.context_bound`), so the message names
+            the setting to change; None leaves it out.
 
     A prompt must be shorter than the context (`num_prompt_tokens < max_model_len`), so that at
     least one output token fits. `LLM.generate` and a job's rows (`pipeline.schema.length_rule`)
     both apply it.
     """
     if num_prompt_tokens >= max_model_len:
-        return (f"prompt is too long: {num_prompt_tokens} tokens, and the model's context (max_model_len) is "
-                f"{max_model_len} tokens, which leaves no room for output")
+        why = f", set by {bound}" if bound else ""
+        return (f"prompt is too long: {num_prompt_tokens} tokens, and the engine's context (max_model_len) is "
+                f"{max_model_len} tokens{why}, which leaves no room for output")
     return None

@@ -142,14 +142,17 @@ class InputProcessor:
         tokenizer: the engine's `Tokenizer`.
         structured: the engine's `StructuredOutputManager` (compiles `structured_outputs`).
         max_model_len: the engine's context length in tokens.
+        context_bound: what sets it, in words (`engine.loader.context_bound`), for the error of a too-long prompt.
         seed: the engine's seed (requests without one draw from it, in arrival order).
         device: where the per-completion generators live.
     """
 
-    def __init__(self, tokenizer: Any, structured: Any, max_model_len: int, seed: int, device: torch.device) -> None:
+    def __init__(self, tokenizer: Any, structured: Any, max_model_len: int, seed: int, device: torch.device,
+                 context_bound: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
         self.structured = structured
         self.max_model_len = max_model_len
+        self.context_bound = context_bound
         self.seed = seed
         self.device = device
         self.seq_counter = 0
@@ -234,7 +237,7 @@ class InputProcessor:
             if error is None:
                 error = params.validate(vocab)
             if error is None:
-                error = prompt_length_error(len(ids), self.max_model_len)
+                error = prompt_length_error(len(ids), self.max_model_len, self.context_bound)
             if error is None and not self.warned_max_tokens and params.score_choices is None:
                 message = max_tokens_past_context_warning(len(ids), params.max_tokens, self.max_model_len)
                 if message is not None:

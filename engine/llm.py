@@ -25,8 +25,8 @@ from .input_processor import InputProcessor, PromptType, params_list, prompt_lis
 from .kv_cache import BlockPool, KVCache, kv_layout
 from .kv_cache_manager import KVCacheManager
 from .loader import (
-    attention_backend_error, context_length, cpu_kernels_serve, finish_sharded_quantization, kv_block_bytes,
-    load_model, make_attention_backend, num_kv_blocks, resolve_settings,
+    attention_backend_error, context_bound, context_length, cpu_kernels_serve, finish_sharded_quantization,
+    kv_block_bytes, load_model, make_attention_backend, num_kv_blocks, resolve_settings,
 )
 from .metrics import EngineStats
 from .model_runner import ModelRunner
@@ -136,6 +136,7 @@ class LLM:
         num_blocks = num_kv_blocks(cfg, mcfg, self.device, per_block, layout.pages_per_block,
                                    tuple(i["free_memory"] for i in infos))
         self.max_model_len = context_length(cfg, mcfg, num_blocks)  # (a job plans with the same function)
+        self.context_bound = context_bound(cfg, mcfg, num_blocks)  # what sets it, for the too-long prompt error
         shape = self.backend.cache_shape(num_blocks, bs, kv_heads, mcfg.head_dim)
         self.kv_cache = KVCache(mcfg, num_blocks, bs, kv_dtype, self.device, shape, layout)
         # K and V of all layers, scales included, one rank's share (hybrid models: per main-group token)
@@ -187,7 +188,7 @@ class LLM:
         if self.spec is not None:
             core_ref.append(weakref.proxy(self.core))
         self.input_processor = InputProcessor(self.tokenizer, self.structured, self.max_model_len, cfg.seed,
-                                              self.device)
+                                              self.device, self.context_bound)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.scorer = Scorer(self.scheduler, self.runner, self.kv_manager, self.tokenizer, bs,
                              cfg.max_num_batched_tokens, self.max_model_len)

@@ -14,6 +14,7 @@ passes in.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -301,6 +302,23 @@ def block_size_error(cfg: EngineConfig, model_cfg: ModelConfig) -> Optional[str]
                else f"the model's context ({length} tokens)")
     return (f"block_size={cfg.block_size} is larger than {context}: a KV block holds block_size tokens of one "
             f"sequence (16 is the usual size)")
+
+
+def context_bound(cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: Optional[int] = None) -> str:
+    """What sets `context_length(cfg, model_cfg, num_blocks)`, in words for an error message: the
+    tightest of the bounds that function applies, the KV cache's before the others when it is the one
+    (its length differs from the one computed without it)."""
+    length = context_length(cfg, model_cfg, num_blocks)
+    trained = model_cfg.max_position_embeddings
+    if length < context_length(dataclasses.replace(cfg, kv_cache_memory_bytes=None), model_cfg):
+        budget = (f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}" if cfg.kv_cache_memory_bytes is not None
+                  else "the default share of memory")
+        return f"what the KV cache holds ({budget}; raise it for longer prompts)"
+    if not cfg.enable_chunked_prefill and length == cfg.max_num_batched_tokens < trained:
+        return f"max_num_batched_tokens={cfg.max_num_batched_tokens}, without chunked prefill"
+    if cfg.max_model_len is not None and cfg.max_model_len < trained:
+        return f"the max_model_len={cfg.max_model_len} option"
+    return "the model's trained context"
 
 
 def context_length(cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: Optional[int] = None) -> int:

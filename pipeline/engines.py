@@ -310,7 +310,7 @@ def run_shards(
         for i, row in enumerate(rows.iter_rows(named=True)):
             req = build_request(row, layout, tokenizer, defaults, system_prompt=spec.system_prompt,
                                 use_chat_template=use_chat, max_model_len=max_model_len, vocab_size=vocab_size,
-                                truncate=spec.truncate)
+                                truncate=spec.truncate, context_bound=getattr(llm, "context_bound", None))
             if req.error is not None:
                 state.results[i] = _error_row(req.error)
             else:

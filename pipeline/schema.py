@@ -337,6 +337,7 @@ def build_request(
     max_model_len: Optional[int] = None,
     vocab_size: Optional[int] = None,
     truncate: bool = False,
+    context_bound: Optional[str] = None,
 ) -> RowRequest:
     """Validate one input row and build its prompt token ids and SamplingParams.
 
@@ -352,19 +353,21 @@ def build_request(
         max_model_len: context length in tokens; longer prompts are errors, and so is a
             max_tokens that does not fit after the prompt unless `truncate` (`length_rule`).
         truncate: cut max_tokens to what the context leaves instead of refusing the row.
+        context_bound: what sets max_model_len, in words (`engine.loader.context_bound`: the loaded
+            engine's `context_bound`), named by the error of a too-long prompt.
 
     Returns:
         A RowRequest; never raises for a bad row (any exception becomes `error`).
     """
     try:
         return _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template,
-                              max_model_len, vocab_size, truncate)
+                              max_model_len, vocab_size, truncate, context_bound)
     except Exception as exc:  # noqa: BLE001 - one row's failure must not fail the job
         return RowRequest(error=f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
 
 
 def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_template, max_model_len, vocab_size,
-                   truncate=False):
+                   truncate=False, context_bound=None):
     if row.get("request_error") is not None:
         raise ValueError(row["request_error"])
     bad_text = row.get(INVALID_UTF8_COLUMN)
@@ -423,7 +426,7 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
         raise ValueError(f"prompt_token_ids holds token id {max(ids)}, past the vocabulary ({vocab_size} tokens)")
     if not ids:
         raise ValueError("prompt is empty after tokenization")
-    problem, max_tokens = length_rule(len(ids), params.max_tokens, max_model_len, truncate)
+    problem, max_tokens = length_rule(len(ids), params.max_tokens, max_model_len, truncate, context_bound)
     if problem is not None:
         raise ValueError(problem)
     if max_tokens != params.max_tokens:
@@ -432,7 +435,7 @@ def _build_request(row, layout, tokenizer, defaults, system_prompt, use_chat_tem
 
 
 def length_rule(n_prompt: int, max_tokens: Optional[int], max_model_len: Optional[int],
-                truncate: bool = False) -> tuple[Optional[str], Optional[int]]:
+                truncate: bool = False, context_bound: Optional[str] = None) -> tuple[Optional[str], Optional[int]]:
     """The context-length rule for one row: (error or None, the max_tokens to run with).
 
     A prompt must leave room for output (`n_prompt < max_model_len`). Without
@@ -441,16 +444,17 @@ def length_rule(n_prompt: int, max_tokens: Optional[int], max_model_len: Optiona
     """
     if max_model_len is None:
         return None, max_tokens
-    problem = prompt_length_error(n_prompt, max_model_len)  # the engine's rule, in its words
+    problem = prompt_length_error(n_prompt, max_model_len, context_bound)  # the engine's rule, in its words
     if problem is not None:
         return problem, max_tokens
     room = max_model_len - n_prompt
     if max_tokens is not None and max_tokens > room:
         if truncate:
             return None, room
-        return (f"max_tokens {max_tokens} does not fit the model's context: the prompt has {n_prompt} tokens and "
-                f"the context (max_model_len) is {max_model_len}, which leaves {room}; lower max_tokens, or pass "
-                f"--truncate to stop at the end of the context"), max_tokens
+        why = f", set by {context_bound}" if context_bound else ""
+        return (f"max_tokens {max_tokens} does not fit the engine's context: the prompt has {n_prompt} tokens and "
+                f"the context (max_model_len) is {max_model_len}{why}, which leaves {room}; lower max_tokens, or "
+                f"pass --truncate to stop at the end of the context"), max_tokens
     return None, max_tokens
 
 

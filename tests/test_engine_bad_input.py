@@ -187,8 +187,8 @@ def test_blank_prompts_are_error_outputs_in_the_words_of_a_jobs_error_row(small_
     long_text = "Four score and seven years ago our fathers brought forth " * 8
     n_long = len(llm.tokenizer.encode(long_text))
     assert n_long > MAX_MODEL_LEN
-    too_long = (f"prompt is too long: {n_long} tokens, and the model's context (max_model_len) is {MAX_MODEL_LEN} "
-                f"tokens, which leaves no room for output")
+    too_long = (f"prompt is too long: {n_long} tokens, and the engine's context (max_model_len) is {MAX_MODEL_LEN} "
+                f"tokens, set by the max_model_len={MAX_MODEL_LEN} option, which leaves no room for output")
     outs = llm.generate(["   ", "\n\t ", "Hi", [], "", long_text], SamplingParams(temperature=0, max_tokens=2),
                         use_tqdm=False)
     assert [o.error for o in outs] == ["prompt is empty", "prompt is empty", None, "prompt is empty",
@@ -200,7 +200,8 @@ def test_blank_prompts_are_error_outputs_in_the_words_of_a_jobs_error_row(small_
 
     layout = InputLayout.from_schema(["id", "prompt"])
     rows = [build_request({"id": 1, "prompt": p}, layout, llm.tokenizer, SamplingParams(max_tokens=1),
-                          use_chat_template=False, max_model_len=llm.max_model_len, vocab_size=llm.tokenizer.vocab_size)
+                          use_chat_template=False, max_model_len=llm.max_model_len, vocab_size=llm.tokenizer.vocab_size,
+                          context_bound=llm.context_bound)
             for p in ("   ", "\n\t ", "", long_text)]
     assert [r.error for r in rows] == ["prompt is empty", "prompt is empty", "prompt is empty", too_long]
 
@@ -590,3 +591,44 @@ def test_attention_settings_that_cannot_run_here_are_refused_in_one_line(monkeyp
         with pytest.raises(ValueError, match=r"^kv_cache_dtype='bf16' is the CPU's grouped bf16 cache .* use "
                                              r"kv_cache_dtype='auto'$"):
             LLM("smollm2-135m-instruct", kv_cache_dtype="bf16", **kw)
+
+
+def test_the_too_long_error_names_what_sets_the_context(small_llm):
+    """A context cut by the KV budget was reported as "the model's context (max_model_len)", so users raised
+    max_model_len in vain: the error names the bound that applies (`engine.loader.context_bound`), each of the
+    four, and the API and a job's row say the same."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from engine.loader import context_bound, context_length, min_kv_cache_memory_bytes
+    from engine.weights import PRESETS
+    from pipeline.schema import InputLayout, build_request
+
+    mcfg = dataclasses.replace(PRESETS["llama-tiny-4kv"], max_position_embeddings=256)
+    cfg = EngineConfig(model="dummy:llama-tiny-4kv", device="cpu")
+    block = min_kv_cache_memory_bytes(cfg, mcfg)
+    cases = [(cfg, "the model's trained context", 256),
+             (dataclasses.replace(cfg, max_model_len=100), "the max_model_len=100 option", 100),
+             (dataclasses.replace(cfg, max_model_len=100, kv_cache_memory_bytes=3 * block),
+              f"what the KV cache holds (kv_cache_memory_bytes={3 * block}; raise it for longer prompts)", 48),
+             (dataclasses.replace(cfg, enable_chunked_prefill=False, max_num_batched_tokens=80),
+              "max_num_batched_tokens=80, without chunked prefill", 80)]
+    for c, words, length in cases:
+        assert (context_bound(c, mcfg), context_length(c, mcfg)) == (words, length)
+
+    # the API and a job's row on a real engine whose KV budget is the bound
+    budget = 2 * KV_BYTES_PER_BLOCK
+    llm = LLM(MODEL, kv_cache_memory_bytes=budget, kv_cache_dtype="fp32")
+    assert llm.max_model_len == 32
+    text = "Four score and seven years ago our fathers brought forth " * 4
+    n = len(llm.tokenizer.encode(text))
+    assert n > 32
+    want = (f"prompt is too long: {n} tokens, and the engine's context (max_model_len) is 32 tokens, set by what the "
+            f"KV cache holds (kv_cache_memory_bytes={budget}; raise it for longer prompts), which leaves no room for "
+            f"output")
+    [out] = llm.generate([text], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out.error == want
+    row = build_request({"id": 1, "prompt": text}, InputLayout.from_schema(["id", "prompt"]), llm.tokenizer,
+                        SamplingParams(max_tokens=1), use_chat_template=False, max_model_len=llm.max_model_len,
+                        vocab_size=llm.tokenizer.vocab_size, context_bound=llm.context_bound)
+    assert row.error == want

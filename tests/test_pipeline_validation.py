@@ -203,7 +203,7 @@ def test_max_tokens_past_the_context_is_an_error_row_unless_truncate(tmp_path):
     prompt_len = len(llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Another."}])))
     assert df["error"].to_list() == [
         None,
-        f"max_tokens 1000000000000 does not fit the model's context: the prompt has {prompt_len} tokens and the "
+        f"max_tokens 1000000000000 does not fit the engine's context: the prompt has {prompt_len} tokens and the "
         f"context (max_model_len) is 512, which leaves {512 - prompt_len}; lower max_tokens, or pass --truncate to "
         f"stop at the end of the context",
         None]
