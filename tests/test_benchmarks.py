@@ -415,6 +415,21 @@ def test_parse_engines_knows_the_vllm_hf_bf16_and_dtype_rows():
     assert parse_engines("vllm, vllm") == ["vllm"]
 
 
+def test_vllm_dtype_auto_is_the_hosts_fastest_and_a_bad_value_is_refused():
+    """vLLM's bf16 on a host without a bf16 unit is emulated (Zen 3: 27 output tok/s against 137 in float32,
+    benchmarks/results/epyc-zen3-avx2), so the row's default follows the host as tokenmill's own "auto" does."""
+    from benchmarks.throughput import vllm_dtype
+    from engine.host import Host
+    from tests.test_host import XEON_AMX, ZEN3, ZEN_BF16
+
+    assert [vllm_dtype("auto", Host.from_cpuinfo(t)) for t in (XEON_AMX, ZEN_BF16, ZEN3)] == [
+        "bfloat16", "bfloat16", "float32"]
+    assert vllm_dtype("bfloat16", Host.from_cpuinfo(ZEN3)) == "bfloat16"
+    assert vllm_dtype("float32", Host.from_cpuinfo(XEON_AMX)) == "float32"
+    with pytest.raises(ValueError, match="--vllm-dtype must be auto, bfloat16 or float32, got 'fp16'"):
+        vllm_dtype("fp16")
+
+
 def test_hf_bf16_and_tokenmill_dtype_rows_get_their_dtype(tok, monkeypatch):
     import torch
 
