@@ -305,9 +305,9 @@ def block_size_error(cfg: EngineConfig, model_cfg: ModelConfig) -> Optional[str]
 
 
 def context_bound(cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: Optional[int] = None) -> str:
-    """What sets `context_length(cfg, model_cfg, num_blocks)`, in words for an error message: the
-    tightest of the bounds that function applies, the KV cache's before the others when it is the one
-    (its length differs from the one computed without it)."""
+    """What sets `context_length(cfg, model_cfg, num_blocks)`, in words for an error message: the KV
+    cache when it holds fewer tokens than the other bounds allow, else the token budget (without
+    chunked prefill), the `max_model_len` option or the model's trained context, the tightest first."""
     length = context_length(cfg, model_cfg, num_blocks)
     trained = model_cfg.max_position_embeddings
     if length < context_length(dataclasses.replace(cfg, kv_cache_memory_bytes=None), model_cfg):
