@@ -408,7 +408,8 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
             kinds = errors.str.replace(r"(, got \w+) .*$", "$1")
             kind, count = kinds.value_counts(sort=True).row(0)
             top = errors.filter(kinds == kind)[0]
-            ident = f" (id {part[id_column][0]!r})" if id_column in part.columns else ""
+            first_id = part[id_column][0] if id_column in part.columns else None
+            ident = f" (id {first_id!r})" if first_id is not None else ""  # a line without an id: its number says
             if errors.len() == 1:
                 why = f"; the error of {name}'s one {unit}{ident}: {top}"
             elif count == 1:  # no error is more common than another: "1 of its 3 rows" would say nothing

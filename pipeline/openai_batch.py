@@ -336,10 +336,13 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise LineError("invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-            cid = obj.get("custom_id") if isinstance(obj, dict) else None
-            if isinstance(cid, (int, float)) and not isinstance(cid, bool):
-                cid = str(cid)
-            if not isinstance(cid, str) or not cid:
+            if not isinstance(obj, dict):
+                raise LineError("invalid_request", f"a request line must be a JSON object, got {_json_kind(obj)}")
+            cid = obj.get("custom_id")
+            if cid is not None and not isinstance(cid, str):  # 42 and "42" would be one id, so neither is made up
+                raise LineError("invalid_request", f"custom_id must be a string, got {_json_kind(cid)} "
+                                                   f"{json.dumps(cid)[:40]}")
+            if not cid:
                 raise LineError("missing_custom_id", "no custom_id (each request line needs a custom_id string)")
             if cid in seen:
                 raise LineError("duplicate_custom_id", f"custom_id {cid!r} repeats {seen[cid]}'s; each request "
@@ -354,6 +357,19 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
                 row["url"] = obj.get("url") if isinstance(obj.get("url"), str) else None
         rows.append(row)
     return rows
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON type of a parsed value, in JSON's words (object, array, string, number, boolean, null)."""
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    return "null" if value is None else "number"
 
 
 def _maybe(text: str) -> Any:

@@ -809,6 +809,12 @@ def test_exit_4_of_a_request_file_job_names_its_errors_jsonl_files(tmp_path, cap
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"the first (id 'a'): line 1: body.tools is not supported by tokenmill; see the error column of "
         f"{out}/part-*.parquet and the error lines of {out}/errors-*.jsonl (exit 4)")
+    # a first line without an id: its line number names it, never "(id None)"
+    inp.write_text("{not json\n" + inp.read_text())
+    assert main(run + ["--overwrite"]) == 4
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        "tokenmill: every row of the job is an error row (3 rows, nothing generated); the 3 lines of "
+        "errors-00000.jsonl have 3 distinct errors, the first: line 1: not valid JSON (")
 
 
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):

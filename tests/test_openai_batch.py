@@ -249,3 +249,18 @@ def test_parse_lines_names_each_problem_and_maps_the_body():
     with pytest.raises(LineError, match="at most one output constraint"):
         parse_request({"custom_id": "x", "url": CHAT, "body": {"messages": [{"role": "user", "content": "x"}],
                                                                 "guided_regex": "a", "guided_choice": ["a"]}})
+
+
+def test_a_custom_id_that_is_not_a_string_or_a_line_that_is_not_an_object_is_refused():
+    """42 was made "42", so a later line whose custom_id was the string "42" lost its request as a duplicate,
+    and the result line's custom_id changed type; OpenAI's custom_id is a string. A line holding an array
+    was reported as having no custom_id."""
+    lines = [_line(42, COMPLETIONS, {"prompt": "a"}), _line("42", COMPLETIONS, {"prompt": "a"}), "[1, 2, 3]",
+             _line(True, COMPLETIONS, {"prompt": "a"}), _line(None, COMPLETIONS, {"prompt": "a"})]
+    rows = parse_request_lines(lines, {"m"})
+    assert [(r["custom_id"], r["error_code"], r["request_error"]) for r in rows] == [
+        (None, "invalid_request", "line 1: custom_id must be a string, got number 42"),
+        ("42", None, None),
+        (None, "invalid_request", "line 3: a request line must be a JSON object, got array"),
+        (None, "invalid_request", "line 4: custom_id must be a string, got boolean true"),
+        (None, "missing_custom_id", "line 5: no custom_id (each request line needs a custom_id string)")]
