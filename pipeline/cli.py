@@ -416,7 +416,8 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
                 why = (f"; the {errors.len()} {unit}s of {name} have {errors.len()} distinct errors, the first"
                        f"{ident}: {errors[0]}")
             else:
-                why = f"; the most common error of {name} ({count} of its {errors.len()} {unit}s): {top}"
+                alike = ", alike but for the value quoted" if errors.filter(kinds == kind).n_unique() > 1 else ""
+                why = f"; the most common error of {name} ({count} of its {errors.len()} {unit}s{alike}): {top}"
     except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
         pass
     where = [f"the error column of {spec.output}/part-*.parquet"] if "parquet" in formats else []

@@ -773,8 +773,8 @@ def test_exit_4_names_the_first_error_when_no_error_is_more_common_than_another(
              "(id 'a'): prompt is null"),
             # errors alike but for the value they quote are one error: a column of the wrong type
             ({"id": ["a", "b", "c"], "prompt": [1, 2, 3]},
-             "(3 rows, nothing generated); the most common error of part-00000.parquet (3 of its 3 rows): "
-             "prompt must be a string, got int 1"),
+             "(3 rows, nothing generated); the most common error of part-00000.parquet (3 of its 3 rows, alike but "
+             "for the value quoted): prompt must be a string, got int 1"),
             ({"id": [7], "prompt": [""]},
              "(1 row, nothing generated); the error of part-00000.parquet's one row (id 7): prompt is empty"),
             ({"id": [1, 2, 3], "prompt": [None, "", ""]},  # one error is the most common: said as before
