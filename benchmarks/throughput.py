@@ -312,24 +312,6 @@ def run_vllm(python: Path, folder: Path, wl: Workload, threads: int,
     return vllm_peer.generate_in_venv(python, vllm_job(folder, wl, options), threads, timeout_s=timeout_s)
 
 
-def vllm_dtype(option: str, host: Optional[Any] = None) -> str:
-    """The dtype the vLLM row runs with: `option`, or for "auto" the host's fastest
-    (`engine.host.Host.auto_dtype` of `host`, default this machine's), the peer's best configuration.
-
-    Raises:
-        ValueError: another value than auto, bfloat16 or float32.
-    """
-    if option not in ("auto", "bfloat16", "float32"):
-        raise ValueError(f"--vllm-dtype must be auto, bfloat16 or float32, got {option!r}")
-    if option != "auto":
-        return option
-    if host is None:
-        from engine.host import current
-
-        host = current()
-    return host.auto_dtype()
-
-
 def prepare_vllm(venv: Optional[Path], build: bool, log: Any = print) -> tuple[Path, Path]:
     """(the vLLM venv's python, the HF folder of the default model), building either when missing.
 
@@ -768,7 +750,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report = run_benchmark(workloads, engines, engine_kwargs, args.hf_batch_size, args.wait_quiet, args.model,
                                log=lambda s: print(s, flush=True), llamacpp_options=llamacpp_options,
                                vllm_venv=args.vllm_venv, vllm_build=not args.vllm_no_build,
-                               vllm_options={"dtype": vllm_dtype(args.vllm_dtype),
+                               vllm_options={"dtype": vllm_peer.vllm_dtype(args.vllm_dtype),
                                              "max_num_seqs": args.vllm_max_num_seqs,
                                              "max_num_batched_tokens": args.vllm_max_num_batched_tokens},
                                vllm_timeout_s=args.vllm_timeout, llamacpp_venv=args.llamacpp_venv,

@@ -158,6 +158,24 @@ def ensure_venv(venv: Optional[Path] = None, build: bool = True, log: Log = prin
 
 
 # ----------------------------------------------------------------- the model folder (parent side)
+def vllm_dtype(option: str, host: Optional[Any] = None) -> str:
+    """The dtype the vLLM row runs with (`benchmarks.throughput --vllm-dtype`): `option`, or for "auto" the host's fastest
+    (`engine.host.Host.auto_dtype` of `host`, default this machine's), the peer's best configuration.
+
+    Raises:
+        ValueError: another value than auto, bfloat16 or float32.
+    """
+    if option not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"--vllm-dtype must be auto, bfloat16 or float32, got {option!r}")
+    if option != "auto":
+        return option
+    if host is None:
+        from engine.host import current
+
+        host = current()
+    return host.auto_dtype()
+
+
 def save_hf_folder(model: Any, tokenizer: Any, dst: Path) -> Path:
     """Write `model` (a transformers causal LM, e.g. loaded from a GGUF) and `tokenizer` (or None)
     as a plain Hugging Face folder at `dst`, through ``dst + ".tmp"`` and a rename.

@@ -418,7 +418,7 @@ def test_parse_engines_knows_the_vllm_hf_bf16_and_dtype_rows():
 def test_vllm_dtype_auto_is_the_hosts_fastest_and_a_bad_value_is_refused():
     """vLLM's bf16 on a host without a bf16 unit is emulated (Zen 3: 27 output tok/s against 137 in float32,
     benchmarks/results/epyc-zen3-avx2), so the row's default follows the host as tokenmill's own "auto" does."""
-    from benchmarks.throughput import vllm_dtype
+    from benchmarks.vllm_peer import vllm_dtype
     from engine.host import Host
     from tests.test_host import XEON_AMX, ZEN3, ZEN_BF16
 
