@@ -271,8 +271,7 @@ def parse_request(obj: Any, models: Optional[set[str]] = None) -> dict[str, Any]
     Raises:
         LineError: why the line cannot run (its `code` and message, without the line number).
     """
-    if not isinstance(obj, dict):
-        raise LineError("invalid_request", f"a request line must be a JSON object, got {type(obj).__name__}")
+    _require_object(obj)
     url = obj.get("url")
     if url not in URLS:
         raise LineError("invalid_url", f"url {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
@@ -336,8 +335,7 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise LineError("invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(obj, dict):
-                raise LineError("invalid_request", f"a request line must be a JSON object, got {_json_kind(obj)}")
+            _require_object(obj)  # (before its custom_id is read; parse_request checks it for its own callers)
             cid = obj.get("custom_id")
             if cid is not None and not isinstance(cid, str):  # 42 and "42" would be one id, so neither is made up
                 raise LineError("invalid_request", f"custom_id must be a string, got {_json_kind(cid)} "
@@ -357,6 +355,12 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
                 row["url"] = obj.get("url") if isinstance(obj.get("url"), str) else None
         rows.append(row)
     return rows
+
+
+def _require_object(obj: Any) -> None:
+    """Raise the LineError of a request line that is not a JSON object (naming the JSON type it is)."""
+    if not isinstance(obj, dict):
+        raise LineError("invalid_request", f"a request line must be a JSON object, got {_json_kind(obj)}")
 
 
 def _json_kind(value: Any) -> str:

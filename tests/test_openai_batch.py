@@ -264,3 +264,5 @@ def test_a_custom_id_that_is_not_a_string_or_a_line_that_is_not_an_object_is_ref
         (None, "invalid_request", "line 3: a request line must be a JSON object, got array"),
         (None, "invalid_request", "line 4: custom_id must be a string, got boolean true"),
         (None, "missing_custom_id", "line 5: no custom_id (each request line needs a custom_id string)")]
+    with pytest.raises(LineError, match="^a request line must be a JSON object, got array$"):
+        parse_request([1, 2, 3])  # its own callers get the same words
