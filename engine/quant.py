@@ -413,6 +413,26 @@ def gguf_blocks_to_parts(data: np.ndarray, type_name: str, out: int, n_in: int) 
     return None
 
 
+def dequantize_gguf(data: np.ndarray, type_name: str) -> Optional[np.ndarray]:
+    """fp32 values of raw GGUF blocks, bit for bit what `gguf.quants.dequantize` returns, through
+    `gguf_blocks_to_parts` and `QuantLinear.dequantize` (torch, several threads, no per-block
+    Python loop): `data` is uint8 [..., bytes per row], the result float32 [..., values per row].
+
+    Returns None for a type without a mapping in GGUF_MAPPING (the caller falls back to
+    `gguf.quants.dequantize`) or for data that is not uint8 rows."""
+    import gguf
+
+    if type_name not in GGUF_MAPPING or data.dtype != np.uint8 or data.ndim < 2:
+        return None
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    if data.shape[-1] % size:
+        return None
+    n_in = data.shape[-1] // size * block
+    rows = math.prod(data.shape[:-1])
+    parts = gguf_blocks_to_parts(np.ascontiguousarray(data).reshape(rows, -1), type_name, rows, n_in)
+    return parts_to_layer(parts).dequantize().numpy().reshape(*data.shape[:-1], n_in)
+
+
 def concat_rows(parts: list[QuantParts]) -> QuantParts:
     """Stack matrices along output rows (fused qkv, gate_up). Differing layouts are
     brought to a common one without changing any value: int4 codes widened to int8,

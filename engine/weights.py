@@ -279,10 +279,24 @@ def _gguf_tensor_parts(t, cfg: ModelConfig) -> list[tuple[str, Optional[tuple[in
     return out
 
 
+def dequantize(raw: np.ndarray, tensor_type) -> np.ndarray:
+    """fp32 values of GGUF tensor data `raw` (what `gguf.quants.dequantize` takes and returns):
+    through `engine.quant.dequantize_gguf` where the type maps onto our blocks (bit for bit the
+    same values), else `gguf.quants.dequantize`."""
+    import gguf
+
+    from .quant import dequantize_gguf
+
+    out = dequantize_gguf(raw, tensor_type.name)
+    if out is None:
+        out = np.asarray(gguf.quants.dequantize(raw, tensor_type), dtype=np.float32)
+    return out
+
+
 def load_gguf(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a GGUF file of any supported family: its config and dequantized fp32 weights.
 
-    Quantized tensors are expanded with the `gguf` package's own `gguf.quants.dequantize`;
+    Quantized tensors are expanded by `dequantize` (bit for bit `gguf.quants.dequantize`);
     q/k rows are un-permuted where the family's converter permuted them (see
     `unpermute_rope_rows`); fused tensors (Phi-3) are split by rows and stacked experts per
     expert. With `shard` (an `engine.parallel.sharding.TPShard`) only that rank's slice of each
@@ -292,8 +306,6 @@ def load_gguf(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tenso
     Raises:
         ValueError: for an unsupported architecture.
     """
-    import gguf
-
     from .models.family import family_of
     from .parallel.sharding import SINGLE, keeps_tensor, slice_spec
 
@@ -309,7 +321,7 @@ def load_gguf(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tenso
             continue
         whole = len(parts) > 1 or parts[0][1] is not None or parts[0][2] is not None
         if whole:  # fused or stacked: dequantize all of it, then cut the parts
-            full = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+            full = dequantize(np.asarray(t.data), t.tensor_type)
             full = full.reshape(*[int(x) for x in reversed(t.shape.tolist())])
         for ours, rows, expert in parts:
             spec = slice_spec(ours, cfg, shard)
@@ -320,7 +332,7 @@ def load_gguf(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tenso
                     spec = None
             else:
                 raw, sliced = gguf_raw_slice(t, spec)
-                arr = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)
+                arr = dequantize(raw, t.tensor_type)
                 if len(t.shape) == 2:
                     arr = arr.reshape(raw.shape[0], -1)
                 if spec is not None and not sliced:
@@ -330,7 +342,10 @@ def load_gguf(path: str, shard=None) -> tuple[ModelConfig, dict[str, torch.Tenso
                     arr = unpermute_rope_rows(arr, n_heads)
                 elif ours.endswith("k_proj.weight") or ours.endswith("k_proj.bias"):
                     arr = unpermute_rope_rows(arr, n_kv)
-            w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+            # a copy only of what the file's read-only mapping backs (or a strided view): what
+            # `dequantize` computed is this tensor's own memory already
+            owned = arr.dtype == np.float32 and arr.flags.writeable and arr.flags.c_contiguous
+            w = torch.from_numpy(arr if owned else np.array(arr, dtype=np.float32, copy=True))
             if spec is not None and spec.pad_to is not None and w.shape[0] < spec.pad_to:
                 w = torch.cat((w, w.new_zeros(spec.pad_to - w.shape[0], *w.shape[1:])))
             if fam.norm_offset and not fam.gguf_norm_stored_offset and ours.endswith("norm.weight"):

@@ -78,6 +78,26 @@ def test_gguf_blocks_reconstruct_exactly(type_name):
     assert type_name in GGUF_MAPPING
 
 
+@pytest.mark.parametrize("type_name", sorted(BLOCK_BYTES))
+def test_loading_dequantizes_stacked_blocks_as_gguf_does(type_name):
+    """`engine.weights.dequantize` (what loading a GGUF file calls) gives gguf's values bit for bit
+    through our blocks, on a 3-d tensor too (stacked experts: [experts, rows, bytes]); a type
+    without a mapping falls back to gguf."""
+    from engine.quant import dequantize_gguf
+    from engine.weights import dequantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    data = random_blocks(type_name, 3 * 16, 512, seed=7).reshape(3, 16, -1)
+    ref = gguf.quants.dequantize(data, qtype)
+    assert ref.shape == (3, 16, 512)
+    ours = dequantize_gguf(data, type_name)
+    assert ours is not None and ours.dtype == np.float32 and np.array_equal(ours, ref)
+    assert np.array_equal(dequantize(data, qtype), ref)
+    half = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float16)
+    assert dequantize_gguf(half.view(np.uint8), "F16") is None
+    assert np.array_equal(dequantize(half, gguf.GGMLQuantizationType.F16), half.astype(np.float32))
+
+
 def test_q4_blocks_are_stored_as_they_are():
     data = random_blocks("Q4_1", 8, 64)
     p = gguf_blocks_to_parts(data, "Q4_1", 8, 64)
