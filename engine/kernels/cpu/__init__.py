@@ -125,7 +125,8 @@ def pack_f32(w: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor
     lib = _lib(lib)
     _check2d("w", w, torch.float32)
     n, k = w.shape
-    buf = huge_empty(lib.tm_pack_f32_size(n, k))
+    # (every pack writes its whole buffer: pages fault in as it writes, not in a zeroing pass first)
+    buf = huge_empty(lib.tm_pack_f32_size(n, k), populate=False)
     lib.tm_pack_f32(w.data_ptr(), w.stride(0), n, k, buf.data_ptr())
     return buf
 
@@ -265,7 +266,7 @@ def pack_bf16(w: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tenso
         raise ValueError(f"w must be a 2-D CPU tensor, got {w.dtype} {tuple(w.shape)} on {w.device}")
     wb = w.to(torch.bfloat16).contiguous()
     n, k = wb.shape
-    buf = huge_empty(lib.tm_pack_bf16_size(n, k))
+    buf = huge_empty(lib.tm_pack_bf16_size(n, k), populate=False)
     lib.tm_pack_bf16(wb.data_ptr(), k, n, k, buf.data_ptr())
     return buf
 
@@ -378,7 +379,7 @@ def pack_q(codes: torch.Tensor, scale: torch.Tensor, min: Optional[torch.Tensor]
     codes = codes.contiguous()
     scale = scale.float().contiguous()
     mn = None if min is None else min.float().contiguous()
-    buf = huge_empty(lib.tm_pack_q_size(kind, int(mn is not None), n, kpad, group_size))
+    buf = huge_empty(lib.tm_pack_q_size(kind, int(mn is not None), n, kpad, group_size), populate=False)
     rc = lib.tm_pack_q(kind, codes.data_ptr(), scale.data_ptr(), None if mn is None else mn.data_ptr(), n, kpad,
                        group_size, buf.data_ptr())
     if rc:
@@ -564,7 +565,7 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, group_size: int = W8A8_GROUP
     if len(bad_scale):
         r = int(bad_scale[0])
         raise ValueError(f"W8A8 scales must be finite; row {r} holds {float(scale[r])}")
-    buf = huge_empty(lib.tm_pack_w8a8_size(n, k, group_size))
+    buf = huge_empty(lib.tm_pack_w8a8_size(n, k, group_size), populate=False)
     rc = lib.tm_pack_w8a8(q.data_ptr(), q.stride(0), scale.data_ptr(), n, k, group_size, buf.data_ptr())
     if rc == -2:  # a code outside the kernels' range (tm_w8a8_weight_max): name the first one
         wmax = lib.tm_w8a8_weight_max()
