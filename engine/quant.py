@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers (int8, int4) and the GGUF block mapping.
+"""Weight-only quantized linear layers (int8, int4), and those built from a GGUF file's own blocks (`engine.gguf_blocks`).
 
 One representation serves every scheme: integer codes q, a scale s and an
 optional min m per group of `group_size` consecutive input columns of a row,
@@ -32,7 +32,6 @@ on AVX2 CPUs (`python -m benchmarks.quality --kernels` measures both).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -41,22 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernels.int4 import pack_int4, unpack_int4  # noqa: F401 - the layers' packing (re-exported)
+from .gguf_blocks import (GGUF_MAPPING, QuantParts, dequantize_codes, dequantize_gguf,  # noqa: F401 - re-exported
+                          gguf_blocks_to_parts)
 
 INT4_GROUP_SIZES = (32, 64, 128)
-
-# GGUF type -> how it maps onto QuantLinear; "exact" means the stored blocks map 1:1
-# (same codes, same fp16 scale/min values widened to fp32); all listed types
-# reconstruct bit-exactly to gguf.quants.dequantize.
-GGUF_MAPPING = {
-    "Q8_0": "exact: int8 codes, scale per 32 (fp16 d -> fp32)",
-    "Q4_0": "exact: int4 group 32, bytes copied; scale d, min -8d ((q-8)d == qd - 8d exactly)",
-    "Q4_1": "exact: int4 group 32, bytes copied; scale d, min m",
-    "Q5_0": "converted: 5-bit codes widened to signed int8 (q-16), group 32; scale d",
-    "Q5_1": "converted: 5-bit codes widened to int8, group 32; scale d, min m",
-    "Q4_K": "converted: int4 group 32 (nibbles re-packed); 6-bit sub-scales folded: s = d*sc, m = -dmin*mn",
-    "Q5_K": "converted: 5-bit codes widened to int8, group 32; s = d*sc, m = -dmin*mn",
-    "Q6_K": "converted: 6-bit codes widened to signed int8 (q-32), group 16; s = d*sc",
-}
 
 
 # ---------------------------------------------------------------- the layer
@@ -110,19 +97,9 @@ class QuantLinear(nn.Module):
     # ---------------------------------------------------------- dequantize
     def _dequant_rows(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
         """fp32 weight rows [r1 - r0, in] into `out` (a buffer of at least that size)."""
-        rows, gs, n = r1 - r0, self.group_size, self.padded_in
-        w = out[: rows * n].view(rows, n // gs, gs)
-        s = self.scale[r0:r1].unsqueeze(-1)
-        if self.bits == 8:
-            torch.mul(self.weight[r0:r1].view(rows, n // gs, gs), s, out=w)
-        else:
-            p = self.weight[r0:r1].view(rows, n // gs, gs // 2)
-            torch.mul(p & 15, s, out=w[..., : gs // 2])
-            torch.mul(p >> 4, s, out=w[..., gs // 2:])
-        if self.min is not None:
-            w.add_(self.min[r0:r1].unsqueeze(-1))
-        w = w.view(rows, n)
-        return w if n == self.in_features else w[:, : self.in_features]
+        w = dequantize_codes(self.weight[r0:r1], self.scale[r0:r1], None if self.min is None else self.min[r0:r1],
+                             self.bits, self.group_size, out)
+        return w if self.padded_in == self.in_features else w[:, : self.in_features]
 
     def dequantize(self) -> torch.Tensor:
         """The full fp32 weight [out, in]."""
@@ -323,115 +300,6 @@ def decode_weight_bytes(model) -> int:
 
 
 # ---------------------------------------------------------------- GGUF blocks
-
-@dataclass
-class QuantParts:
-    """A quantized matrix before it becomes a layer (numpy, rows = output features)."""
-
-    codes: np.ndarray  # int8 [out, in] (bits 8) or uint8 [out, in // 2] (bits 4)
-    scale: np.ndarray  # float32 [out, in // gs]
-    min: Optional[np.ndarray]
-    bits: int
-    group_size: int
-
-    def unpacked(self) -> np.ndarray:
-        if self.bits == 8:
-            return self.codes
-        return unpack_int4(torch.from_numpy(self.codes), self.group_size).numpy().astype(np.int8)
-
-    def permute_rows(self, fn) -> "QuantParts":
-        return QuantParts(fn(self.codes), fn(self.scale), None if self.min is None else fn(self.min),
-                          self.bits, self.group_size)
-
-    def pad_rows(self, rows: int) -> "QuantParts":
-        """Zero rows appended up to `rows` (codes, scales and mins 0: they dequantize to 0), for a
-        vocabulary shard padded to ceil(V / N) rows."""
-        extra = rows - self.codes.shape[0]
-        if extra <= 0:
-            return self
-        return self.permute_rows(lambda a: np.concatenate((a, np.zeros((extra, *a.shape[1:]), a.dtype))))
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
-def gguf_blocks_to_parts(data: np.ndarray, type_name: str, out: int, n_in: int) -> Optional[QuantParts]:
-    """Map one GGUF tensor's raw blocks ([out, bytes per row] uint8) onto QuantParts.
-
-    Returns None for types without a mapping (the caller keeps those in fp32).
-    """
-    if type_name == "Q8_0":
-        b = data.reshape(out, n_in // 32, 34)
-        return QuantParts(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(out, n_in),
-                          _f16(b[..., :2]).reshape(out, -1), None, 8, 32)
-    if type_name in ("Q4_0", "Q4_1"):
-        hdr = 2 if type_name == "Q4_0" else 4
-        b = data.reshape(out, n_in // 32, hdr + 16)
-        d = _f16(b[..., :2]).reshape(out, -1)
-        m = -8.0 * d if type_name == "Q4_0" else _f16(b[..., 2:4]).reshape(out, -1)
-        return QuantParts(np.ascontiguousarray(b[..., hdr:]).reshape(out, n_in // 2), d, m.astype(np.float32), 4, 32)
-    if type_name in ("Q5_0", "Q5_1"):  # d (, m) fp16, qh: bit j = high bit of element j, qs: Q4_0's nibbles
-        hdr = 2 if type_name == "Q5_0" else 4
-        b = data.reshape(out, n_in // 32, hdr + 20)
-        d = _f16(b[..., :2]).reshape(out, -1)
-        qh = np.ascontiguousarray(b[..., hdr : hdr + 4]).view("<u4")  # [out, blocks, 1]
-        qs = b[..., hdr + 4 :]
-        q = np.concatenate((qs & 15, qs >> 4), axis=-1).astype(np.int8)
-        q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int8)
-        if type_name == "Q5_0":
-            return QuantParts(q.reshape(out, n_in) - np.int8(16), d, None, 8, 32)
-        return QuantParts(q.reshape(out, n_in), d, _f16(b[..., 2:4]).reshape(out, -1), 8, 32)
-    if type_name in ("Q4_K", "Q5_K"):
-        from gguf.quants import Q4_K
-
-        size = 144 if type_name == "Q4_K" else 176
-        b = data.reshape(-1, size)
-        n = b.shape[0]
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-        s = (d * sc.astype(np.float32)).reshape(out, -1)
-        m = -(dmin * mn.astype(np.float32)).reshape(out, -1)
-        if type_name == "Q4_K":
-            qs = b[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-            q = (qs & 15).reshape(out, n_in)
-            return QuantParts(pack_int4(torch.from_numpy(q), 32).numpy(), s, m, 4, 32)
-        qh, qs = b[:, 16:48], b[:, 48:]
-        ql = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
-        qh = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-        q = (ql.reshape(n, 8, 32) | (qh << 4)).astype(np.int8).reshape(out, n_in)
-        return QuantParts(q, s, m, 8, 32)
-    if type_name == "Q6_K":
-        b = data.reshape(-1, 210)
-        n = b.shape[0]
-        ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
-        s = (d * np.ascontiguousarray(sc).view(np.int8).astype(np.float32)).reshape(out, -1)
-        ql = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
-        qh = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-        q = (ql.reshape(n, 2, 4, 32) | (qh << 4)).astype(np.int8) - np.int8(32)
-        return QuantParts(q.reshape(out, n_in), s, None, 8, 16)
-    return None
-
-
-def dequantize_gguf(data: np.ndarray, type_name: str) -> Optional[np.ndarray]:
-    """fp32 values of raw GGUF blocks, bit for bit what `gguf.quants.dequantize` returns, through
-    `gguf_blocks_to_parts` and `QuantLinear.dequantize` (torch, several threads, no per-block
-    Python loop): `data` is uint8 [..., bytes per row], the result float32 [..., values per row].
-
-    Returns None for a type without a mapping in GGUF_MAPPING (the caller falls back to
-    `gguf.quants.dequantize`) or for data that is not uint8 rows."""
-    import gguf
-
-    if type_name not in GGUF_MAPPING or data.dtype != np.uint8 or data.ndim < 2:
-        return None
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-    if data.shape[-1] % size:
-        return None
-    n_in = data.shape[-1] // size * block
-    rows = math.prod(data.shape[:-1])
-    parts = gguf_blocks_to_parts(np.ascontiguousarray(data).reshape(rows, -1), type_name, rows, n_in)
-    return parts_to_layer(parts).dequantize().numpy().reshape(*data.shape[:-1], n_in)
-
 
 def concat_rows(parts: list[QuantParts]) -> QuantParts:
     """Stack matrices along output rows (fused qkv, gate_up). Differing layouts are

@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .gguf_blocks import dequantize_gguf
 from .gguf_index import GGUFIndex, open_gguf_index
 from .model_config import PRESETS, ModelConfig  # noqa: F401 - re-exported: where loaders' callers look
 
@@ -281,11 +282,9 @@ def _gguf_tensor_parts(t, cfg: ModelConfig) -> list[tuple[str, Optional[tuple[in
 
 def dequantize(raw: np.ndarray, tensor_type) -> np.ndarray:
     """fp32 values of GGUF tensor data `raw` (what `gguf.quants.dequantize` takes and returns):
-    through `engine.quant.dequantize_gguf` where the type maps onto our blocks (bit for bit the
+    through `engine.gguf_blocks.dequantize_gguf` where the type maps onto our blocks (bit for bit the
     same values), else `gguf.quants.dequantize`."""
     import gguf
-
-    from .quant import dequantize_gguf
 
     out = dequantize_gguf(raw, tensor_type.name)
     if out is None:

@@ -34,7 +34,7 @@ ENGINE_LAYERS = [
               "engine.parallel"]),
     ("scheduler / kv cache / runner", ["engine.scheduler", "engine.kv_cache", "engine.kv_cache_manager",
                                        "engine.model_runner", "engine.sampler", "engine.cuda_graph"]),
-    ("model", ["engine.models", "engine.quant", "engine.smoothquant", "engine.weights",
+    ("model", ["engine.models", "engine.quant", "engine.gguf_blocks", "engine.smoothquant", "engine.weights",
                "engine.parallel.sharding", "engine.parallel.group"]),
     ("attention", ["engine.attention"]),
     ("kernels", ["engine.kernels", "engine.threads", "engine.host"]),
