@@ -693,8 +693,9 @@ def main(argv: Optional[Sequence[str]] = None, run_on_cluster: Optional[ClusterR
                                   f"that sets {'it' if len(missing) == 1 else 'them'})")
     verbose = bool(getattr(args, "verbose", False))
     old_handlers = {}
-    if threading_is_main():
-        old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if threading_is_main():  # a signal the process was started ignoring (nohup, `cmd &` in a script) stays ignored
+        old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+                        if signal.getsignal(s) is not signal.SIG_IGN}
     old_show = warnings.showwarning
     warnings.showwarning = _show_warning
     try:

@@ -975,3 +975,25 @@ def test_python_dash_m_pipeline_is_the_tokenmill_command(tmp_path):
     assert bad.returncode == 1 and bad.stderr.splitlines() == [
         "tokenmill run: error: the following arguments are required: --input (or a --spec file that sets it)",
         "see 'tokenmill run --help'"]
+
+
+def test_a_command_started_with_a_signal_ignored_keeps_ignoring_it(monkeypatch):
+    """A job started with SIGINT ignored (`nohup tokenmill run ... &`, a background job in a script) ran
+    on through a Ctrl-C only until `main` installed its handler; now a signal the process ignores
+    stays ignored for the whole command, and one it does not (SIGTERM here) ends the job cleanly."""
+    import pipeline.cli as cli
+
+    seen = {}
+
+    def report(args) -> int:  # the command's body: which handlers hold while it runs
+        seen.update({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_report", report)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["report", "some-output"]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: cli._on_signal}
