@@ -695,6 +695,7 @@ def validate_spec(spec: JobSpec) -> None:
         problem = kv_budget_memory_error(config, resolved)
         if problem is not None:
             raise ValueError(f"invalid engine option: {problem}")
+    _check_max_tokens(spec, params.max_tokens, config, source)  # (after the options that set the context)
     draft = (kw.get("speculative_config") or {}).get("draft_model") if isinstance(
         kw.get("speculative_config"), dict) else None
     if isinstance(draft, str) and draft.startswith("self:") and draft[5:].isdigit():
@@ -747,6 +748,34 @@ def _check_block_size(config: EngineConfig, source: Any) -> None:
         return
     if problem is not None:
         raise InvalidOption("invalid engine option", problem)
+
+
+def _check_max_tokens(spec: JobSpec, max_tokens: Optional[int], config: EngineConfig, source: Any) -> None:
+    """Refuse, before anything is written, a job-wide `max_tokens` that no prompt leaves room for: at
+    least the engine's context (`engine.loader.context_length`, from the model's metadata), which every
+    row would give back as an error row. Not with `truncate`, which stops each row at the end of the
+    context.
+
+    Raises:
+        InvalidOption: naming max_tokens, the context and what sets it.
+    """
+    if max_tokens is None or spec.truncate:
+        return
+    from engine.loader import context_bound, context_length
+    from engine.weights import model_config
+
+    try:
+        mcfg = model_config(source)
+        length = context_length(config, mcfg)
+        bound = context_bound(config, mcfg)
+    except (ImportError, OSError, KeyError, ValueError, RuntimeError):  # unreadable metadata: rows say it
+        return
+    if length >= 2 and max_tokens >= length:
+        raise InvalidOption("invalid default sampling parameters",
+                            f"max_tokens {max_tokens} does not fit the engine's context with any prompt: the "
+                            f"context (max_model_len) is {length} tokens, set by {bound}, and a prompt takes at "
+                            f"least 1 of them; give at most {length - 1}, or set truncate (--truncate) to stop at the end "
+                            f"of the context")
 
 
 def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:

@@ -308,8 +308,8 @@ def test_a_kv_cache_budget_below_one_block_is_refused_before_anything_is_written
     with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={block - 1} is smaller than one KV block "
                                          rf"\({block} bytes"):
         LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory_bytes=block - 1)
-    prepare_job(JobSpec(input=inp, output=str(out), progress=False, dtype="float32",
-                        kv_cache_memory_bytes=block)).close()  # the minimum itself passes
+    prepare_job(JobSpec(input=inp, output=str(out), progress=False, dtype="float32", max_tokens=8,
+                        kv_cache_memory_bytes=block)).close()  # the minimum itself passes (a 16-token context)
 
 
 def test_a_kv_cache_budget_past_the_machines_memory_is_refused_before_anything_is_written(tmp_path, capsys,
@@ -562,3 +562,36 @@ def test_an_id_column_naming_the_prompt_or_an_option_or_output_column_is_refused
         prepare_job(JobSpec(input=inp, output=str(out), progress=False, id_column=column))
     assert f"id_column {column!r} is {role} column" in str(exc.value)
     assert not out.exists()
+
+
+def test_a_max_tokens_no_prompt_leaves_room_for_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--max-tokens 1000000 loaded the model and wrote every row as an error row (exit 4); a job-wide
+    max_tokens of at least the engine's context now fails up front, naming the context and what sets it.
+    One token less passes, and so does any value with truncate, which stops each row at the context's end."""
+    from pipeline.cli import main
+
+    inp = write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+
+    def refused(max_tokens: int, **options) -> str:
+        with pytest.raises(ValueError) as exc:
+            prepare_job(JobSpec(input=inp, output=str(out), progress=False, max_tokens=max_tokens, **options))
+        assert not out.exists()
+        return str(exc.value)
+
+    def message(given: int, length: int, bound: str) -> str:
+        return (f"max_tokens {given} does not fit the engine's context with any prompt: the context (max_model_len) "
+                f"is {length} tokens, set by {bound}, and a prompt takes at least 1 of them; give at most "
+                f"{length - 1}, or set truncate (--truncate) to stop at the end of the context")
+
+    assert refused(8192) == "invalid default sampling parameters: " + message(8192, 8192, "the model's trained context")
+    assert refused(64, max_model_len=64) == ("invalid default sampling parameters: "
+                                             + message(64, 64, "the max_model_len=64 option"))
+    assert main(["run", "--input", inp, "--output", str(out), "--no-progress", "--max-tokens", "1000000"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenmill run: error: --max-tokens 1000000" + message(1000000, 8192, "the model's trained context")
+        .split("max_tokens 1000000", 1)[1]]
+    assert not out.exists()
+    prepare_job(JobSpec(input=inp, output=str(out), progress=False, max_tokens=63, max_model_len=64)).close()
+    prepare_job(JobSpec(input=inp, output=str(tmp_path / "out2"), progress=False, max_tokens=10 ** 6,
+                        truncate=True)).close()
