@@ -403,9 +403,10 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
         part = io.read_parquet(first, spec.storage_options).filter(pl.col("error").is_not_null())
         errors = part["error"]
         if errors.len():
-            # errors alike but for the value they quote ("prompt must be a string, got int 5" and "... got
-            # int 6") count as one: a column of the wrong type is one problem, not one per row
-            kinds = errors.str.replace(r"(, got \w+) .*$", "$1")
+            # errors alike but for the values they quote ("prompt must be a string, got int 5" and "... got
+            # int 6"; "max_tokens 9000 does not fit ...: the prompt has 12 tokens" and "... has 15 tokens")
+            # count as one: a column of the wrong type, or an option too large for every row, is one problem
+            kinds = errors.str.replace(r"(, got \w+) .*$", "$1").str.replace_all(r"\d+", "#")
             kind, count = kinds.value_counts(sort=True).row(0)
             top = errors.filter(kinds == kind)[0]
             first_id = part[id_column][0] if id_column in part.columns else None
@@ -416,7 +417,7 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
                 why = (f"; the {errors.len()} {unit}s of {name} have {errors.len()} distinct errors, the first"
                        f"{ident}: {errors[0]}")
             else:
-                alike = ", alike but for the value quoted" if errors.filter(kinds == kind).n_unique() > 1 else ""
+                alike = ", alike but for the values quoted" if errors.filter(kinds == kind).n_unique() > 1 else ""
                 why = f"; the most common error of {name} ({count} of its {errors.len()} {unit}s{alike}): {top}"
     except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
         pass

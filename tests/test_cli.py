@@ -774,7 +774,11 @@ def test_exit_4_names_the_first_error_when_no_error_is_more_common_than_another(
             # errors alike but for the value they quote are one error: a column of the wrong type
             ({"id": ["a", "b", "c"], "prompt": [1, 2, 3]},
              "(3 rows, nothing generated); the most common error of part-00000.parquet (3 of its 3 rows, alike but "
-             "for the value quoted): prompt must be a string, got int 1"),
+             "for the values quoted): prompt must be a string, got int 1"),
+            # and so are those that differ in several numbers: one max_tokens too large for every prompt
+            ({"id": ["a", "b"], "prompt": ["Hi.", "Say something longer."], "max_tokens": [10 ** 6, 10 ** 6]},
+             "(2 rows, nothing generated); the most common error of part-00000.parquet (2 of its 2 rows, alike but "
+             "for the values quoted): max_tokens 1000000 does not fit the engine's context: the prompt has"),
             ({"id": [7], "prompt": [""]},
              "(1 row, nothing generated); the error of part-00000.parquet's one row (id 7): prompt is empty"),
             ({"id": [1, 2, 3], "prompt": [None, "", ""]},  # one error is the most common: said as before
@@ -783,7 +787,11 @@ def test_exit_4_names_the_first_error_when_no_error_is_more_common_than_another(
         pl.DataFrame(frame).write_parquet(inp)
         assert main(run) == 4
         last = capsys.readouterr().err.splitlines()[-1]
-        assert last == f"tokenmill: every row of the job is an error row {line}{end}"
+        head = f"tokenmill: every row of the job is an error row {line}"
+        if line.endswith("the prompt has"):  # (the rest quotes the first prompt's length and what it leaves)
+            assert last.startswith(head + " ") and last.endswith(end), last
+        else:
+            assert last == head + end
 
 
 def test_exit_4_of_a_request_file_job_names_its_errors_jsonl_files(tmp_path, capsys):
@@ -801,20 +809,20 @@ def test_exit_4_of_a_request_file_job_names_its_errors_jsonl_files(tmp_path, cap
     run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=19"]
     assert main(run) == 4
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"tokenmill: every row of the job is an error row (2 rows, nothing generated); the 2 lines of "
-        f"errors-00000.jsonl have 2 distinct errors, the first (id 'a'): line 1: body.tools is not supported by "
-        f"tokenmill; see the error lines of {out}/errors-*.jsonl (exit 4)")
+        f"tokenmill: every row of the job is an error row (2 rows, nothing generated); the most common error of "
+        f"errors-00000.jsonl (2 of its 2 lines, alike but for the values quoted): line 1: body.tools is not "
+        f"supported by tokenmill; see the error lines of {out}/errors-*.jsonl (exit 4)")
     assert not list(out.glob("part-*.parquet")) and (out / "errors-00000.jsonl").exists()
     assert main(run[:-2] + ["--engine-option", "seed=19", "--output-format", "parquet,jsonl", "--overwrite"]) == 4
     assert capsys.readouterr().err.splitlines()[-1].endswith(
-        f"the first (id 'a'): line 1: body.tools is not supported by tokenmill; see the error column of "
+        f"values quoted): line 1: body.tools is not supported by tokenmill; see the error column of "
         f"{out}/part-*.parquet and the error lines of {out}/errors-*.jsonl (exit 4)")
     # a first line without an id: its line number names it, never "(id None)"
-    inp.write_text("{not json\n" + inp.read_text())
+    inp.write_text("{not json\n" + inp.read_text().splitlines(keepends=True)[0])
     assert main(run + ["--overwrite"]) == 4
     assert capsys.readouterr().err.splitlines()[-1].startswith(
-        "tokenmill: every row of the job is an error row (3 rows, nothing generated); the 3 lines of "
-        "errors-00000.jsonl have 3 distinct errors, the first: line 1: not valid JSON (")
+        "tokenmill: every row of the job is an error row (2 rows, nothing generated); the 2 lines of "
+        "errors-00000.jsonl have 2 distinct errors, the first: line 1: not valid JSON (")
 
 
 def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_path, capsys):
