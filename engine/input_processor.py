@@ -34,8 +34,9 @@ def max_tokens_past_context_warning(num_prompt_tokens: int, max_tokens: Optional
     room = max_model_len - num_prompt_tokens
     if max_tokens is None or max_tokens <= room:
         return None
+    tokens = "token" if num_prompt_tokens == 1 else "tokens"
     return (f"max_tokens={max_tokens} is more than the context leaves after the prompt ({num_prompt_tokens} "
-            f"tokens of max_model_len={max_model_len}, room for {room}): such requests stop at the end of the "
+            f"{tokens} of max_model_len={max_model_len}, room for {room}): such requests stop at the end of the "
             f"context with finish_reason 'length' (said once per LLM)")
 
 

@@ -635,3 +635,13 @@ def test_the_too_long_error_names_what_sets_the_context(small_llm):
                         SamplingParams(max_tokens=1), use_chat_template=False, max_model_len=llm.max_model_len,
                         vocab_size=llm.tokenizer.vocab_size, context_bound=llm.context_bound)
     assert row.error == want
+
+
+def test_the_context_room_warning_counts_the_prompt_in_words():
+    from engine.input_processor import max_tokens_past_context_warning
+
+    assert max_tokens_past_context_warning(1, 10, 8) == (
+        "max_tokens=10 is more than the context leaves after the prompt (1 token of max_model_len=8, room for 7): "
+        "such requests stop at the end of the context with finish_reason 'length' (said once per LLM)")
+    assert "(3 tokens of max_model_len=8, room for 5)" in max_tokens_past_context_warning(3, 10, 8)
+    assert max_tokens_past_context_warning(3, 5, 8) is None and max_tokens_past_context_warning(3, None, 8) is None
