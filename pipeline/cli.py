@@ -566,14 +566,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     statuses = [r.get("status") or "ok" for r in rows]
     extra = "".join(f", {statuses.count(k)} {k}" for k in ("failed", "interrupted") if k in statuses)
     total = sum(r.get("cost_usd") or 0.0 for r in rows)
+    # without --all: the latest run that committed rows (a resume that found every shard done, run after
+    # it, would show only zeros), else the latest
+    ran = [i for i, r in enumerate(rows) if (r.get("rows_ok") or 0) + (r.get("rows_error") or 0) > 0]
+    shown = ran[-1] if ran else len(rows) - 1
+    after = len(rows) - 1 - shown
+    which = "the latest:" if not after else (
+        f"the latest that ran rows, run {shown + 1} ({plural(after, 'later run')} committed none; --all shows "
+        f"each run):")
     _echo(f"job at {args.url}: {len(rows)} run(s){extra}; cost of all runs {total:.6f} USD; "
-          f"{'each run:' if args.all else 'the latest:'}")
+          f"{'each run:' if args.all else which}")
     if args.all:
         for i, row in enumerate(rows):
             _echo(f"\nrun {i + 1} of {len(rows)}")
             _echo(format_report(row))
     else:
-        _echo(format_report(rows[-1]))
+        _echo(format_report(rows[shown]))
     return 0
 
 

@@ -52,6 +52,19 @@ def test_run_report_and_refusal(job_llm, tmp_path, capsys):
     assert printed.startswith(f"job at {out}: 1 run(s); cost of all runs {cost:.6f} USD; each run:\n")
     assert printed.count("rows_ok") == 1
 
+    # a re-run finds every shard done and books a run of zeros: the report shows the run that did the work
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"job at {out}: 2 run(s); cost of all runs ")
+    assert printed.splitlines()[0].endswith(" USD; the latest that ran rows, run 1 (1 later run committed none; "
+                                            "--all shows each run):")
+    assert main(["report", str(out), "--all"]) == 0
+    runs = capsys.readouterr().out.split("\nrun ")[1:]
+    assert [r.split("\n", 1)[0] for r in runs] == ["1 of 2", "2 of 2"]
+    assert printed.split("\n", 1)[1] == runs[0].split("\n", 1)[1]  # run 1's report, as --all prints it
+
     assert main(args + ["--max-tokens", "5"]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "nothing")]) == 1
