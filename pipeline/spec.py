@@ -751,10 +751,9 @@ def _check_block_size(config: EngineConfig, source: Any) -> None:
 
 
 def _check_max_tokens(spec: JobSpec, max_tokens: Optional[int], config: EngineConfig, source: Any) -> None:
-    """Refuse, before anything is written, a job-wide `max_tokens` that no prompt leaves room for: at
-    least the engine's context (`engine.loader.context_length`, from the model's metadata), which every
-    row would give back as an error row. Not with `truncate`, which stops each row at the end of the
-    context.
+    """Refuse, before anything is written, a job-wide `max_tokens` that no prompt leaves room for (at
+    least the engine's context, `engine.loader.context_length`, from the model's metadata), which would
+    make every row an error row; not with `truncate`, which stops each row at the context's end.
 
     Raises:
         InvalidOption: naming max_tokens, the context and what sets it.
@@ -766,16 +765,15 @@ def _check_max_tokens(spec: JobSpec, max_tokens: Optional[int], config: EngineCo
 
     try:
         mcfg = model_config(source)
-        length = context_length(config, mcfg)
-        bound = context_bound(config, mcfg)
+        length, bound = context_length(config, mcfg), context_bound(config, mcfg)
     except (ImportError, OSError, KeyError, ValueError, RuntimeError):  # unreadable metadata: rows say it
         return
     if length >= 2 and max_tokens >= length:
         raise InvalidOption("invalid default sampling parameters",
                             f"max_tokens {max_tokens} does not fit the engine's context with any prompt: the "
                             f"context (max_model_len) is {length} tokens, set by {bound}, and a prompt takes at "
-                            f"least 1 of them; give at most {length - 1}, or set truncate (--truncate) to stop at the end "
-                            f"of the context")
+                            f"least 1 of them; give at most {length - 1}, or set truncate (--truncate) to stop "
+                            f"at the end of the context")
 
 
 def _check_kv_budget(spec: JobSpec, config: EngineConfig, source: Any) -> None:
