@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers (int8, int4), and those built from a GGUF file's own blocks (`engine.gguf_blocks`).
+"""Weight-only quantized linear layers: int8, int4, and a GGUF file's own blocks (read by
+`engine.gguf_blocks`).
 
 One representation serves every scheme: integer codes q, a scale s and an
 optional min m per group of `group_size` consecutive input columns of a row,
@@ -40,8 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernels.int4 import pack_int4, unpack_int4  # noqa: F401 - the layers' packing (re-exported)
-from .gguf_blocks import (GGUF_MAPPING, QuantParts, dequantize_codes, dequantize_gguf,  # noqa: F401 - re-exported
-                          gguf_blocks_to_parts)
+from .gguf_blocks import GGUF_MAPPING, QuantParts, dequantize_codes, gguf_blocks_to_parts  # noqa: F401 - re-exported
 
 INT4_GROUP_SIZES = (32, 64, 128)
 

@@ -408,7 +408,8 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
             # count as one: a column of the wrong type, or an option too large for every row, is one problem
             kinds = errors.str.replace(r"(, got \w+) .*$", "$1").str.replace_all(r"\d+", "#")
             kind, count = kinds.value_counts(sort=True).row(0)
-            top = errors.filter(kinds == kind)[0]
+            same = errors.filter(kinds == kind)
+            top = same[0]
             first_id = part[id_column][0] if id_column in part.columns else None
             ident = f" (id {first_id!r})" if first_id is not None else ""  # a line without an id: its number says
             if errors.len() == 1:
@@ -417,7 +418,7 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
                 why = (f"; the {errors.len()} {unit}s of {name} have {errors.len()} distinct errors, the first"
                        f"{ident}: {errors[0]}")
             else:
-                alike = ", alike but for the values quoted" if errors.filter(kinds == kind).n_unique() > 1 else ""
+                alike = ", alike but for the values quoted" if same.n_unique() > 1 else ""
                 why = f"; the most common error of {name} ({count} of its {errors.len()} {unit}s{alike}): {top}"
     except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
         pass

@@ -83,7 +83,7 @@ def test_loading_dequantizes_stacked_blocks_as_gguf_does(type_name):
     """`engine.weights.dequantize` (what loading a GGUF file calls) gives gguf's values bit for bit
     through our blocks, on a 3-d tensor too (stacked experts: [experts, rows, bytes]); a type
     without a mapping falls back to gguf."""
-    from engine.quant import dequantize_gguf
+    from engine.gguf_blocks import dequantize_gguf
     from engine.weights import dequantize
 
     qtype = gguf.GGMLQuantizationType[type_name]
