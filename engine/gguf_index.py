@@ -116,7 +116,7 @@ def open_gguf_index(path: str) -> GGUFIndex:
     Raises:
         OSError: `path` cannot be read.
         TruncatedGGUF: the file is shorter than its header says (named, with both sizes).
-        ValueError: `path` is not a GGUF file `gguf.GGUFReader` can read (named).
+        UnreadableGGUF: `path` is not a GGUF file `gguf.GGUFReader` can read (named).
     """
     real = os.path.realpath(path)
     st = os.stat(real)
@@ -154,7 +154,11 @@ def _sane_header_start(path: str) -> bool:
     return not (len(head) >= 24 and int.from_bytes(head[16:24], "little") > MAX_GGUF_COUNT)
 
 
-class TruncatedGGUF(ValueError):
+class UnreadableGGUF(ValueError):
+    """A GGUF file that cannot be read: corrupt, not a GGUF file, or cut short (`TruncatedGGUF`)."""
+
+
+class TruncatedGGUF(UnreadableGGUF):
     """A GGUF file shorter than its own header says it is: an interrupted download or copy."""
 
 
@@ -218,10 +222,10 @@ def truncation_error(path: str) -> Optional[TruncatedGGUF]:
     return None
 
 
-def unreadable_gguf(path: str, exc: BaseException) -> ValueError:
+def unreadable_gguf(path: str, exc: BaseException) -> UnreadableGGUF:
     """The error for a GGUF file at `path` that `gguf.GGUFReader` (or transformers) failed to read with
     `exc`: a TruncatedGGUF when the file is short (`truncation_error`), else one naming the file as corrupt."""
-    return truncation_error(path) or ValueError(
+    return truncation_error(path) or UnreadableGGUF(
         f"GGUF file {path!r} cannot be read, it is corrupt or not a GGUF file ({type(exc).__name__}: {exc})")
 
 

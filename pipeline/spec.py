@@ -17,9 +17,7 @@ from pydantic import (
     field_validator,
 )
 
-from engine.config import (
-    SEED_MAX, SEED_MIN, SEED_RANGE, EngineConfig, SamplingParams, declared_options,
-)
+from engine.config import SEED_MAX, SEED_MIN, SEED_RANGE, EngineConfig, SamplingParams, declared_options
 from engine.structured.params import StructuredOutputsParams
 from pipeline.schema import parse_choices
 from pipeline.storage import mask_secrets
@@ -730,21 +728,23 @@ def validate_spec(spec: JobSpec) -> None:
 
 
 def _check_block_size(config: EngineConfig, source: Any) -> None:
-    """Refuse a `max_model_len` past the model's context (`engine.loader.max_model_len_error`) and a KV block
-    larger than the context (`--max-model-len 8` with block_size 16) before anything is written, in the
-    engine's words (`engine.loader.block_size_error`, from the model's metadata); the engine would refuse
-    them only at load, after the run's manifest.
+    """Refuse, before anything is written, a `max_model_len` past the model's context and a KV block larger
+    than the context (`engine.loader.max_model_len_error`, `block_size_error`, from the model's metadata).
 
     Raises:
         ValueError: naming max_model_len, or block_size and the context.
+        UnreadableGGUF: the model's GGUF file is cut short or corrupt (`engine.gguf_index`).
     """
+    from engine.gguf_index import UnreadableGGUF
     from engine.loader import block_size_error, max_model_len_error
     from engine.weights import model_config
 
     try:
         mcfg = model_config(source)
         problem = max_model_len_error(config, mcfg) or block_size_error(config, mcfg)
-    except (ImportError, OSError, KeyError, ValueError):  # unreadable metadata: the engine checks it at load
+    except (ImportError, OSError, KeyError, ValueError) as exc:  # unreadable metadata: the engine checks it at load
+        if isinstance(exc, UnreadableGGUF):  # a cut or corrupt model file: named now, before the tokenizer's parse
+            raise
         return
     if problem is not None:
         raise InvalidOption("invalid engine option", problem)

@@ -979,6 +979,13 @@ def test_a_truncated_model_file_is_one_line_naming_it_before_anything_is_written
         f"tokenmill: GGUF file {str(half)!r} is truncated: {len(data) // 2} bytes, but its tensors need {len(data)} "
         f"(an interrupted download or copy? copy it again)"]
     assert not out.exists()
+    bad = tmp_path / "bad.gguf"  # full size, garbage in the tensor count: named as corrupt, before the tokenizer
+    bad.write_bytes(data[:8] + b"\xff" * 8 + data[16:])
+    assert main(["run", "--input", str(inp), "--output", str(out), "--model", str(bad), "--no-progress"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"tokenmill: GGUF file {str(bad)!r} cannot be read, it is corrupt or not a GGUF file ("), err
+    assert not out.exists()
 
 
 def test_python_dash_m_pipeline_is_the_tokenmill_command(tmp_path):

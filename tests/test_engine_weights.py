@@ -354,7 +354,7 @@ def test_unwritable_or_disabled_cache_does_not_fail_the_load(tmp_path, monkeypat
 def test_a_truncated_gguf_is_named_with_its_size_and_the_size_its_tensors_need(tmp_path, gguf_cache):
     """A GGUF file cut short (an interrupted download or copy) failed in numpy, `cannot reshape array of
     size ...`, naming neither the file nor why; the index and the tokenizer both name it now."""
-    from engine.gguf_index import TruncatedGGUF, open_gguf_index
+    from engine.gguf_index import TruncatedGGUF, UnreadableGGUF, open_gguf_index
     from engine.tokenizer import Tokenizer
 
     full = tmp_path / "full.gguf"
@@ -385,16 +385,16 @@ def test_a_truncated_gguf_is_named_with_its_size_and_the_size_its_tensors_need(t
         cut.write_bytes(data[:at] + junk + data[at + len(junk):])
         with pytest.raises(ValueError) as exc:
             open_gguf_index(str(cut))
-        assert type(exc.value) is ValueError and corrupt in str(exc.value), (at, str(exc.value))
+        assert type(exc.value) is UnreadableGGUF and corrupt in str(exc.value), (at, str(exc.value))
     # garbage in the tensor count: transformers' tokenizer reader failed decoding a name as UTF-8, and that
     # was all the user saw (`'utf-8' codec can't decode byte ...`), with no file named
     cut.write_bytes(data[:8] + b"\xff" * 8 + data[16:])
     with pytest.raises(ValueError) as exc:
         Tokenizer.from_gguf(str(cut))
-    assert type(exc.value) is ValueError and corrupt in str(exc.value) and repr(str(cut)) in str(exc.value)
+    assert type(exc.value) is UnreadableGGUF and corrupt in str(exc.value) and repr(str(cut)) in str(exc.value)
     cut.write_bytes(b"not a gguf file" * 10)  # corrupt, not short: named, and not called truncated
     with pytest.raises(ValueError) as exc:
         open_gguf_index(str(cut))
-    assert type(exc.value) is ValueError
+    assert type(exc.value) is UnreadableGGUF
     assert str(exc.value) == (f"GGUF file {str(cut)!r} cannot be read, it is corrupt or not a GGUF file "
                               f"(ValueError: GGUF magic invalid)")
