@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import tempfile
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -109,6 +110,25 @@ class GGUFIndex:
         return self.metadata.get(key, default)
 
 
+@functools.cache
+def gguf_reader_class() -> type:
+    """`gguf.GGUFReader` with its field reads taken from a plain ndarray view of the file's memory map: the
+    same fields, parts and tensors, parsed several times faster (each of a vocabulary's ~10^5 small reads
+    sliced a `np.memmap`, whose subclass bookkeeping costs more than the read itself)."""
+    from gguf.gguf_reader import GGUFReader
+
+    class PlainViewGGUFReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):  # type: ignore[no-untyped-def]
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            dtype, count = np.dtype(dtype), int(count)
+            arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return PlainViewGGUFReader
+
+
 def open_gguf_index(path: str) -> GGUFIndex:
     """The index of the GGUF file at `path`: from the disk cache when a valid entry exists,
     else parsed with `gguf.GGUFReader` (and the entry written for the next process).
@@ -172,7 +192,6 @@ def truncation_error(path: str) -> Optional[TruncatedGGUF]:
     truncated (None): it is corrupt, or not a GGUF file.
     """
     import gguf
-    from gguf.gguf_reader import GGUFReader
 
     size = os.path.getsize(path)
     if size == 0:
@@ -185,7 +204,7 @@ def truncation_error(path: str) -> Optional[TruncatedGGUF]:
             super().__init__(needed)
             self.needed, self.in_header = needed, in_header
 
-    class _Probe(GGUFReader):
+    class _Probe(gguf_reader_class()):  # type: ignore[misc]
         """Raises _Short at the first read past the end, or with where the tensor data ends."""
 
         def _get(self, offset, dtype, count=1, override_order=None):  # type: ignore[no-untyped-def]
@@ -292,11 +311,11 @@ def _header_sha256(mm: np.memmap, header_bytes: int) -> str:
 
 
 def _parse(real: str, st: os.stat_result) -> tuple[GGUFIndex, str]:
-    """Parse the file with `gguf.GGUFReader`: its index, and the text of its cache entry."""
+    """Parse the file with `gguf.GGUFReader` (`gguf_reader_class`): its index, and the text of its cache entry."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(real)
+        reader = gguf_reader_class()(real)
     except OSError:
         raise
     except Exception as exc:  # numpy's or gguf's words (`cannot reshape array ...`): say which file, and why

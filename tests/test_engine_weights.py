@@ -160,17 +160,17 @@ def gguf_cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def parses(monkeypatch):
-    """The list of paths `gguf.GGUFReader` has parsed since the test began."""
-    import gguf
+    """The list of paths the engine has parsed (`engine.gguf_index.gguf_reader_class`) since the test began."""
+    import engine.gguf_index
 
     seen: list[str] = []
-    real_reader = gguf.GGUFReader
+    real_reader = engine.gguf_index.gguf_reader_class()
 
     def counting_reader(path, *args, **kwargs):
         seen.append(str(path))
         return real_reader(path, *args, **kwargs)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    monkeypatch.setattr(engine.gguf_index, "gguf_reader_class", lambda: counting_reader)
     return seen
 
 
@@ -193,6 +193,28 @@ def _reader(path):
     import gguf.gguf_reader
 
     return gguf.gguf_reader.GGUFReader(str(path))
+
+
+def test_the_plain_view_reader_reads_what_gguf_reader_reads(tmp_path):
+    """`gguf_reader_class` reads every field (types, parts, data indices, offsets) and tensor (type, shape,
+    offsets, bytes) that `gguf.GGUFReader` reads, from the same file."""
+    from engine.gguf_index import gguf_reader_class
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)
+    ours, theirs = gguf_reader_class()(str(path)), _reader(path)
+    assert list(ours.fields) == list(theirs.fields) and len(ours.fields) > 5
+    for key, f in theirs.fields.items():
+        g = ours.fields[key]
+        assert (g.offset, g.types, g.data, g.name) == (f.offset, f.types, f.data, f.name), key
+        assert [(p.dtype, p.tolist()) for p in g.parts] == [(p.dtype, p.tolist()) for p in f.parts], key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors] and theirs.tensors
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.shape.tolist(), a.n_bytes, a.data_offset) == \
+            (b.tensor_type, b.shape.tolist(), b.n_bytes, b.data_offset)
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
+    assert ours.data_offset == theirs.data_offset and ours.byte_order == theirs.byte_order
 
 
 def test_cached_gguf_index_of_the_bundled_model_gives_the_same_tensors_and_config(gguf_cache, parses):
