@@ -50,11 +50,29 @@ def llm_fp32():
     return LLM(MODEL_NAME, dtype="float32", kv_cache_dtype="fp32", kv_cache_memory_bytes=256 << 20)
 
 
-@pytest.fixture(scope="session")
-def hf_model():
-    """transformers' Llama loaded from the same GGUF, dequantized to fp32 (about 25 s)."""
+def hf_from_gguf(path: os.PathLike, **kwargs):
+    """transformers' `AutoModelForCausalLM` from the GGUF file at `path` (`dtype` fp32 unless given), in eval
+    mode: the independent reference. transformers parses the file with `gguf.GGUFReader` and rebuilds gguf's
+    tensor-name map for every submodule; during this load the parse is `engine.gguf_index.gguf_reader_class`
+    (the same fields and tensors: test_engine_weights) and the name map is memoized, which leaves the model
+    the same and halves the load or better."""
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
-    path = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    from engine.gguf_index import gguf_reader_class
+
+    path = Path(path)
+    kwargs.setdefault("dtype", torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", gguf_reader_class())
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' Llama loaded from the same GGUF, dequantized to fp32 (`hf_from_gguf`)."""
+    return hf_from_gguf(smollm2_gguf_path())

@@ -21,8 +21,10 @@ import torch
 from engine.model_zoo import GEMMA3_270M
 
 try:
+    from tests.conftest import hf_from_gguf
     from tests.s3_server import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from conftest import hf_from_gguf
     from s3_server import s3_bucket, s3_server  # noqa: F401
 
 MODEL = "gemma-3-270m"
@@ -105,13 +107,10 @@ def hf_gemma_logits(gemma_path, gemma_prompt_ids, gemma_engine_outputs):
     Teacher forcing: transformers' greedy output equals the engine's exactly when the argmax of
     these logits is the engine's token at every step; up to the first step where it is not, the
     two greedy runs see the same prefix, so that step's logits say how close a tie it was. One
-    forward instead of 16 decode steps per prompt keeps the reference at about 35 s of loading
-    (the GGUF's 262k-token vocabulary is parsed twice) and 10-20 s of compute on 2 cores.
+    forward instead of 16 decode steps per prompt keeps the reference's compute short; the load is
+    `hf_from_gguf`'s (the GGUF's 262k-token vocabulary is parsed twice).
     """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path),
-                                                 dtype=torch.float32).eval()
+    model = hf_from_gguf(gemma_path)
     assert model.config.sliding_window == WINDOW
     assert model.config.layer_types.count("sliding_attention") == 15  # 5 of every 6 of 18 layers
     refs = []
