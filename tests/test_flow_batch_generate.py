@@ -36,9 +36,15 @@ PROMPTS = ["Say yes.", "Say no.", "Name a fruit.", "Name a month.", "Say hi.", "
 
 @pytest.fixture(scope="module")
 def prefect_api():
-    """One temporary Prefect API (SQLite) for this module's flows."""
+    """One temporary Prefect API (SQLite) for this module's flows.
+
+    Prefect's logging is set up first: set up lazily inside the harness, during a test that captures
+    output (capsys), its console handler kept that test's stream, closed after it, and every later log
+    line failed (a RecursionError in `-k` selections that began with such a test)."""
+    from prefect.logging.configuration import ensure_logging_setup
     from prefect.testing.utilities import prefect_test_harness
 
+    ensure_logging_setup()
     with prefect_test_harness(server_startup_timeout=120):
         yield
 
