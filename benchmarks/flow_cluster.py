@@ -88,7 +88,7 @@ def labelling_input(path: Path, rows: int) -> str:
 
 
 def job_fields(inp: str, out: str) -> dict[str, Any]:
-    from pipeline.cli import DEMO_JOBS
+    from pipeline.demo import DEMO_JOBS
 
     fields = {k: v for k, v in DEMO_JOBS["labelling"].items() if k != "input"}
     return {**fields, "input": inp, "output": out, "kv_cache_memory_bytes": KV_BYTES, "progress": False}

@@ -74,8 +74,6 @@ def test_a_bad_option_value_is_one_line_naming_the_option(tmp_path, capsys, monk
     than or equal to 1 (got 0)`), or named the field rather than the option (`invalid default sampling
     parameters: max_tokens must be ...`). Now one line, the option as typed, in the words of the engine's
     rules (`SamplingParams.validate`, `EngineConfig`) where they have one; exit 1, nothing written."""
-    import pytest
-
     from engine import SamplingParams
 
     inp = tmp_path / "in.parquet"

@@ -179,7 +179,8 @@ def test_a_tokenmill_run_job_from_s3_to_s3_writes_every_id_once(s3_bucket, s3_se
     import polars as pl
 
     from pipeline import io
-    from pipeline.cli import DEMO_JOBS, main
+    from pipeline.cli import main
+    from pipeline.demo import DEMO_JOBS
     from pipeline.few_shot import few_shot_labelling
 
     src = tmp_path / "rows.parquet"
