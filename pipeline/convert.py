@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 from pipeline import io
 from pipeline.batch_files import STAGED_DIR, jsonl_bytes, parquet_bytes, read_lines
 from pipeline.openai_batch import (
-    CHAT_URL, COMPLETIONS_URL, REQUEST_SUFFIXES, RESULT_FIELDS, LineError, body_fields, parse_request_lines,
+    BOM, CHAT_URL, COMPLETIONS_URL, REQUEST_SUFFIXES, RESULT_FIELDS, LineError, body_fields, parse_request_lines,
     parse_result_line,
 )
 from pipeline.schema import CONSTRAINT_COLUMNS, OVERRIDE_COLUMNS, parse_messages, row_overrides
@@ -250,6 +250,8 @@ def results_to_table(sources: list[tuple[str, list[bytes]]]) -> tuple[pa.Table, 
         label = full.rsplit("/", 1)[-1]
         for number, raw in enumerate(lines, start=1):
             text = raw.decode("utf-8", "replace")
+            if number == 1:
+                text = text.removeprefix(BOM)
             if not text.strip():
                 continue
             try:

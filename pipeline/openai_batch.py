@@ -36,6 +36,8 @@ URLS = (CHAT_URL, COMPLETIONS_URL)
 
 REQUEST_SUFFIXES = (".jsonl", ".jsonl.gz")
 """The file names a job reads as OpenAI Batch request files."""
+BOM = "\ufeff"
+"""The UTF-8 byte-order mark some tools (Windows' among them) write before a JSONL file's first line."""
 
 # The job row of one request line: name -> Arrow type name (the staged Parquet's schema, `batch_files`).
 # `custom_id` is the id column; `prompt` / `messages` / `prompt_token_ids` the prompt; `sampling_params`,
@@ -317,6 +319,7 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
             of one input, so that a repeat in a later file is found too; updated.
         source: the file's name for messages ("" for one file: messages say `line 7`).
 
+    A UTF-8 byte-order mark (`BOM`, as Windows tools write) before the first line is not part of it.
     A bad line's row has `request_error` ("line 7: custom_id 'a' repeats line 3's; ...") and
     `error_code`; a repeated custom_id's row has no custom_id (the first line's result keeps it,
     so an id names one output line).
@@ -326,6 +329,8 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
     where_prefix = f"{source} line" if source else "line"
     for number, raw in enumerate(lines, start=1):
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        if number == 1:
+            text = text.removeprefix(BOM)
         if not text.strip():
             continue
         row = _empty_row(number)
