@@ -272,8 +272,6 @@ def _input_order(src: str, storage_options: Optional[dict[str, Any]]) -> dict[An
     """{custom_id: (request file index, line)} from a job output's staged requests
     (SRC/_job/requests/*.parquet, `pipeline.batch_files.stage_requests`), and for a line without a
     custom_id {("error", its error message): (file index, line)}; {} where SRC has none."""
-    import polars as pl
-
     base = src.split("?", 1)[0].rstrip("/")
     try:
         found = io.find_files(io.join(base, "_job", STAGED_DIR), (".parquet",), "Parquet", storage_options)
@@ -351,7 +349,10 @@ def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = No
         files, requests, errors = prompts_to_requests(src, id_column, model, storage_options)
         io.write_bytes(dst, jsonl_bytes(requests, path.endswith(".gz")), storage_options)
         return Converted("prompts -> requests", files, len(requests), errors)
-    sources = _line_sources(src, storage_options)
+    try:
+        sources = _line_sources(src, storage_options)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}{_parquet_output_hint(src, storage_options)}") from None
     kinds = {_is_result_file(lines) for _, lines in sources} - {None}
     if len(kinds) > 1:
         raise ValueError(f"{src} holds both request lines and output lines; convert them one kind at a time")
@@ -363,6 +364,16 @@ def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = No
         kind = "requests -> prompts"
     io.write_bytes(dst, parquet_bytes(table), storage_options)
     return Converted(kind, [full for full, _ in sources], table.num_rows, errors)
+
+
+def _parquet_output_hint(src: str, storage_options: Optional[dict[str, Any]]) -> str:
+    """A clause for a SRC folder that holds a Parquet job's part files (`part-*.parquet`) and no JSONL, else ""."""
+    try:
+        parts = [n for n in io.list_names(src, storage_options) if n.startswith("part-") and n.endswith(".parquet")]
+    except (OSError, ValueError):
+        return ""
+    return (f": it holds a job's Parquet part files ({parts[0]}, ...), which are a table already; convert reads "
+            f"OpenAI Batch request or results JSONL into one") if parts else ""
 
 
 # ---------------------------------------------------------------- the command

@@ -216,6 +216,23 @@ def test_a_destination_of_another_kind_is_refused(tmp_path):
         convert(str(tmp_path / "x.jsonl"), str(tmp_path / "x.csv"))
 
 
+def test_a_parquet_jobs_output_as_src_is_named_as_a_table_already(tmp_path, capsys):
+    """`tokenmill convert OUT t.parquet` on a Parquet job's output said only `no JSONL (.jsonl, .jsonl.gz) files
+    at OUT` (found by a new-user trial); it now says what the folder holds and what convert reads."""
+    out = tmp_path / "out"
+    out.mkdir()
+    pl.DataFrame({"id": [1], "generation": ["yes"]}).write_parquet(out / "part-00000.parquet")
+    assert main(["convert", str(out), str(tmp_path / "t.parquet")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: no JSONL (.jsonl, .jsonl.gz) files at {out}: it holds a job's Parquet part files "
+        f"(part-00000.parquet, ...), which are a table already; convert reads OpenAI Batch request or results "
+        f"JSONL into one"]
+    (out / "part-00000.parquet").unlink()
+    with pytest.raises(FileNotFoundError, match=r"^no JSONL \(\.jsonl, \.jsonl\.gz\) files at .*out$"):
+        convert(str(out), str(tmp_path / "t.parquet"))
+    assert not (tmp_path / "t.parquet").exists()
+
+
 def test_a_jobs_output_to_one_jsonl_file_in_the_order_of_the_request_lines(tmp_path, job_llm, capsys):
     """Prefix planning puts the rows sharing a prefix together, so the part files are in input order
     each but not across each other; `convert OUTPUT merged.jsonl` writes every output and error line
