@@ -354,6 +354,14 @@ def _run(spec: JobSpec, run_on_cluster: Optional[ClusterRunner] = None) -> int:
     if nothing is not None:
         print(f"tokenmill: {nothing}", file=sys.stderr)
         return EXIT_ALL_ERRORS
+    if row["rows_error"]:  # some rows failed, not all: said once, where a script's log keeps it
+        formats = _output_formats(spec, row)
+        where = [f"the error column of {spec.output}/part-*.parquet"] if "parquet" in formats else []
+        where += [f"the error lines of {spec.output}/errors-*.jsonl"] if "jsonl" in formats else []
+        ran = row["rows_ok"] + row["rows_error"]
+        are = "is an error row" if row["rows_error"] == 1 else "are error rows"
+        print(f"tokenmill: warning: {row['rows_error']} of this run's {plural(ran, 'row')} {are}; see "
+              f"{' and '.join(where)}", file=sys.stderr)
     return 0
 
 
