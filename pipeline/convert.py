@@ -76,12 +76,15 @@ class Converted:
         rows: rows (or lines) written to DST.
         errors: one message per bad line or row ("requests.jsonl line 7: ..."); bad request lines and
             result lines are written as error rows, bad prompt rows are left out.
+        without_model: request lines written without body.model (prompts -> requests: no `model` cell, no
+            `model` argument); OpenAI's Batch API requires it, tokenmill answers them with its model.
     """
 
     kind: str
     sources: list[str]
     rows: int
     errors: list[str] = field(default_factory=list)
+    without_model: int = 0
 
 
 def _line_sources(src: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[str, list[bytes]]]:
@@ -348,7 +351,8 @@ def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = No
     if path.endswith(REQUEST_SUFFIXES):
         files, requests, errors = prompts_to_requests(src, id_column, model, storage_options)
         io.write_bytes(dst, jsonl_bytes(requests, path.endswith(".gz")), storage_options)
-        return Converted("prompts -> requests", files, len(requests), errors)
+        without_model = sum(1 for r in requests if "model" not in r.get("body", {}))
+        return Converted("prompts -> requests", files, len(requests), errors, without_model)
     try:
         sources = _line_sources(src, storage_options)
     except FileNotFoundError as exc:
@@ -411,4 +415,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"  {message}", file=sys.stderr)
         if len(done.errors) > 20:
             print(f"  ... and {len(done.errors) - 20} more", file=sys.stderr)
+    if done.without_model:
+        print(f"tokenmill convert: warning: {plural(done.without_model, 'line')} without body.model (OpenAI's Batch "
+              f"API requires it; --model sets it, a `model` column sets it per row)", file=sys.stderr)
     return 0

@@ -209,6 +209,13 @@ def test_a_prompt_table_to_request_lines(tmp_path, capsys):
         {"custom_id": "4", "method": "POST", "url": CHAT, "body": {
             "model": "smollm2", "messages": [{"role": "user", "content": "Count"}]}},
     ]
+    assert "without body.model" not in err
+    # no --model: the lines have no body.model, which OpenAI's Batch API requires: said (it was silent)
+    assert main(["convert", str(tmp_path / "p.parquet"), str(tmp_path / "r.jsonl"), "--overwrite"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "tokenmill convert: warning: 3 lines without body.model (OpenAI's Batch API requires it; --model sets it, "
+        "a `model` column sets it per row)")
+    assert [json.loads(x)["body"].get("model") for x in (tmp_path / "r.jsonl").read_text().splitlines()] == [None] * 3
 
 
 def test_a_destination_of_another_kind_is_refused(tmp_path):
