@@ -239,6 +239,9 @@ def prompts_to_requests(src: str, id_column: str = "id", model: Optional[str] = 
             index += 1
             where = f"{label} row {k}" + (f" (id {cid!r})" if cid is not None else "")
             try:
+                raw = row.get(id_column)
+                if cid is None and isinstance(raw, float):  # as a job says it (`pipeline.schema`)
+                    raise ValueError(f"{id_column} is NaN (a missing value)")
                 requests.append(request_of_row(row, columns, cid, model, id_column))
             except ValueError as exc:
                 errors.append(f"{where}: {exc}")

@@ -210,6 +210,9 @@ def test_a_prompt_table_to_request_lines(tmp_path, capsys):
             "model": "smollm2", "messages": [{"role": "user", "content": "Count"}]}},
     ]
     assert "without body.model" not in err
+    pl.DataFrame({"id": [1.0, float("nan")], "prompt": ["a", "b"]}).write_parquet(tmp_path / "nan.parquet")
+    assert main(["convert", str(tmp_path / "nan.parquet"), str(tmp_path / "n.jsonl"), "--model", "m"]) == 0
+    assert "nan.parquet row 1: id is NaN (a missing value)" in capsys.readouterr().err  # a job's words (it said null)
     # no --model: the lines have no body.model, which OpenAI's Batch API requires: said (it was silent)
     assert main(["convert", str(tmp_path / "p.parquet"), str(tmp_path / "r.jsonl"), "--overwrite"]) == 0
     assert capsys.readouterr().err.splitlines()[-1] == (
