@@ -53,12 +53,13 @@ import traceback
 import types
 import typing
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Sequence
 
 from pydantic import ValidationError
 
 from pipeline.convert import add_parser as add_convert_parser
-from pipeline.demo import DEMO_JOBS, DEMO_OUTPUT, cmd_demo
+from pipeline.demo import DEMO_JOBS, DEMO_OUTPUT, overwrite_given, run_demo
 from pipeline.cost import format_report
 from pipeline.batch_files import result_names
 from pipeline.bookkeeping import JobInterrupted, booked_report, read_metrics
@@ -429,6 +430,22 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     return _run(spec, args.run_on_cluster)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`tokenmill demo`: run a bundled job into ./demo_output/<job>/ (or --output) with `overwrite` on, so a
+    re-run replaces the previous demo's outputs there (its part files and `_job/`, cost history included)
+    and computes every row again, whatever options changed; `--no-overwrite` resumes it instead, as
+    `tokenmill run` does (a changed option is then refused, exit 2). Another job's output there is kept
+    (`pipeline.demo.run_demo`). Returns the exit code."""
+    default_model = JobSpec.model_fields["model"].default
+    model = getattr(args, "model", None) or default_model
+    name = args.job if model == default_model else f"{args.job}-{Path(model).name}"  # another model: its own folder
+    spec = spec_from_args(args, {**DEMO_JOBS[args.job], "output": f"{DEMO_OUTPUT}/{name}", "overwrite": True})
+    if not Path(spec.input).exists():
+        print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
+        return EXIT_REFUSED
+    return run_demo(spec, args.job, overwrite_given(args), lambda s: _run(s, args.run_on_cluster), _echo)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -27,43 +26,41 @@ DEMO_JOBS: dict[str, dict[str, Any]] = {
 DEMO_OUTPUT = "demo_output"
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """`tokenmill demo`: run a bundled job into ./demo_output/<job>/ (or --output) with `overwrite` on, so a
-    re-run replaces the previous demo's outputs there (its part files and `_job/`, cost history included)
-    and computes every row again, whatever options changed; `--no-overwrite` resumes it instead, as
-    `tokenmill run` does (a changed option is then refused, exit 2). Returns the exit code."""
-    from pipeline.cli import EXIT_REFUSED, _echo, _run, spec_from_args
+def run_demo(spec: JobSpec, job: str, user_set_overwrite: bool, run: Callable[[JobSpec], int],
+             echo: Callable[..., None]) -> int:
+    """Run demo `job` ("labelling" | "synthetic") as `spec` (its `overwrite` on unless the user set it), print
+    its first line and, for the labelling job, sample rows and the accuracy. A previous demo's output at
+    `spec.output` is replaced; another job's (`_other_output`) is kept unless `user_set_overwrite`. A base
+    model runs the few-shot labelling demo (`_demo_few_shot`).
 
-    job = DEMO_JOBS[args.job]
-    default_model = JobSpec.model_fields["model"].default
-    model = getattr(args, "model", None) or default_model
-    name = args.job if model == default_model else f"{args.job}-{Path(model).name}"  # another model: its own folder
-    base = {**job, "output": f"{DEMO_OUTPUT}/{name}", "overwrite": True}
-    spec = spec_from_args(args, base)
-    if not Path(spec.input).exists():
-        print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
-        return EXIT_REFUSED
-    if args.job == "labelling" and spec.model != default_model and not _has_chat_template(spec):
-        return _demo_few_shot(spec, default_model, args.run_on_cluster)
+    Args:
+        run: runs a job and prints its report, returning the exit code (the CLI's, which knows the cluster).
+        echo: prints a line of the command's output.
+
+    Returns: the exit code.
+    """
     from pipeline import io
     from pipeline.manifest import job_url
 
-    if spec.overwrite and not _overwrite_given(args):
+    if spec.overwrite and not user_set_overwrite:
         other = _other_output(spec)
         if other is not None:  # the implied --overwrite replaces a previous demo only
             spec = spec.model_copy(update={"overwrite": False})
-            _echo(f"tokenmill demo: {spec.output} holds {other}, not a previous demo's output: the demo does not "
-                  f"replace it (--overwrite does)")
+            echo(f"tokenmill demo: {spec.output} holds {other}, not a previous demo's output: the demo does not "
+                 f"replace it (--overwrite does)")
+    default_model = JobSpec.model_fields["model"].default
+    if job == "labelling" and spec.model != default_model and not _has_chat_template(spec):
+        return _demo_few_shot(spec, default_model, run, echo)
     replacing = spec.overwrite and io.exists(job_url(spec.output, "manifest.json"), spec.storage_options)
-    _echo(f"tokenmill demo: {args.job} job, {spec.input} -> {spec.output}, model {spec.model}"
-          + (" (replacing the previous demo output there; --no-overwrite resumes it instead)" if replacing else ""))
-    rc = _run(spec, args.run_on_cluster)
-    if rc == 0 and args.job == "labelling":
-        _print_label_accuracy(spec.output)
+    echo(f"tokenmill demo: {job} job, {spec.input} -> {spec.output}, model {spec.model}"
+         + (" (replacing the previous demo output there; --no-overwrite resumes it instead)" if replacing else ""))
+    rc = run(spec)
+    if rc == 0 and job == "labelling":
+        _print_label_accuracy(spec.output, echo)
     return rc
 
 
-def _overwrite_given(args: argparse.Namespace) -> bool:
+def overwrite_given(args: argparse.Namespace) -> bool:
     """Whether `--overwrite` / `--no-overwrite`, or the --spec file, sets `overwrite`."""
     if getattr(args, "overwrite", None) is not None:
         return True
@@ -112,13 +109,13 @@ def _has_chat_template(spec: JobSpec) -> bool:
     return Tokenizer.from_model(spec.model).has_chat_template
 
 
-def _demo_few_shot(spec: JobSpec, default_model: str, run_on_cluster: Optional[Callable] = None) -> int:
+def _demo_few_shot(spec: JobSpec, default_model: str, run: Callable[[JobSpec], int],
+                   echo: Callable[..., None]) -> int:
     """The labelling demo on a base model (`pipeline.few_shot`): few-shot prompts whose labels are
     scored (`score_choices`), then the default model on the same rows as its demo runs them (its
     chat template, zero-shot, choice constraint), and the accuracies against `reference_label`: the
     base model's best-scored labels, its labels after contextual calibration, and the default
     model's. Returns the exit code."""
-    from pipeline.cli import _echo, _run
     from pipeline.few_shot import LABEL_SPACE, content_free_prompts, contextual_prior, few_shot_labelling
 
     out = Path(spec.output)
@@ -131,9 +128,9 @@ def _demo_few_shot(spec: JobSpec, default_model: str, run_on_cluster: Optional[C
     labels = spec.choice or DEMO_JOBS["labelling"]["choice"]
     base_spec = spec.model_copy(update={"model": spec.model, "input": str(few_shot), "choice": None,
                                         "score_choices": [LABEL_SPACE + c for c in labels]})
-    _echo(f"tokenmill demo: labelling job on the base model {spec.model}: few-shot prompts ({len(shot_ids)} worked "
+    echo(f"tokenmill demo: labelling job on the base model {spec.model}: few-shot prompts ({len(shot_ids)} worked "
           f"examples, the first row of each label, left out), each label scored, {few_shot} -> {spec.output}")
-    rc = _run(base_spec, run_on_cluster)
+    rc = run(base_spec)
     if rc != 0:
         return rc
     from engine import SamplingParams
@@ -144,19 +141,19 @@ def _demo_few_shot(spec: JobSpec, default_model: str, run_on_cluster: Optional[C
     prior = contextual_prior([o.outputs[0].label_logprobs for o in cf])
     ref_spec = spec.model_copy(update={"model": default_model, "input": str(same_rows),
                                        "output": str(out.parent / f"{out.name}-{default_model}"), "choice": labels})
-    _echo(f"\ntokenmill demo: the same rows on the default model {default_model} (chat template, zero-shot), "
+    echo(f"\ntokenmill demo: the same rows on the default model {default_model} (chat template, zero-shot), "
           f"-> {ref_spec.output}")
-    rc = _run(ref_spec, run_on_cluster)
+    rc = run(ref_spec)
     if rc != 0:
         return rc
-    _print_label_accuracy(spec.output)
+    _print_label_accuracy(spec.output, echo)
     rows = [(spec.model, "few-shot, scored", _label_accuracy(spec.output)),
             (spec.model, "few-shot, calibrated", _label_accuracy(spec.output, prior)),
             (default_model, "chat template, choice", _label_accuracy(ref_spec.output))]
-    _echo(f"\naccuracy against reference_label on the same {rows[0][2][1]} rows (calibrated: each label's probability "
+    echo(f"\naccuracy against reference_label on the same {rows[0][2][1]} rows (calibrated: each label's probability "
           f"divided by its mean over {len(cf)} content-free items, Zhao et al. 2021):")
     for model, how, (right, n, valid) in rows:
-        _echo(f"  {model:24} ({how:21}) {right:4} of {n} ({right / max(n, 1):.1%}); valid labels {valid} of {n}")
+        echo(f"  {model:24} ({how:21}) {right:4} of {n} ({right / max(n, 1):.1%}); valid labels {valid} of {n}")
     return 0
 
 
@@ -190,15 +187,13 @@ def _label_rows(output: str):
     return df if "reference_label" in df.columns else None
 
 
-def _print_label_accuracy(output: str) -> None:
+def _print_label_accuracy(output: str, echo: Callable[..., None]) -> None:
     """A few sample rows of the labelling demo and its accuracy against `reference_label`."""
-    from pipeline.cli import _echo
-
     df = _label_rows(output)
     if df is None:
         return
-    _echo("\nsample rows (title, label, reference_label):")
+    echo("\nsample rows (title, label, reference_label):")
     for row in df.head(5).iter_rows(named=True):
-        _echo(f"  {row.get('title')!s:40.40}  {str(row['generation']).strip():12}  {row['reference_label']}")
+        echo(f"  {row.get('title')!s:40.40}  {str(row['generation']).strip():12}  {row['reference_label']}")
     right, n, valid = _label_accuracy(output)
-    _echo(f"\nvalid labels: {valid} of {n}; accuracy against reference_label: {right} of {n} ({right / n:.1%})")
+    echo(f"\nvalid labels: {valid} of {n}; accuracy against reference_label: {right} of {n} ({right / n:.1%})")
