@@ -29,12 +29,12 @@ kept in its own disk cache (`engine.tokenizer`). Asking the index for one raises
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import tempfile
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 

@@ -2,7 +2,7 @@
 
     tokenmill run --input URL --output URL [--spec job.yaml] [JobSpec options]
     tokenmill run ... --cluster tcp://HOST:8786   (the Prefect flow, windows on a Dask cluster: `flows.cli`)
-    tokenmill demo [--job labelling|synthetic] [JobSpec options]   (replaces ./demo_output/JOB/ each time: `pipeline.demo`)
+    tokenmill demo [--job labelling|synthetic] [JobSpec options]   (replaces its ./demo_output/JOB/: `pipeline.demo`)
     tokenmill demo --model gemma-3-270m   (a base model: few-shot labelling, beside the default model's accuracy)
     tokenmill report URL [--all]
     tokenmill convert SRC DST   (OpenAI Batch request JSONL <-> Parquet prompts; output JSONL -> Parquet: `pipeline.convert`)
