@@ -59,7 +59,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 from pydantic import ValidationError
 
 from pipeline.convert import add_parser as add_convert_parser
-from pipeline.demo import DEMO_JOBS, DEMO_OUTPUT, overwrite_given, run_demo
+from pipeline.demo import DEMO_JOBS, DEMO_OUTPUT, other_output, overwrite_given, run_demo
 from pipeline.cost import format_report
 from pipeline.batch_files import result_names
 from pipeline.bookkeeping import JobInterrupted, booked_report, read_metrics
@@ -436,8 +436,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """`tokenmill demo`: run a bundled job into ./demo_output/<job>/ (or --output) with `overwrite` on, so a
     re-run replaces the previous demo's outputs there (its part files and `_job/`, cost history included)
     and computes every row again, whatever options changed; `--no-overwrite` resumes it instead, as
-    `tokenmill run` does (a changed option is then refused, exit 2). Another job's output there is kept
-    (`pipeline.demo.run_demo`). Returns the exit code."""
+    `tokenmill run` does (a changed option is then refused, exit 2). Another job's output there
+    (`pipeline.demo.other_output`) is refused, exit 2, unless --overwrite. Returns the exit code."""
     default_model = JobSpec.model_fields["model"].default
     model = getattr(args, "model", None) or default_model
     name = args.job if model == default_model else f"{args.job}-{Path(model).name}"  # another model: its own folder
@@ -445,7 +445,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not Path(spec.input).exists():
         print(f"tokenmill: demo data {spec.input} is missing (run from a checkout of tokenmill)", file=sys.stderr)
         return EXIT_REFUSED
-    return run_demo(spec, args.job, overwrite_given(args), lambda s: _run(s, args.run_on_cluster), _echo)
+    other = other_output(spec) if spec.overwrite else None
+    if other is not None and not overwrite_given(args):  # the implied --overwrite replaces a previous demo only
+        print(f"tokenmill: {spec.output} holds {other}, not a previous demo's output: the demo keeps it; "
+              f"--overwrite replaces it, or choose another --output", file=sys.stderr)
+        return EXIT_OTHER_JOB
+    return run_demo(spec, args.job, other, lambda s: _run(s, args.run_on_cluster), _echo)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

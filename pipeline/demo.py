@@ -1,8 +1,8 @@
 """`tokenmill demo`: the bundled sample jobs (data/), run into ./demo_output/<job>/ and scored.
 
 A re-run replaces the previous demo's output there (`overwrite` implied); an output folder that holds
-another job's output, or part files without a manifest, is kept as `tokenmill run` keeps it, unless
-`--overwrite` is given. With a base model (no chat template) the labelling demo runs few-shot and is
+another job's output, or part files without a manifest (`other_output`), is refused by the CLI (exit 2)
+unless `--overwrite` is given. With a base model (no chat template) the labelling demo runs few-shot and is
 compared with the default model on the same rows (`pipeline.few_shot`).
 """
 from __future__ import annotations
@@ -26,14 +26,14 @@ DEMO_JOBS: dict[str, dict[str, Any]] = {
 DEMO_OUTPUT = "demo_output"
 
 
-def run_demo(spec: JobSpec, job: str, user_set_overwrite: bool, run: Callable[[JobSpec], int],
+def run_demo(spec: JobSpec, job: str, other: Optional[str], run: Callable[[JobSpec], int],
              echo: Callable[..., None]) -> int:
-    """Run demo `job` ("labelling" | "synthetic") as `spec` (its `overwrite` on unless the user set it), print
-    its first line and, for the labelling job, sample rows and the accuracy. A previous demo's output at
-    `spec.output` is replaced; another job's (`_other_output`) is kept unless `user_set_overwrite`. A base
-    model runs the few-shot labelling demo (`_demo_few_shot`).
+    """Run demo `job` ("labelling" | "synthetic") as `spec`, print its first line and, for the labelling job,
+    sample rows and the accuracy. A base model runs the few-shot labelling demo (`_demo_few_shot`).
 
     Args:
+        other: what `spec.output` holds when it is not a previous demo's output (`other_output`), which
+            the CLI lets this replace only when the user asked for `overwrite`; its first line says so.
         run: runs a job and prints its report, returning the exit code (the CLI's, which knows the cluster).
         echo: prints a line of the command's output.
 
@@ -42,18 +42,13 @@ def run_demo(spec: JobSpec, job: str, user_set_overwrite: bool, run: Callable[[J
     from pipeline import io
     from pipeline.manifest import job_url
 
-    if spec.overwrite and not user_set_overwrite:
-        other = _other_output(spec)
-        if other is not None:  # the implied --overwrite replaces a previous demo only
-            spec = spec.model_copy(update={"overwrite": False})
-            echo(f"tokenmill demo: {spec.output} holds {other}, not a previous demo's output: the demo does not "
-                 f"replace it (--overwrite does)")
     default_model = JobSpec.model_fields["model"].default
     if job == "labelling" and spec.model != default_model and not _has_chat_template(spec):
         return _demo_few_shot(spec, default_model, run, echo)
     replacing = spec.overwrite and io.exists(job_url(spec.output, "manifest.json"), spec.storage_options)
-    echo(f"tokenmill demo: {job} job, {spec.input} -> {spec.output}, model {spec.model}"
-         + (" (replacing the previous demo output there; --no-overwrite resumes it instead)" if replacing else ""))
+    what = (f" (replacing {other} there: overwrite is on)" if spec.overwrite and other else
+            " (replacing the previous demo output there; --no-overwrite resumes it instead)" if replacing else "")
+    echo(f"tokenmill demo: {job} job, {spec.input} -> {spec.output}, model {spec.model}{what}")
     rc = run(spec)
     if rc == 0 and job == "labelling":
         _print_label_accuracy(spec.output, echo)
@@ -71,7 +66,7 @@ def overwrite_given(args: argparse.Namespace) -> bool:
     return False
 
 
-def _other_output(spec: JobSpec) -> Optional[str]:
+def other_output(spec: JobSpec) -> Optional[str]:
     """What the demo's output folder holds when it is not a previous demo's output, else None: another
     job's (a manifest whose inputs are not the bundled data nor the few-shot demo's `<output>-input`
     files), or part files without a manifest.

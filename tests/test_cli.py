@@ -598,7 +598,7 @@ def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_
 def test_a_demo_into_another_jobs_output_keeps_it_unless_overwrite(tmp_path, capsys):
     """`tokenmill demo --output DIR` replaced whatever DIR held, another job's part files and cost history
     or another tool's part files (found by a new-user trial); only a previous demo's output is replaced now,
-    anything else is refused as `tokenmill run` refuses it (exit 2) and kept byte for byte."""
+    anything else is refused in one line (exit 2, as `tokenmill run` refuses it) and kept byte for byte."""
     from pipeline import JobSpec, cache_llm, read_metrics
     from pipeline.testing import FakeLLM
 
@@ -611,10 +611,9 @@ def test_a_demo_into_another_jobs_output_keeps_it_unless_overwrite(tmp_path, cap
     before = {p.relative_to(job): p.read_bytes() for p in job.rglob("*") if p.is_file()}
     capsys.readouterr()
     assert main(["demo", "--output", str(job), "--limit", "2", *opts]) == 2
-    out, err = capsys.readouterr()
-    assert out.splitlines()[0] == (f"tokenmill demo: {job} holds the output of another job (input {inp.as_uri()}), "
-                                   f"not a previous demo's output: the demo does not replace it (--overwrite does)")
-    assert "already holds a job with a different spec or input" in err
+    assert capsys.readouterr() == ("", (
+        f"tokenmill: {job} holds the output of another job (input {inp.as_uri()}), not a previous demo's output: "
+        f"the demo keeps it; --overwrite replaces it, or choose another --output\n"))
     assert {p.relative_to(job): p.read_bytes() for p in job.rglob("*") if p.is_file()} == before
 
     foreign = tmp_path / "foreign"  # another tool's part file, no manifest
@@ -622,10 +621,14 @@ def test_a_demo_into_another_jobs_output_keeps_it_unless_overwrite(tmp_path, cap
     pl.DataFrame({"x": [7]}).write_parquet(foreign / "part-00000.parquet")
     data = (foreign / "part-00000.parquet").read_bytes()
     assert main(["demo", "--output", str(foreign), "--limit", "2", *opts]) == 2
-    assert "part files (part-00000.parquet, ...) and no job manifest" in capsys.readouterr().out
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: {foreign} holds part files (part-00000.parquet, ...) and no job manifest, not a previous demo's "
+        f"output: the demo keeps it; --overwrite replaces it, or choose another --output"]
     assert (foreign / "part-00000.parquet").read_bytes() == data
 
     assert main(["demo", "--output", str(job), "--limit", "2", "--overwrite", *opts]) == 0  # asked for: replaced
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        f"(replacing the output of another job (input {inp.as_uri()}) there: overwrite is on)")
     assert read_metrics(str(job))["rows_ok"].to_list() == [2]
     assert "reference_label" in pl.read_parquet(job / "part-00000.parquet").columns  # the demo's rows
 
