@@ -356,13 +356,10 @@ def _run(spec: JobSpec, run_on_cluster: Optional[ClusterRunner] = None) -> int:
         print(f"tokenmill: {nothing}", file=sys.stderr)
         return EXIT_ALL_ERRORS
     if row["rows_error"]:  # some rows failed, not all: said once, where a script's log keeps it
-        formats = _output_formats(spec, row)
-        where = [f"the error column of {spec.output}/part-*.parquet"] if "parquet" in formats else []
-        where += [f"the error lines of {spec.output}/errors-*.jsonl"] if "jsonl" in formats else []
         ran = row["rows_ok"] + row["rows_error"]
         are = "is an error row" if row["rows_error"] == 1 else "are error rows"
         print(f"tokenmill: warning: {row['rows_error']} of this run's {plural(ran, 'row')} {are}; see "
-              f"{' and '.join(where)}", file=sys.stderr)
+              f"{_error_places(spec, _output_formats(spec, row))}", file=sys.stderr)
     return 0
 
 
@@ -421,10 +418,15 @@ def _every_row_an_error(spec: JobSpec, row: dict[str, Any]) -> Optional[str]:
                 why = f"; the most common error of {name} ({count} of its {errors.len()} {unit}s{alike}): {top}"
     except (StorageError, OSError, KeyError, pl.exceptions.PolarsError):  # a courtesy: the column says it all
         pass
+    return (f"every row of the job is an error row ({plural(rows, 'row')}, nothing generated){why}; see "
+            f"{_error_places(spec, formats)} (exit {EXIT_ALL_ERRORS})")
+
+
+def _error_places(spec: JobSpec, formats: list[str]) -> str:
+    """Where a finished job's error rows are, for messages: its part files' error column, its errors-*.jsonl."""
     where = [f"the error column of {spec.output}/part-*.parquet"] if "parquet" in formats else []
     where += [f"the error lines of {spec.output}/errors-*.jsonl"] if "jsonl" in formats else []
-    return (f"every row of the job is an error row ({plural(rows, 'row')}, nothing generated){why}; see "
-            f"{' and '.join(where)} (exit {EXIT_ALL_ERRORS})")
+    return " and ".join(where)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
