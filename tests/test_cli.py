@@ -602,11 +602,11 @@ def test_a_demo_into_another_jobs_output_keeps_it_unless_overwrite(tmp_path, cap
     from pipeline import JobSpec, cache_llm, read_metrics
     from pipeline.testing import FakeLLM
 
-    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 17}), FakeLLM(max_model_len=4096))  # own key
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 29}), FakeLLM(max_model_len=4096))  # own key
     inp = tmp_path / "in.parquet"
     pl.DataFrame({"id": [1, 2], "prompt": ["Say yes.", "Say no."]}).write_parquet(inp)
     job = tmp_path / "job"
-    opts = ["--max-tokens", "2", "--no-progress", "--engine-option", "seed=17"]
+    opts = ["--max-tokens", "2", "--no-progress", "--engine-option", "seed=29"]
     assert main(["run", "--input", str(inp), "--output", str(job), *opts]) == 0
     before = {p.relative_to(job): p.read_bytes() for p in job.rglob("*") if p.is_file()}
     capsys.readouterr()

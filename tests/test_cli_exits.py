@@ -22,8 +22,8 @@ def test_exit_codes_have_one_meaning_each(tmp_path, capsys):
     inp = tmp_path / "in.parquet"
     pl.DataFrame({"id": [1, 2], "prompt": ["Say yes.", "Say no."]}).write_parquet(inp)
     out = tmp_path / "out"
-    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 11}), FakeLLM())  # a key no other test uses
-    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=11"]
+    cache_llm(JobSpec(input="-", output="-", engine_options={"seed": 23}), FakeLLM())  # a key no other test uses
+    run = ["run", "--input", str(inp), "--output", str(out), "--no-progress", "--engine-option", "seed=23"]
 
     def usage_error(*argv: str) -> str:
         with pytest.raises(SystemExit) as exc:
