@@ -36,6 +36,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.config import prompt_text_error, prompt_type_error
 from pipeline import io
 from pipeline.batch_files import STAGED_DIR, jsonl_bytes, parquet_bytes, read_lines
 from pipeline.openai_batch import (
@@ -159,8 +160,9 @@ def request_of_row(row: dict[str, Any], columns: set[str], custom_id: Optional[s
         model: body.model when the row has no `model` cell.
 
     Raises:
-        ValueError: a row that cannot be a request (its `request_error`, a bad cell, no prompt, two
-            constraint columns, a sampling field no body has), in words that name the cell.
+        ValueError: a row that cannot be a request (its `request_error`, a bad cell, no prompt, an
+            empty or non-text prompt, two constraint columns, a sampling field no body has), in words
+            that name the cell (the job's words for the same row).
     """
     if row.get("request_error") is not None:
         raise ValueError(f"request_error: {row['request_error']}")
@@ -186,7 +188,11 @@ def request_of_row(row: dict[str, Any], columns: set[str], custom_id: Optional[s
             messages = [{"role": "system", "content": system}, *messages]
     elif prompt is None:
         raise ValueError("prompt and messages are both null")
-    elif templated:
+    else:  # the job's rules for a prompt cell, so a request it would make an error row is left out here
+        problem = prompt_type_error(prompt) or prompt_text_error(prompt)
+        if problem is not None:
+            raise ValueError(problem)
+    if token_ids is None and messages is None and templated:
         messages = [*([{"role": "system", "content": system}] if system is not None else []),
                     {"role": "user", "content": prompt}]
     chat = messages is not None

@@ -221,6 +221,17 @@ def test_a_prompt_table_to_request_lines(tmp_path, capsys):
     assert [json.loads(x)["body"].get("model") for x in (tmp_path / "r.jsonl").read_text().splitlines()] == [None] * 3
 
 
+def test_a_prompt_row_a_job_refuses_is_left_out_in_the_jobs_words(tmp_path, capsys):
+    # an empty or blank prompt became a request ("content": ""), which a job then made an error row
+    pl.DataFrame({"id": ["a", "b", "c"], "prompt": ["", "  \n", "ok"],
+                  "chat_template": [True, False, True]}).write_parquet(tmp_path / "p.parquet")
+    assert main(["convert", str(tmp_path / "p.parquet"), str(tmp_path / "r.jsonl"), "--model", "m"]) == 0
+    err = capsys.readouterr().err
+    assert "p.parquet row 0 (id 'a'): prompt is empty" in err
+    assert "p.parquet row 1 (id 'b'): prompt is empty" in err
+    assert [json.loads(x)["custom_id"] for x in (tmp_path / "r.jsonl").read_text().splitlines()] == ["c"]
+
+
 def test_a_destination_of_another_kind_is_refused(tmp_path):
     with pytest.raises(ValueError, match="convert writes .parquet, .jsonl or .jsonl.gz files"):
         convert(str(tmp_path / "x.jsonl"), str(tmp_path / "x.csv"))
