@@ -40,8 +40,8 @@ from engine.config import prompt_text_error, prompt_type_error
 from pipeline import io
 from pipeline.batch_files import STAGED_DIR, jsonl_bytes, parquet_bytes, read_lines
 from pipeline.openai_batch import (
-    BOM, CHAT_URL, COMPLETIONS_URL, REQUEST_SUFFIXES, RESULT_FIELDS, LineError, body_fields, parse_request_lines,
-    parse_result_line,
+    BLANK, CHAT_URL, COMPLETIONS_URL, REQUEST_SUFFIXES, RESULT_FIELDS, LineError, body_fields, json_line,
+    parse_request_lines, parse_result_line,
 )
 from pipeline.schema import CONSTRAINT_COLUMNS, OVERRIDE_COLUMNS, parse_messages, row_overrides
 from pipeline.storage import plural, storage_call
@@ -261,16 +261,10 @@ def results_to_table(sources: list[tuple[str, list[bytes]]]) -> tuple[pa.Table, 
     for full, lines in sources:
         label = full.rsplit("/", 1)[-1]
         for number, raw in enumerate(lines, start=1):
-            text = raw.decode("utf-8", "replace")
-            if number == 1:
-                text = text.removeprefix(BOM)
-            if not text.strip():
-                continue
             try:
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise LineError("invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+                obj = json_line(raw, number)
+                if obj is BLANK:
+                    continue
                 row = parse_result_line(obj)
             except LineError as exc:
                 message = f"{label} line {number}: {exc}"

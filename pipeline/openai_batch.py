@@ -328,18 +328,13 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
     rows = []
     where_prefix = f"{source} line" if source else "line"
     for number, raw in enumerate(lines, start=1):
-        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-        if number == 1:
-            text = text.removeprefix(BOM)
-        if not text.strip():
-            continue
         row = _empty_row(number)
         where = f"{where_prefix} {number}"
+        obj = None
         try:
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise LineError("invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+            obj = json_line(raw, number)
+            if obj is BLANK:
+                continue
             _require_object(obj)  # (before its custom_id is read; parse_request checks it for its own callers)
             cid = obj.get("custom_id")
             if cid is not None and not isinstance(cid, str):  # 42 and "42" would be one id, so neither is made up
@@ -356,7 +351,7 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
         except LineError as exc:
             row["request_error"] = f"{where}: {exc}"
             row["error_code"] = exc.code
-            if isinstance(obj := _maybe(text), dict):
+            if isinstance(obj, dict):
                 row["url"] = obj.get("url") if isinstance(obj.get("url"), str) else None
         rows.append(row)
     return rows
@@ -381,11 +376,30 @@ def _json_kind(value: Any) -> str:
     return "null" if value is None else "number"
 
 
-def _maybe(text: str) -> Any:
+BLANK = object()
+"""What `json_line` gives for a blank line (JSON's null is None)."""
+
+
+def json_line(raw: bytes | str, number: int) -> Any:
+    """One JSONL line (bytes: UTF-8, bad bytes replaced) -> its JSON value, or `BLANK` for a blank line.
+    A byte-order mark (`BOM`) before line 1 is skipped.
+
+    Raises:
+        LineError: invalid_json, with JSON's reason and column; a BOM that starts a later line is named
+            as such (two files joined end to end leave one there).
+    """
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    if number == 1:
+        text = text.removeprefix(BOM)
+    if not text.strip():
+        return BLANK
+    if text.startswith(BOM):
+        raise LineError("invalid_json", "not valid JSON (it starts with a UTF-8 byte-order mark, which only the "
+                                        "file's first line may have: were two files joined?)")
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
-        return None
+    except json.JSONDecodeError as exc:
+        raise LineError("invalid_json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
 
 
 # ---------------------------------------------------------------- output lines

@@ -277,6 +277,8 @@ def test_a_byte_order_mark_before_the_first_line_is_not_part_of_it(tmp_path):
     first, second = _line("a", COMPLETIONS, {"prompt": "x"}), _line("b", COMPLETIONS, {"prompt": "y"})
     rows = parse_request_lines([b"\xef\xbb\xbf" + first.encode(), b"\xef\xbb\xbf" + second.encode()], {"m"})
     assert [(r["custom_id"], r["error_code"]) for r in rows] == [("a", None), (None, "invalid_json")]
+    assert rows[1]["request_error"] == ("line 2: not valid JSON (it starts with a UTF-8 byte-order mark, which only "
+                                        "the file's first line may have: were two files joined?)")  # not json's hint
     assert rows[0]["prompt"] == parse_request_lines([first], {"m"})[0]["prompt"] == "x"
     result = {"id": "batch_req_1", "custom_id": "a", "error": None, "response": {"status_code": 200, "body": {
         "id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m",
