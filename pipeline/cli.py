@@ -452,7 +452,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"tokenmill: {spec.output} holds {other}, not a previous demo's output: the demo keeps it; "
               f"--overwrite replaces it, or choose another --output", file=sys.stderr)
         return EXIT_OTHER_JOB
-    return run_demo(spec, args.job, other, lambda s: _run(s, args.run_on_cluster), _echo)
+    return run_demo(spec, args.job, other, lambda s: _run(s, args.run_on_cluster), _echo, args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

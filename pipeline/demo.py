@@ -27,7 +27,7 @@ DEMO_OUTPUT = "demo_output"
 
 
 def run_demo(spec: JobSpec, job: str, other: Optional[str], run: Callable[[JobSpec], int],
-             echo: Callable[..., None]) -> int:
+             echo: Callable[..., None], given: Optional[argparse.Namespace] = None) -> int:
     """Run demo `job` ("labelling" | "synthetic") as `spec`, print its first line and, for the labelling job,
     sample rows and the accuracy. A base model runs the few-shot labelling demo (`_demo_few_shot`).
 
@@ -36,6 +36,8 @@ def run_demo(spec: JobSpec, job: str, other: Optional[str], run: Callable[[JobSp
             the CLI lets this replace only when the user asked for `overwrite`; its first line says so.
         run: runs a job and prints its report, returning the exit code (the CLI's, which knows the cluster).
         echo: prints a line of the command's output.
+        given: the command line's options; one the demo data sets per row (`shadowed_options`) gets a
+            note after the first line.
 
     Returns: the exit code.
     """
@@ -49,10 +51,35 @@ def run_demo(spec: JobSpec, job: str, other: Optional[str], run: Callable[[JobSp
     what = (f" (replacing {other} there: overwrite is on)" if spec.overwrite and other else
             " (replacing the previous demo output there; --no-overwrite resumes it instead)" if replacing else "")
     echo(f"tokenmill demo: {job} job, {spec.input} -> {spec.output}, model {spec.model}{what}")
+    for line in shadowed_options(spec.input, given):
+        echo(f"tokenmill demo: note: {line}")
     rc = run(spec)
     if rc == 0 and job == "labelling":
         _print_label_accuracy(spec.output, echo)
     return rc
+
+
+def shadowed_options(path: str, given: Optional[argparse.Namespace]) -> list[str]:
+    """One line for each option on the command line (`given`) that the Parquet file at `path` also sets
+    in a column of the same name: a row's non-null cell overrides the job's value (`pipeline.schema`), so
+    the option applies only to rows where that cell is null."""
+    import pyarrow.parquet as pq
+    import polars as pl
+
+    from pipeline.schema import OVERRIDE_COLUMNS
+
+    if given is None:
+        return []
+    names = [c for c in pq.read_schema(path).names if c in OVERRIDE_COLUMNS and getattr(given, c, None) is not None]
+    lines = []
+    for name in names:
+        column = pl.read_parquet(path, columns=[name])[name]
+        values = column.drop_nulls().unique().sort().to_list()
+        shown = ", ".join(map(str, values[:3])) + (", ..." if len(values) > 3 else "")
+        lines.append(f"{Path(path).name} sets {name} per row ({shown}) in {len(column) - column.null_count()} of "
+                     f"{len(column)} rows; --{name.replace('_', '-')} {getattr(given, name)} applies only where it "
+                     f"is null")
+    return lines
 
 
 def overwrite_given(args: argparse.Namespace) -> bool:

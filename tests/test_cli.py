@@ -594,6 +594,13 @@ def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_
     assert main(demo + ["--limit", "3", "--no-overwrite"]) == 2  # a changed option without overwrite: refused
     assert "limit: 2 -> 3" in capsys.readouterr().err
 
+    # the synthetic data sets max_tokens per row, which --max-tokens does not change: said (it was silent)
+    assert main(demo + ["--limit", "2", "--job", "synthetic", "--output", str(tmp_path / "syn")]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "tokenmill demo: note: synthetic.parquet sets max_tokens per row (64) in 30 of 30 rows; --max-tokens 2 "
+        "applies only where it is null")
+    assert pl.read_parquet(tmp_path / "syn" / "part-00000.parquet")["completion_tokens"].to_list() == [64, 64]
+
 
 def test_a_demo_into_another_jobs_output_keeps_it_unless_overwrite(tmp_path, capsys):
     """`tokenmill demo --output DIR` replaced whatever DIR held, another job's part files and cost history
