@@ -566,8 +566,9 @@ def _on_signal(signum: int, frame: Any) -> None:
         sys.stderr.flush()
         os._exit(128 + signum2)
 
-    signal.signal(signal.SIGINT, again)
-    signal.signal(signal.SIGTERM, again)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(s) is _on_signal:  # a signal the process ignores (nohup) stays ignored
+            signal.signal(s, again)
     raise Interrupted(signum)
 
 

@@ -17,10 +17,18 @@ from pathlib import Path
 # speed or better under contention. Must be set before torch starts OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import signal  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
+
+# A suite started in the background by a script (`pytest ... &`) or under nohup inherits SIGINT ignored,
+# and the tests that send this process a Ctrl-C would then wait for one that never comes (a 150 s retry
+# loop, then a handler leaked into the next test). The tests that check an ignored SIGINT set it themselves.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 MODEL_NAME = "smollm2-135m-instruct"
 

@@ -437,6 +437,14 @@ def test_a_command_started_with_a_signal_ignored_keeps_ignoring_it(monkeypatch):
     try:
         assert main(["report", "some-output"]) == 0
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+        def sigterm(args) -> int:  # a SIGTERM while it runs: its handler armed the exit-now handler on SIGINT too
+            cli._on_signal(signal.SIGTERM, None)
+            return 0
+
+        monkeypatch.setattr(cli, "cmd_report", sigterm)
+        assert main(["report", "some-output"]) == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
     assert seen == {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: cli._on_signal}
