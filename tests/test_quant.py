@@ -373,9 +373,15 @@ def test_greedy_agreement_no_nan_no_degenerate_repetition(llm, engines):
 
 @pytest.fixture(scope="module")
 def calib_stats(llm):
-    from engine.smoothquant import calibration_absmax
+    """SmoothQuant's calibration statistics of the fp32 model, as the W8A8 engine below gets them
+    (`engine.loader.w8a8_calibration`, kept per process: that engine then reuses them, where it calibrated
+    a second time, 40-55 s here)."""
+    from engine import LLM
+    from engine.loader import w8a8_calibration
+    from engine.weights import resolve_model
 
-    return calibration_absmax(llm)
+    cfg = llm.config
+    return w8a8_calibration(resolve_model(MODEL), llm.dtype, str(llm.device), cfg.seed, cfg.cpu_kernels, LLM)
 
 
 def test_smoothing_is_exact_in_float(llm, calib_stats):
@@ -402,7 +408,7 @@ def test_smoothing_is_exact_in_float(llm, calib_stats):
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="W8A8 runs on the CPU kernels")
-def test_w8a8_engine_perplexity_within_one_percent(llm, windows, ref_scores):
+def test_w8a8_engine_perplexity_within_one_percent(llm, windows, ref_scores, calib_stats):
     """W8A8 (int8 x int8, activation scales per token and group of 64, SmoothQuant): perplexity of
     1024 tokens of licence text within 1% of fp32, and batch independence."""
     from engine import LLM
