@@ -29,14 +29,16 @@ kept in its own disk cache (`engine.tokenizer`). Asking the index for one raises
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 
@@ -127,6 +129,26 @@ def gguf_reader_class() -> type:
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     return PlainViewGGUFReader
+
+
+_READER_SWAP = threading.RLock()
+
+
+@contextlib.contextmanager
+def plain_view_gguf_reader() -> Iterator[None]:
+    """For the block, `gguf.GGUFReader` is `gguf_reader_class()`, for a library that parses a GGUF file
+    with it (transformers' GGUF loaders import it when called). Blocks in other threads wait: the name
+    is swapped for the process.
+    """
+    import gguf
+
+    with _READER_SWAP:
+        previous = gguf.GGUFReader
+        gguf.GGUFReader = gguf_reader_class()
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = previous
 
 
 def open_gguf_index(path: str) -> GGUFIndex:

@@ -69,12 +69,11 @@ def hf_from_gguf(path: os.PathLike, **kwargs):
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from engine.gguf_index import gguf_reader_class
+    from engine.gguf_index import plain_view_gguf_reader
 
     path = Path(path)
     kwargs.setdefault("dtype", torch.float32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", gguf_reader_class())
+    with plain_view_gguf_reader(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
     return model.eval()

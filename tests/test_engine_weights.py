@@ -217,6 +217,23 @@ def test_the_plain_view_reader_reads_what_gguf_reader_reads(tmp_path):
     assert ours.data_offset == theirs.data_offset and ours.byte_order == theirs.byte_order
 
 
+def test_the_reader_swap_covers_its_block_only_and_survives_an_error(tmp_path):
+    """`plain_view_gguf_reader` (the engine's tokenizer conversion runs transformers under it) makes
+    `gguf.GGUFReader` the plain-view reader inside the block, and puts gguf's own back after it, also
+    when the block raises."""
+    import gguf
+
+    from engine.gguf_index import gguf_reader_class, plain_view_gguf_reader
+
+    original = gguf.GGUFReader
+    with plain_view_gguf_reader():
+        assert gguf.GGUFReader is gguf_reader_class() and gguf.GGUFReader is not original
+    assert gguf.GGUFReader is original
+    with pytest.raises(KeyError), plain_view_gguf_reader():
+        raise KeyError("x")
+    assert gguf.GGUFReader is original
+
+
 def test_cached_gguf_index_of_the_bundled_model_gives_the_same_tensors_and_config(gguf_cache, parses):
     """The first load parses the file and writes the index; the next (a fresh process's: per-process
     cache emptied) parses nothing. Both indexes hold GGUFReader's tensors and fields, only the
