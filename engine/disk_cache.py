@@ -1,13 +1,14 @@
 """Where tokenmill keeps what it derives from slow-to-read inputs between processes.
 
 One folder per kind (`tokenizers` for GGUF tokenizers converted by transformers, `gguf` for
-GGUF indexes, see `engine.gguf_index`), under `$TOKENMILL_CACHE_DIR` if set, else
+GGUF indexes, see `engine.gguf_index`, `calibration` for W8A8 calibration statistics, see
+`engine.calibration_cache`), under `$TOKENMILL_CACHE_DIR` if set, else
 `$XDG_CACHE_HOME/tokenmill` (default `~/.cache/tokenmill`). `TOKENMILL_NO_DISK_CACHE=1`
 turns these caches off: every process then derives everything again. The compiled CPU
 kernels (`kernels`, `engine.kernels.cpu.build`) live in the same folder whether or not the
 caches are off (where it cannot be written, a process builds them into a temporary folder).
 
-Every entry in these folders is a pure function of its input file's bytes, written
+Every entry in these folders is a function of its input file and of what its key names, written
 atomically and checked when read, so deleting any of them at any time is safe.
 """
 from __future__ import annotations

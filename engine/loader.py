@@ -388,15 +388,25 @@ def num_kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, device: torch.devic
 def w8a8_calibration(source_key, dtype: torch.dtype, device: str, seed: int, cpu_kernels: bool,
                      engine: type) -> dict[tuple[int, str], torch.Tensor]:
     """SmoothQuant's calibration statistics of a model (`smoothquant.calibration_absmax` on a
-    dedicated fp32 engine), once per process and argument tuple.
+    dedicated fp32 engine), once per process and argument tuple, and kept on disk for the next
+    process on this host (`engine.calibration_cache`; off with TOKENMILL_NO_DISK_CACHE=1).
 
     The calibration generates 200 seeded tokens for each calibration prompt (tens of seconds on 2
     cores) and its result is small (one vector per layer input, about 0.5 MB for SmolLM2-135M),
     so it is kept apart from `load_model`'s cache: a w8a8 model evicted from there (it keeps 4
     models) is rebuilt from these same statistics, without calibrating again. Callers must not
     modify the returned tensors (`smoothed_w8a8_copy` only reads them)."""
-    from .smoothquant import calibration_absmax
+    from .calibration_cache import calibration_key, entry_path, read_stats, write_stats
+    from .smoothquant import CALIBRATION_PROMPTS, CALIBRATION_SEED, CALIBRATION_TOKENS, calibration_absmax
 
+    try:
+        key = calibration_key(source_key, dtype, device, seed, cpu_kernels, CALIBRATION_TOKENS,
+                              (*CALIBRATION_PROMPTS, f"sampling seed {CALIBRATION_SEED}"))
+        entry = entry_path(key)
+    except OSError:  # the model's files cannot be stat'ed: no disk cache (loading it names the problem)
+        key, entry = None, None
+    if entry is not None and (kept := read_stats(entry, key)) is not None:
+        return kept
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     # the model's own dtype in the cache too: the calibration text is sampled, and text sampled over an
     # fp16 cache diverges from the fp32 model's (SmolLM2-135M: W8A8 perplexity -0.24% of fp32 after
@@ -404,7 +414,10 @@ def w8a8_calibration(source_key, dtype: torch.dtype, device: str, seed: int, cpu
     calib = engine(model_string(source_key), dtype=dtype_name, device=device, seed=seed, cpu_kernels=cpu_kernels,
                    kv_cache_memory_bytes=256 << 20, max_num_seqs=16,
                    kv_cache_dtype="fp32" if dtype == torch.float32 else "auto")
-    return calibration_absmax(calib)
+    stats = calibration_absmax(calib)
+    if entry is not None:
+        write_stats(entry, key, stats)
+    return stats
 
 
 def load_model(source, dtype: torch.dtype, device: str, seed: int, quantization: Optional[str] = None,

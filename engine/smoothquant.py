@@ -40,10 +40,13 @@ CALIBRATION_PROMPTS = (
     "Describe the water cycle.",
 )
 ALPHA = 0.5
+CALIBRATION_TOKENS = 200  # new tokens sampled per calibration prompt
+CALIBRATION_SEED = 1  # the calibration text's sampling seed
 LAYER_KINDS = ("qkv", "o", "gate_up", "down")
 
 
-def calibration_absmax(llm: Any, tokens_per_prompt: int = 200, seed: int = 1) -> dict[tuple[int, str], torch.Tensor]:
+def calibration_absmax(llm: Any, tokens_per_prompt: int = CALIBRATION_TOKENS,
+                       seed: int = CALIBRATION_SEED) -> dict[tuple[int, str], torch.Tensor]:
     """Per-input-channel max |x| of every decoder linear layer over model-written text.
 
     Args:

@@ -13,6 +13,7 @@ benchmarks/quality.py.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -422,3 +423,55 @@ def test_w8a8_engine_perplexity_within_one_percent(llm, windows, ref_scores, cal
     assert 0 < abs(rel) < 0.01, rel
     alone = w8.score(windows[1])[0]
     assert (alone - got[1]).abs().max().item() < 1e-4  # the same rows whatever else is in the step
+
+
+def test_calibration_statistics_are_kept_on_disk_for_the_next_process(tmp_path, monkeypatch, caplog):
+    """`w8a8_calibration` (without its per-process cache, as a new process calls it) calibrates once and
+    reads the statistics back from disk after that; another seed or a changed model file calibrates
+    again, a corrupt entry is named and replaced, and TOKENMILL_NO_DISK_CACHE=1 writes nothing. The
+    calibration engine and `calibration_absmax` are stand-ins that count what ran."""
+    import engine.smoothquant as sq
+    from engine.loader import w8a8_calibration
+    from engine.weights import ModelSource
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TOKENMILL_NO_DISK_CACHE", raising=False)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF stand-in")
+    source = ModelSource("gguf", str(model))
+    ran: list[str] = []
+
+    class Engine:
+        def __init__(self, model, **kw):
+            ran.append("engine")
+
+    def absmax(llm):
+        ran.append("calibrated")
+        g = torch.Generator().manual_seed(len(ran))
+        return {(0, "qkv"): torch.rand(8, generator=g), (1, "experts.3.down"): torch.rand(4, generator=g)}
+
+    monkeypatch.setattr(sq, "calibration_absmax", absmax)
+    calibrate = w8a8_calibration.__wrapped__  # a new process: nothing in the per-process cache
+    first = calibrate(source, torch.float32, "cpu", 0, True, Engine)
+    assert ran == ["engine", "calibrated"] and len(list((tmp_path / "cache" / "calibration").iterdir())) == 1
+    again = calibrate(source, torch.float32, "cpu", 0, True, Engine)
+    assert ran == ["engine", "calibrated"]  # read back: no engine built, nothing calibrated
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    calibrate(source, torch.float32, "cpu", 1, True, Engine)  # another seed
+    assert ran.count("calibrated") == 2
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the model file changed
+    calibrate(source, torch.float32, "cpu", 0, True, Engine)
+    assert ran.count("calibrated") == 3
+    entries = sorted((tmp_path / "cache" / "calibration").iterdir())
+    for e in entries:
+        e.write_bytes(b"not a torch file")
+    with caplog.at_level("WARNING", logger="engine.calibration_cache"):
+        calibrate(source, torch.float32, "cpu", 0, True, Engine)
+    assert ran.count("calibrated") == 4 and "ignoring unreadable calibration cache entry" in caplog.text
+    calibrate(source, torch.float32, "cpu", 0, True, Engine)
+    assert ran.count("calibrated") == 4  # the corrupt entry was replaced
+    monkeypatch.setenv("TOKENMILL_NO_DISK_CACHE", "1")
+    calibrate(source, torch.float32, "cpu", 5, True, Engine)
+    assert ran.count("calibrated") == 5
+    assert sorted((tmp_path / "cache" / "calibration").iterdir()) == entries
