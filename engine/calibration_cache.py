@@ -21,12 +21,11 @@ import inspect
 import json
 import logging
 import os
-import tempfile
 from typing import Any, Optional
 
 import torch
 
-from .disk_cache import cache_root
+from .disk_cache import cache_root, write_entry
 
 logger = logging.getLogger(__name__)
 
@@ -99,23 +98,7 @@ def read_stats(entry: str, key: dict[str, Any]) -> Optional[dict[tuple[int, str]
 
 
 def write_stats(entry: str, key: dict[str, Any], stats: dict[tuple[int, str], torch.Tensor]) -> None:
-    """Write atomically (temp file + `os.replace`); an unwritable folder is a warning, not an error."""
-    folder = os.path.dirname(entry)
-    tmp: Optional[str] = None
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
-        with os.fdopen(fd, "wb") as fh:
-            torch.save({"key": json.dumps(key, sort_keys=True),
-                        "stats": {f"{layer}:{kind}": v.float().contiguous() for (layer, kind), v in stats.items()}},
-                       fh)
-        os.replace(tmp, entry)
-        tmp = None
-    except OSError as exc:
-        logger.warning("could not cache the calibration statistics in %s: %s", entry, exc)
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    """Write atomically (`disk_cache.write_entry`); an unwritable folder is a warning, not an error."""
+    doc = {"key": json.dumps(key, sort_keys=True),
+           "stats": {f"{layer}:{kind}": v.float().contiguous() for (layer, kind), v in stats.items()}}
+    write_entry(entry, lambda fh: torch.save(doc, fh), "calibration statistics")

@@ -13,8 +13,12 @@ atomically and checked when read, so deleting any of them at any time is safe.
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Optional
+import tempfile
+from typing import Callable, IO, Optional
+
+logger = logging.getLogger(__name__)
 
 
 def disk_caches_off() -> bool:
@@ -35,3 +39,26 @@ def cache_root(kind: str) -> Optional[str]:
     if disk_caches_off():
         return None
     return os.path.join(cache_base(), kind)
+
+
+def write_entry(entry: str, write: Callable[[IO[bytes]], None], what: str) -> None:
+    """Write a cache entry atomically: `write` fills a temporary file beside `entry` (opened "wb"), which
+    then replaces it (`os.replace`). A concurrent writer or an unwritable folder is not an error: a
+    warning names `what` and the entry, and nothing is left behind."""
+    folder = os.path.dirname(entry)
+    tmp: Optional[str] = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(entry)[1], dir=folder)
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+        os.replace(tmp, entry)
+        tmp = None
+    except OSError as exc:
+        logger.warning("could not cache the %s in %s: %s", what, entry, exc)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

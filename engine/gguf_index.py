@@ -35,14 +35,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 
-from .disk_cache import cache_root
+from .disk_cache import cache_root, write_entry
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
@@ -405,21 +404,5 @@ def _read_entry(entry: str, real: str, st: os.stat_result) -> Optional[GGUFIndex
 
 
 def _write_entry(entry: str, text: str) -> None:
-    """Write atomically (temp file + `os.replace`); a concurrent writer or an unwritable folder is not an error."""
-    folder = os.path.dirname(entry)
-    tmp: Optional[str] = None
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, entry)
-        tmp = None
-    except OSError as exc:
-        logger.warning("could not cache the GGUF index in %s: %s", entry, exc)
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    """Write atomically (`disk_cache.write_entry`)."""
+    write_entry(entry, lambda fh: fh.write(text.encode("utf-8")), "GGUF index")
