@@ -69,6 +69,8 @@ def _near_tie_or_equal(llm, prompts, want, got) -> int:
 ], ids=lambda c: f"{c['method']}-k{c['num_speculative_tokens']}")
 def test_greedy_output_equals_speculation_off(base, config):
     ref_llm, prompts, params, want = base
+    if config["method"] == "draft_model":  # a 10-layer draft of 4 tokens costs 2-3x a plain step: half the prompts
+        prompts, want = prompts[::2], want[::2]
     llm = LLM("smollm2-135m-instruct", speculative_config=config, kv_cache_memory_bytes=KV)
     if config["method"] == "suffix":  # give the job-wide index some earlier outputs to draft from
         llm.generate(prompts[:10], params, use_tqdm=False)
