@@ -449,13 +449,19 @@ def _mixed_batch(llm):
     return prompts + prompts, greedy + sampled
 
 
+@pytest.fixture(scope="module")
+def mixed_batch_without_speculation(eng):
+    """(prompts, params, the token ids speculation off gives) of `_mixed_batch`, once per module."""
+    prompts, params = _mixed_batch(eng)
+    return prompts, params, [o.outputs[0].token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("config", [
     {"method": "draft_model", "draft_model": "target", "num_speculative_tokens": 4},
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
 ], ids=["target-draft", "ngram"])
-def test_speculation_does_not_change_constrained_output(eng, config):
-    prompts, params = _mixed_batch(eng)
-    want = [o.outputs[0].token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
+def test_speculation_does_not_change_constrained_output(mixed_batch_without_speculation, config):
+    prompts, params, want = mixed_batch_without_speculation
     spec = LLM("smollm2-135m-instruct", kv_cache_memory_bytes=KV, speculative_config=config)
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
