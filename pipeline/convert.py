@@ -46,6 +46,8 @@ from pipeline.openai_batch import (
 from pipeline.schema import CONSTRAINT_COLUMNS, OVERRIDE_COLUMNS, parse_messages, row_overrides
 from pipeline.storage import plural, storage_call
 
+PARQUET_MAGIC = b"PAR1"  # the first 4 bytes of a Parquet file
+
 # The sampling fields that get a column of their own in a prompt table (the job reads each), by Arrow type.
 SAMPLING_COLUMNS = {"max_tokens": pa.int64(), "temperature": pa.float64(), "top_p": pa.float64(),
                     "seed": pa.int64(), "stop": pa.list_(pa.string())}
@@ -347,10 +349,14 @@ def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = No
             sources = _line_sources(src, storage_options)
         except FileNotFoundError:
             sources = []  # no JSONL at SRC: a prompt table
-        if sources and {_is_result_file(lines) for _, lines in sources} - {None} == {True}:
+        kinds = {_is_result_file(lines) for _, lines in sources} - {None}
+        if sources and kinds == {True}:
             lines, errors = merge_results(src, sources, storage_options)
             io.write_bytes(dst, jsonl_bytes(lines, path.endswith(".gz")), storage_options)
             return Converted("results -> jsonl", [full for full, _ in sources], len(lines), errors)
+        if sources and kinds == {False}:  # (it was read as a Parquet table: "... is not a Parquet file")
+            raise ValueError(f"{src} holds request lines already: a job reads them as they are; convert writes "
+                             f"them as a prompt table to a .parquet DST")
     if path.endswith(REQUEST_SUFFIXES):
         files, requests, errors = prompts_to_requests(src, id_column, model, storage_options)
         io.write_bytes(dst, jsonl_bytes(requests, path.endswith(".gz")), storage_options)
@@ -360,6 +366,11 @@ def convert(src: str, dst: str, id_column: str = "id", model: Optional[str] = No
         sources = _line_sources(src, storage_options)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{exc}{_parquet_output_hint(src, storage_options)}") from None
+    tables = [full for full, lines in sources if lines and lines[0].startswith(PARQUET_MAGIC)]
+    if tables:  # (its bytes were read as request lines: one invalid_json row per "line")
+        name = src if len(sources) == 1 else tables[0]
+        raise ValueError(f"{name} is a Parquet table already: a job reads it as it is; convert writes a prompt "
+                         f"table as request lines to a .jsonl DST")
     kinds = {_is_result_file(lines) for _, lines in sources} - {None}
     if len(kinds) > 1:
         raise ValueError(f"{src} holds both request lines and output lines; convert them one kind at a time")

@@ -319,7 +319,7 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
             of one input, so that a repeat in a later file is found too; updated.
         source: the file's name for messages ("" for one file: messages say `line 7`).
 
-    A UTF-8 byte-order mark (`BOM`, as Windows tools write) before the first line is not part of it.
+    A UTF-8 byte-order mark (`BOM`, as Windows tools write) that starts a line is not part of it.
     A bad line's row has `request_error` ("line 7: custom_id 'a' repeats line 3's; ...") and
     `error_code`; a repeated custom_id's row has no custom_id (the first line's result keeps it,
     so an id names one output line).
@@ -382,20 +382,17 @@ BLANK = object()
 
 def json_line(raw: bytes | str, number: int) -> Any:
     """One JSONL line (bytes: UTF-8, bad bytes replaced) -> its JSON value, or `BLANK` for a blank line.
-    A byte-order mark (`BOM`) before line 1 is skipped.
+    A byte-order mark (`BOM`) that starts the line is skipped: before line 1 as Windows tools write it,
+    before a later one where two such files were joined end to end (U+FEFF cannot start a JSON text).
+    `number` is the line's number (1 = the first), for the caller's messages.
 
     Raises:
-        LineError: invalid_json, with JSON's reason and column; a BOM that starts a later line is named
-            as such (two files joined end to end leave one there).
+        LineError: invalid_json, with JSON's reason and column.
     """
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    if number == 1:
-        text = text.removeprefix(BOM)
+    text = text.removeprefix(BOM)
     if not text.strip():
         return BLANK
-    if text.startswith(BOM):
-        raise LineError("invalid_json", "not valid JSON (it starts with a UTF-8 byte-order mark, which only the "
-                                        "file's first line may have: were two files joined?)")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

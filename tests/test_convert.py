@@ -237,6 +237,23 @@ def test_a_destination_of_another_kind_is_refused(tmp_path):
         convert(str(tmp_path / "x.jsonl"), str(tmp_path / "x.csv"))
 
 
+def test_a_conversion_into_the_kind_src_already_is_refused(tmp_path, capsys):
+    """Parquet to .parquet read the table's bytes as request lines and wrote a table of invalid_json rows,
+    exit 0; request lines to .jsonl said the JSONL file `is not a Parquet file` (both found by a new-user
+    trial). Each is refused in one line naming what SRC is, and nothing is written."""
+    pl.DataFrame({"id": ["a"], "prompt": ["hi"]}).write_parquet(tmp_path / "p.parquet")
+    assert main(["convert", str(tmp_path / "p.parquet"), str(tmp_path / "q.parquet")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: {tmp_path / 'p.parquet'} is a Parquet table already: a job reads it as it is; convert "
+        f"writes a prompt table as request lines to a .jsonl DST"]
+    (tmp_path / "r.jsonl").write_text(_line("a", COMPLETIONS, {"prompt": "x"}) + "\n")
+    assert main(["convert", str(tmp_path / "r.jsonl"), str(tmp_path / "again.jsonl")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"tokenmill: {tmp_path / 'r.jsonl'} holds request lines already: a job reads them as they are; convert "
+        f"writes them as a prompt table to a .parquet DST"]
+    assert not (tmp_path / "q.parquet").exists() and not (tmp_path / "again.jsonl").exists()
+
+
 def test_a_parquet_jobs_output_as_src_is_named_as_a_table_already(tmp_path, capsys):
     """`tokenmill convert OUT t.parquet` on a Parquet job's output said only `no JSONL (.jsonl, .jsonl.gz) files
     at OUT` (found by a new-user trial); it now says what the folder holds and what convert reads."""
