@@ -100,10 +100,14 @@ def other_output(spec: JobSpec) -> Optional[str]:
 
     Raises:
         StorageError: the output cannot be listed or read.
+        ValueError: the output is a file (the words `tokenmill run` uses).
     """
     from pipeline import io
     from pipeline.manifest import read_manifest
 
+    fs, path = io.filesystem(spec.output, spec.storage_options)
+    if fs.isfile(path):  # (reading its manifest said "NotADirectoryError: [Errno 20] ...")
+        raise ValueError(f"output {spec.output} is a file; give a folder (or prefix) URL")
     manifest = read_manifest(spec.output, spec.storage_options, check_version=False)
     if manifest is None:
         if not io.exists(spec.output, spec.storage_options):

@@ -594,6 +594,11 @@ def test_a_demo_rerun_replaces_the_previous_demo_output_unless_no_overwrite(tmp_
     assert main(demo + ["--limit", "3", "--no-overwrite"]) == 2  # a changed option without overwrite: refused
     assert "limit: 2 -> 3" in capsys.readouterr().err
 
+    (tmp_path / "afile").write_text("keep")  # an output that is a file: run's one line (it was a NotADirectoryError)
+    assert main(demo + ["--output", str(tmp_path / "afile")]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"tokenmill: output {tmp_path / 'afile'} is a file; give a folder "
+                                                    f"(or prefix) URL"]
+    assert (tmp_path / "afile").read_text() == "keep"
     # the synthetic data sets max_tokens per row, which --max-tokens does not change: said (it was silent)
     assert main(demo + ["--limit", "2", "--job", "synthetic", "--output", str(tmp_path / "syn")]) == 0
     assert capsys.readouterr().out.splitlines()[1] == (
