@@ -151,8 +151,9 @@ def block_at_marker(flag: str, after: int):
 
         def mark_done(output, shard_name, result, extra, storage_options):
             calls[0] += 1
-            if calls[0] > after:
-                pathlib.Path(flag).write_text(shard_name)
+            if calls[0] > after:  # the name lands whole or not at all: the test reads it once the flag exists
+                pathlib.Path(flag + ".tmp").write_text(shard_name)
+                pathlib.Path(flag + ".tmp").replace(flag)
                 _time.sleep(3600)
             return real(output, shard_name, result, extra, storage_options)
 
