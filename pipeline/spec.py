@@ -95,9 +95,8 @@ class _JobCore(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input: str = Field(description="Parquet file, folder/prefix, or glob pattern of files ('data/*.parquet', "
-                                   "'s3://bucket/prefix/*.parquet'), or of OpenAI Batch request files (.jsonl, "
-                                   ".jsonl.gz): s3://, gs://, file:// or a local path")
+    input: str = Field(description="Parquet or OpenAI Batch request (.jsonl, .jsonl.gz) file, folder/prefix or glob "
+                                   "('data/*.parquet', 's3://bucket/p/*.jsonl'): s3://, gs://, file:// or local")
     output: str = Field(description="output folder/prefix URL")
 
     model: str = Field("smollm2-135m-instruct", description="engine model: smollm2-135m-instruct, gemma-3-270m, "
