@@ -9,9 +9,10 @@ process that asks with the same key.
 
 The key is everything the statistics depend on: the model file's identity (resolved path, size
 and mtime of the GGUF file, or of every file of an HF folder; the preset of a dummy model), the
-calibration dtype, device, seed and kernel choice, the calibration text's definition (prompts,
-tokens per prompt), `engine.smoothquant`'s source, the torch version and the host's kind (`engine.host.Host.host_id` and its ISA
-flags: sampled text can part where two CPUs round differently). An entry whose key differs, or
+calibration dtype, device, seed and kernel choice, `engine.smoothquant`'s source (which defines the
+calibration text: prompts, tokens per prompt, sampling seed), the torch version and the host's kind
+(`engine.host.Host.host_id`, ISA flags and model name: sampled text can part where two CPUs round
+differently). An entry whose key differs, or
 that cannot be read back whole, is ignored; deleting any entry at any time is safe.
 """
 from __future__ import annotations
@@ -38,8 +39,7 @@ def _file_identity(path: str) -> list:
     return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
 
 
-def calibration_key(source: Any, dtype: torch.dtype, device: str, seed: int, cpu_kernels: bool,
-                    tokens_per_prompt: int, prompts: tuple[str, ...]) -> dict[str, Any]:
+def calibration_key(source: Any, dtype: torch.dtype, device: str, seed: int, cpu_kernels: bool) -> dict[str, Any]:
     """The JSON-able key of one calibration (see the module docstring).
 
     Args:
@@ -59,8 +59,7 @@ def calibration_key(source: Any, dtype: torch.dtype, device: str, seed: int, cpu
         model = ["file", _file_identity(source.path)]
     h = host.current()
     return {"format": CALIBRATION_FORMAT, "model": model, "dtype": str(dtype), "device": device, "seed": seed,
-            "cpu_kernels": bool(cpu_kernels), "tokens_per_prompt": tokens_per_prompt,
-            "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), "torch": torch.__version__,
+            "cpu_kernels": bool(cpu_kernels), "torch": torch.__version__,
             "code": hashlib.sha256(inspect.getsource(smoothquant).encode()).hexdigest()[:16],
             "host": [h.host_id, h.isa, h.model_name]}
 

@@ -397,11 +397,10 @@ def w8a8_calibration(source_key, dtype: torch.dtype, device: str, seed: int, cpu
     models) is rebuilt from these same statistics, without calibrating again. Callers must not
     modify the returned tensors (`smoothed_w8a8_copy` only reads them)."""
     from .calibration_cache import calibration_key, entry_path, read_stats, write_stats
-    from .smoothquant import CALIBRATION_PROMPTS, CALIBRATION_SEED, CALIBRATION_TOKENS, calibration_absmax
+    from .smoothquant import calibration_absmax
 
     try:
-        key = calibration_key(source_key, dtype, device, seed, cpu_kernels, CALIBRATION_TOKENS,
-                              (*CALIBRATION_PROMPTS, f"sampling seed {CALIBRATION_SEED}"))
+        key = calibration_key(source_key, dtype, device, seed, cpu_kernels)
         entry = entry_path(key)
     except OSError:  # the model's files cannot be stat'ed: no disk cache (loading it names the problem)
         key, entry = None, None

@@ -264,7 +264,7 @@ def results_to_table(sources: list[tuple[str, list[bytes]]]) -> tuple[pa.Table, 
         label = full.rsplit("/", 1)[-1]
         for number, raw in enumerate(lines, start=1):
             try:
-                obj = json_line(raw, number)
+                obj = json_line(raw)
                 if obj is BLANK:
                     continue
                 row = parse_result_line(obj)

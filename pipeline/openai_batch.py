@@ -332,7 +332,7 @@ def parse_request_lines(lines: Iterable[bytes | str], models: Optional[set[str]]
         where = f"{where_prefix} {number}"
         obj = None
         try:
-            obj = json_line(raw, number)
+            obj = json_line(raw)
             if obj is BLANK:
                 continue
             _require_object(obj)  # (before its custom_id is read; parse_request checks it for its own callers)
@@ -380,11 +380,10 @@ BLANK = object()
 """What `json_line` gives for a blank line (JSON's null is None)."""
 
 
-def json_line(raw: bytes | str, number: int) -> Any:
+def json_line(raw: bytes | str) -> Any:
     """One JSONL line (bytes: UTF-8, bad bytes replaced) -> its JSON value, or `BLANK` for a blank line.
     A byte-order mark (`BOM`) that starts the line is skipped: before line 1 as Windows tools write it,
     before a later one where two such files were joined end to end (U+FEFF cannot start a JSON text).
-    `number` is the line's number (1 = the first), for the caller's messages.
 
     Raises:
         LineError: invalid_json, with JSON's reason and column.
